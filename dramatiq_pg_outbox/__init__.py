@@ -1,0 +1,20 @@
+"""dramatiq-pg-outbox: a PostgreSQL broker for Dramatiq with transactional enqueue."""
+
+from __future__ import annotations
+
+from .broker import PostgresBroker
+from .errors import OutboxError, SchemaNotReady
+from .migrations import downgrade, upgrade, versions_path
+from .outbox import Outbox, outbox
+
+__all__ = [
+    "Outbox",
+    "OutboxError",
+    "PostgresBroker",
+    "SchemaNotReady",
+    "downgrade",
+    "outbox",
+    "upgrade",
+    "versions_path",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,419 @@
+"""PostgresBroker: Dramatiq on a PostgreSQL table.
+
+Storage layout: see ``alembic/versions/0001_initial.py``; every statement is in
+``queries.sql``.  Design notes (the four loops, lease fencing, liveness-based
+rescue) are in the README and in ``_runtime.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from dramatiq import Message
+from dramatiq.broker import Broker, Consumer, MessageProxy
+from dramatiq.common import dq_name, q_name, xq_name
+from dramatiq.errors import DecodeError, QueueJoinTimeout, QueueNotFound
+from dramatiq.logging import get_logger
+from dramatiq.middleware import Middleware
+from sqlalchemy.engine import URL, Engine, make_url
+
+from ._runtime import _Runtime, format_error
+from .migrations import DEFAULT_SCHEMA, libpq_url, validate_schema_name
+from .outbox import current_outbox
+
+#: Dramatiq's queue-name rule.
+_QUEUE_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
+#: Longest queue name accepted (NOTIFY payloads and index entries stay small), in characters.
+MAX_QUEUE_NAME = 200
+
+NotifyMode = Literal["transaction", "after_commit", "off"]
+
+
+def validate_queue_name(queue_name: str) -> str:
+    """Check a queue name before it reaches any SQL.
+
+    Raises:
+      ValueError: If it does not match ``[a-zA-Z_][a-zA-Z0-9._-]*`` or is too long.
+    """
+    if (
+        not isinstance(queue_name, str)
+        or not _QUEUE_NAME.match(queue_name)
+        or len(queue_name) > MAX_QUEUE_NAME
+    ):
+        raise ValueError(
+            f"Invalid queue name {queue_name!r}: Dramatiq queue names match [a-zA-Z_][a-zA-Z0-9._-]* "
+            f"(at most {MAX_QUEUE_NAME} characters)."
+        )
+    return queue_name
+
+
+class PostgresBroker(Broker):
+    """A Dramatiq broker whose queues are rows of a PostgreSQL table.
+
+    ``actor.send()`` inside :func:`~dramatiq_pg_outbox.outbox` writes the
+    message through a SQLAlchemy session's own transaction; elsewhere it uses
+    this broker's pool.  Connections are opened lazily, on first use in each
+    process, never at construction (the ``dramatiq`` CLI forks workers).
+
+    Parameters:
+      url(str): PostgreSQL URL (``postgresql://`` or a SQLAlchemy URL such as
+        ``postgresql+psycopg://``).  Exactly one of ``url`` and ``engine``.
+      engine(sqlalchemy.engine.Engine): Take the URL of this engine.
+      schema(str): Schema of the tables.  Default ``dramatiq``.
+      middleware(list[Middleware]): As for :class:`dramatiq.Broker`.
+      pool_size(int): Most pooled connections per process.  Default 4.
+      pool_timeout(int): Longest wait for a pooled connection, in milliseconds.  Default 10000.
+      max_deliveries(int): Claims of one stored message before it is quarantined
+        (moved to history as failed and never run again).  Default 5.
+      overfetch_factor(float): A consumer holds at most ``prefetch x overfetch_factor``
+        claimed, unacknowledged messages.  Default 1.0.
+      min_fetch_interval(int): Pause after a fetch that filled the buffer, in milliseconds.  Default 0.
+      max_fetch_interval(int): Poll interval of an idle consumer, in milliseconds.  Default 1000.
+      flush_interval(int): How long acks are gathered before one write, in milliseconds.  Default 5.
+      flush_batch_size(int): Buffered decisions that trigger an immediate flush.  Default 1000.
+      heartbeat_interval(int): Worker heartbeat period, in milliseconds.  Default 5000.
+      heartbeat_timeout(int): Silence after which a worker counts as dead and its
+        messages are released, in milliseconds.  Default 20000.
+      rescue_interval(int): Period of the release-stuck pass, in milliseconds.  Default 5000.
+      max_lease(int|None): Optional hard bound on one delivery, in milliseconds;
+        a message claimed longer ago is released even if its worker is alive.  Default None.
+      notify(str): ``"transaction"`` (NOTIFY in the enqueueing transaction, delivered
+        at commit), ``"after_commit"`` (from the broker's own connection after the
+        application commits) or ``"off"``.  Default ``"transaction"``.
+      listen(bool): Whether consumers LISTEN for wake-ups; polling alone still
+        delivers everything.  Default True.
+      check_schema(bool): Check the schema revision on first use.  Default True.
+
+    Raises:
+      ValueError: For a bad schema name, a non-PostgreSQL URL or bad option values.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | URL | None = None,
+        engine: Engine | None = None,
+        schema: str = DEFAULT_SCHEMA,
+        middleware: list[Middleware] | None = None,
+        pool_size: int = 4,
+        pool_timeout: int = 10_000,
+        max_deliveries: int = 5,
+        overfetch_factor: float = 1.0,
+        min_fetch_interval: int = 0,
+        max_fetch_interval: int = 1_000,
+        flush_interval: int = 5,
+        flush_batch_size: int = 1_000,
+        heartbeat_interval: int = 5_000,
+        heartbeat_timeout: int = 20_000,
+        rescue_interval: int = 5_000,
+        max_lease: int | None = None,
+        notify: NotifyMode = "transaction",
+        listen: bool = True,
+        check_schema: bool = True,
+    ) -> None:
+        super().__init__(middleware=middleware)
+        if (url is None) == (engine is None):
+            raise ValueError("Pass exactly one of url= and engine=.")
+        parsed = engine.url if engine is not None else (make_url(url) if isinstance(url, str) else url)
+        assert parsed is not None
+        self.conninfo = libpq_url(parsed)
+        self.safe_url = parsed.render_as_string(hide_password=True)
+        self.schema = validate_schema_name(schema)
+        self.channel = f"dramatiq_pg_outbox.{schema}"
+        if notify not in ("transaction", "after_commit", "off"):
+            raise ValueError(f"notify must be 'transaction', 'after_commit' or 'off', not {notify!r}")
+        for name, value in (("pool_size", pool_size), ("max_deliveries", max_deliveries)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value!r}")
+        if overfetch_factor <= 0:
+            raise ValueError(f"overfetch_factor must be positive, not {overfetch_factor!r}")
+        self.pool_size = pool_size
+        self.pool_timeout = pool_timeout
+        self.max_deliveries = max_deliveries
+        self.overfetch_factor = overfetch_factor
+        self.min_fetch_interval = min_fetch_interval
+        self.max_fetch_interval = max_fetch_interval
+        self.flush_interval = flush_interval
+        self.flush_batch_size = flush_batch_size
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.rescue_interval = rescue_interval
+        self.max_lease = max_lease
+        self.notify: NotifyMode = notify
+        self.listen = listen
+        self.check_schema = check_schema
+        self.queues: set[str] = set()
+        self._runtime: _Runtime | None = None
+        self._runtime_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<PostgresBroker {self.safe_url} schema={self.schema!r}>"
+
+    @property
+    def runtime(self) -> _Runtime:
+        """This process's pool and background loops, created on first use (again after a fork)."""
+        runtime = self._runtime
+        if runtime is None or runtime.pid != os.getpid() or runtime.closed:
+            with self._runtime_lock:
+                runtime = self._runtime
+                if runtime is None or runtime.pid != os.getpid() or runtime.closed:
+                    runtime = self._runtime = _Runtime(self)
+        return runtime
+
+    def close(self) -> None:
+        """Flush buffered acks, hand back unstarted messages, unregister this worker, close connections."""
+        runtime = self._runtime
+        if runtime is not None and runtime.pid == os.getpid():
+            for group in list(runtime.consumers.values()):
+                for consumer in list(group):
+                    consumer.close()
+            runtime.close()
+        self._runtime = None
+
+    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 30_000) -> Consumer:
+        """Create a consumer of one queue.
+
+        Parameters:
+          queue_name(str): A declared queue or delay queue.
+          prefetch(int): Most unacknowledged messages (times ``overfetch_factor``).
+          timeout(int): Longest block of ``__next__`` before it returns None, in milliseconds.
+
+        Raises:
+          QueueNotFound: If the queue was never declared.
+        """
+        validate_queue_name(queue_name)
+        if queue_name not in self.queues and queue_name not in self.delay_queues:
+            raise QueueNotFound(queue_name)
+        return _PostgresConsumer(self, queue_name, prefetch, timeout)
+
+    def declare_queue(self, queue_name: str) -> None:
+        """Declare a queue (and its delay queue).  Idempotent; stores the canonical name.
+
+        Raises:
+          ValueError: If the name is invalid.
+        """
+        validate_queue_name(queue_name)
+        queue_name = q_name(queue_name)
+        if queue_name not in self.queues:
+            self.emit_before("declare_queue", queue_name)
+            self.queues.add(queue_name)
+            self.emit_after("declare_queue", queue_name)
+            delayed_name = dq_name(queue_name)
+            self.delay_queues.add(delayed_name)
+            self.emit_after("declare_delay_queue", delayed_name)
+
+    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        """Store a message; inside :func:`outbox` it joins the bound transaction.
+
+        A delayed message is stored on its own queue with ``next_attempt_at =
+        now() + delay`` and is claimed only once due: it is never held in a
+        worker's memory, and no ``eta`` option or ``.DQ`` queue is involved.
+
+        Parameters:
+          message(Message): The message (or a MessageProxy).
+          delay(int): Minimum delay before delivery, in milliseconds.
+
+        Raises:
+          ValueError: If the queue name is invalid or the delay negative.
+          ConnectionClosed/ConnectionFailed: If the database cannot be reached.
+          SchemaNotReady: If the tables are missing or old.
+
+        Returns:
+          Message: The stored message.
+        """
+        queue_name = q_name(validate_queue_name(message.queue_name))
+        if delay is not None and delay < 0:
+            raise ValueError(f"delay must be a non-negative number of milliseconds, not {delay!r}")
+        if isinstance(message, MessageProxy):
+            message = message._message
+        if queue_name != message.queue_name or "eta" in message.options:
+            options = {k: v for k, v in message.options.items() if k != "eta"}
+            message = dataclasses.replace(message, queue_name=queue_name, options=options)
+        delay_ms = int(delay or 0)
+        self.logger.debug("Enqueueing message %r on queue %r.", message.message_id, queue_name)
+        self.emit_before("enqueue", message, delay)
+        binding = current_outbox()
+        if binding is not None and binding.broker is self:
+            binding.add(message, delay_ms)
+        else:
+            self.runtime.enqueue([(message, delay_ms)], notify=self.notify != "off")
+        self.emit_after("enqueue", message, delay)
+        return message
+
+    def get_declared_queues(self) -> set[str]:
+        return self.queues.copy()
+
+    def flush(self, queue_name: str) -> None:
+        """Drop every stored message of a queue and its delay queue (history is kept)."""
+        queue_name = q_name(validate_queue_name(queue_name))
+        self.runtime.execute("purge", {"queue_names": [queue_name, dq_name(queue_name), xq_name(queue_name)]})
+
+    def flush_all(self) -> None:
+        """Drop every stored message of every declared queue."""
+        for queue_name in self.queues:
+            self.flush(queue_name)
+
+    def join(self, queue_name: str, *, interval: int = 100, timeout: int | None = None) -> None:
+        """Wait until a queue has no pending, delayed or in-flight message (tests).
+
+        Parameters:
+          queue_name(str): The queue.
+          interval(int): Poll interval, in milliseconds.  Default 100.
+          timeout(int|None): Longest wait, in milliseconds.  Default None (forever).
+
+        Raises:
+          QueueJoinTimeout: When the timeout elapses first.
+        """
+        queue_name = q_name(validate_queue_name(queue_name))
+        deadline = None if timeout is None else time.monotonic() + timeout / 1000
+        while True:
+            if self.queue_size(queue_name) == 0:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise QueueJoinTimeout(queue_name)
+            time.sleep(interval / 1000)
+
+    def queue_size(self, queue_name: str) -> int:
+        """Stored messages of ``queue_name`` and its delay queue, in one snapshot (acks not yet flushed count)."""
+        queue_name = q_name(validate_queue_name(queue_name))
+        rows = self.runtime.execute("queue_size", {"queue_names": [queue_name, dq_name(queue_name)]})
+        return int(rows[0][0])
+
+
+class _PostgresMessage(MessageProxy):
+    """A claimed message: carries its row id and lease for fenced acks."""
+
+    def __init__(self, message: Message[Any], row_id: int, lease: uuid.UUID, attempts: int) -> None:
+        super().__init__(message)
+        self.row_id = row_id
+        self.lease = lease
+        #: Claims of this stored message so far, this one included.
+        self.attempts = attempts
+
+
+class _PostgresConsumer(Consumer):
+    """Fetch loop + hand-off.  ``__next__`` runs on Dramatiq's consumer thread
+    and claims in batches; ack/nack may come from any thread."""
+
+    def __init__(self, broker: PostgresBroker, queue_name: str, prefetch: int, timeout: int) -> None:
+        self.logger = get_logger(__name__, type(self))
+        self.broker = broker
+        self.runtime = broker.runtime
+        self.queue_name = queue_name
+        self.timeout = timeout
+        self.limit = max(1, math.ceil(max(prefetch, 1) * broker.overfetch_factor))
+        self._buffer: deque[_PostgresMessage] = deque()
+        self._outstanding = 0
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._notified = False
+        self._more = False
+        self._next_fetch_at = 0.0
+        self._closed = False
+        self.runtime.register(self)
+
+    def notify(self) -> None:
+        """Called by the listener: something may be ready."""
+        self._notified = True
+        self._wakeup.set()
+
+    def __next__(self) -> MessageProxy | None:
+        deadline = time.monotonic() + self.timeout / 1000
+        while True:
+            if self._buffer:
+                return self._buffer.popleft()
+            if self._closed:
+                return None
+            now = time.monotonic()
+            free = self.limit - self._outstanding
+            # With a backlog, wait for half the buffer to drain so claims stay batched.
+            threshold = max(1, self.limit // 2) if self._more else 1
+            if free >= threshold and (now >= self._next_fetch_at or self._notified):
+                self._wakeup.clear()
+                self._notified = False
+                claimed = self._fetch(free)
+                self._more = claimed >= free
+                interval = self.broker.min_fetch_interval if self._more else self.broker.max_fetch_interval
+                self._next_fetch_at = time.monotonic() + interval / 1000
+                if self._buffer:
+                    continue
+            wait_until = deadline if free < threshold else min(deadline, self._next_fetch_at)
+            remaining = wait_until - time.monotonic()
+            if remaining <= 0:
+                if time.monotonic() >= deadline:
+                    return None
+                continue
+            self._wakeup.wait(remaining)
+
+    def _fetch(self, limit: int) -> int:
+        lease = uuid.uuid4()
+        rows = self.runtime.execute(
+            "claim",
+            {"queue_name": self.queue_name, "limit": limit, "lease": lease, "owner": self.runtime.worker_id},
+        )
+        rows.sort(key=lambda row: row[0])
+        for row_id, attempts, payload in rows:
+            self.runtime.inflight[row_id] = lease
+            try:
+                message = Message.decode(bytes(payload))
+            except DecodeError as e:
+                self.logger.error(
+                    "Dead-lettering undecodable message %d of queue %r: %s", row_id, self.queue_name, e
+                )
+                error_type, error = format_error(e.__cause__ or e)
+                self.runtime.flusher.nack(row_id, lease, "DecodeError", error)
+                continue
+            if message.queue_name != self.queue_name:
+                message = dataclasses.replace(message, queue_name=self.queue_name)
+            with self._lock:
+                self._outstanding += 1
+            self._buffer.append(_PostgresMessage(message, row_id, lease, attempts))
+        return len(rows)
+
+    def _release(self, count: int = 1) -> None:
+        with self._lock:
+            was_full = self._outstanding >= self.limit
+            self._outstanding -= count
+        if was_full:
+            self._wakeup.set()
+
+    def ack(self, message: MessageProxy) -> None:
+        assert isinstance(message, _PostgresMessage)
+        self.runtime.flusher.ack(message.row_id, message.lease)
+        self._release()
+
+    def nack(self, message: MessageProxy) -> None:
+        assert isinstance(message, _PostgresMessage)
+        error_type, error = format_error(getattr(message, "_exception", None))
+        self.runtime.flusher.nack(message.row_id, message.lease, error_type, error)
+        self._release()
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        """Hand unstarted messages back at once, without charging them an attempt."""
+        rows = [(m.row_id, m.lease) for m in messages if isinstance(m, _PostgresMessage)]
+        if not rows:
+            return
+        self.runtime.flusher.requeue(rows)
+        self._release(len(rows))
+        try:
+            self.runtime.flusher.flush_once()
+        except Exception as e:
+            self.logger.warning("Requeue of %d message(s) deferred to the flush loop: %s", len(rows), e)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.runtime.unregister(self)
+        unstarted = list(self._buffer)
+        self._buffer.clear()
+        self.requeue(unstarted)

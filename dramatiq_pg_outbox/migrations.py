@@ -1,0 +1,213 @@
+"""Schema migrations: alembic revisions shipped inside the package.
+
+Two ways to run them (both documented in the README):
+
+1. Our own migration environment and version table
+   (``<schema>.dramatiq_pg_outbox_version``): ``dramatiq-pg-outbox migrate`` or
+   :func:`upgrade` from Python, on a URL, an ``Engine`` or a ``Connection``.
+2. Inside an application's own alembic history: add :func:`versions_path` to
+   ``version_locations`` and ``alembic upgrade heads``; our revisions carry the
+   branch label ``dramatiq_pg_outbox``.
+
+Each revision also records its number in the comment of the ``messages``
+table, so the broker can check the schema whichever route created it
+(:func:`schema_revision`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, pool
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+
+#: Name of the alembic version table of our own environment.
+VERSION_TABLE = "dramatiq_pg_outbox_version"
+#: Schema used when none is configured.
+DEFAULT_SCHEMA = "dramatiq"
+#: Revision number of the newest migration; the broker requires it.
+SCHEMA_REVISION = 1
+#: Key of the advisory lock that serialises concurrent upgrades.
+MIGRATION_LOCK_KEY = 7_261_533_180_214_001
+#: Environment variable naming the schema for alembic runs.
+SCHEMA_ENV_VAR = "DRAMATIQ_PG_OUTBOX_SCHEMA"
+
+_IDENTIFIER = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]{0,62}$")
+_COMMENT = re.compile(r"dramatiq-pg-outbox schema revision (\d+)")
+
+
+def validate_schema_name(schema: str) -> str:
+    """Check a schema name before it reaches any SQL.
+
+    Parameters:
+      schema(str): A PostgreSQL schema name: ``[a-zA-Z_][a-zA-Z0-9_]*``, at most 63 characters.
+
+    Raises:
+      ValueError: If the name is not of that form.
+
+    Returns:
+      str: The name, unchanged.
+    """
+    if not isinstance(schema, str) or not _IDENTIFIER.match(schema):
+        raise ValueError(
+            f"Invalid schema name {schema!r}: use letters, digits and underscores, "
+            "starting with a letter or underscore, at most 63 characters."
+        )
+    return schema
+
+
+def quote_ident(name: str) -> str:
+    """Return ``name`` as a double-quoted SQL identifier (after :func:`validate_schema_name`)."""
+    validate_schema_name(name)
+    return '"' + name.replace('"', '""') + '"'
+
+
+def script_location() -> str:
+    """Path of the alembic environment: inside the installed wheel, else the source tree's ``alembic/``."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_alembic", here.parent / "alembic"):
+        if (candidate / "env.py").is_file():
+            return str(candidate)
+    raise RuntimeError("dramatiq-pg-outbox is installed without its migrations; reinstall the package.")
+
+
+def versions_path() -> str:
+    """Path of the folder holding our revisions, for an application's ``version_locations``."""
+    return str(Path(script_location()) / "versions")
+
+
+def normalize_sqlalchemy_url(url: str | URL) -> URL:
+    """Return a SQLAlchemy URL that uses the psycopg 3 driver.
+
+    ``postgresql://`` and ``postgres://`` URLs would otherwise select psycopg2.
+
+    Raises:
+      ValueError: If the URL is not a PostgreSQL URL.
+    """
+    parsed = make_url(url) if isinstance(url, str) else url
+    backend = parsed.get_backend_name()
+    if backend not in ("postgresql", "postgres"):
+        raise ValueError(f"Not a PostgreSQL URL: {parsed.render_as_string(hide_password=True)}")
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def libpq_url(url: str | URL) -> str:
+    """Return a libpq connection URL (``postgresql://...``) for psycopg from any PostgreSQL URL."""
+    parsed = make_url(url) if isinstance(url, str) else url
+    if parsed.get_backend_name() not in ("postgresql", "postgres"):
+        raise ValueError(f"Not a PostgreSQL URL: {parsed.render_as_string(hide_password=True)}")
+    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def schema_for_migration() -> str:
+    """The schema an alembic run targets (see ``alembic/env.py``). Only valid inside a run."""
+    from alembic import context
+
+    schema = context.config.attributes.get("dramatiq_pg_outbox_schema")
+    if not schema:
+        schema = context.get_x_argument(as_dictionary=True).get("dramatiq_pg_outbox_schema")
+    if not schema:
+        schema = os.environ.get(SCHEMA_ENV_VAR, DEFAULT_SCHEMA)
+    return validate_schema_name(str(schema))
+
+
+def set_schema_revision(execute: Callable[[str], Any], schema: str, number: int) -> None:
+    """Record revision ``number`` in the comment of ``<schema>.messages`` (used by revisions)."""
+    execute(
+        f"COMMENT ON TABLE {quote_ident(schema)}.messages IS "
+        f"'dramatiq-pg-outbox schema revision {int(number)}'"
+    )
+
+
+def parse_schema_revision(comment: str | None) -> int | None:
+    """Revision number from the ``messages`` table comment, or ``None``."""
+    if not comment:
+        return None
+    found = _COMMENT.search(comment)
+    return int(found.group(1)) if found else None
+
+
+def _config(schema: str, url: str | None = None) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", script_location())
+    if url is not None:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.attributes["dramatiq_pg_outbox_schema"] = schema
+    return cfg
+
+
+def upgrade(
+    connection_or_url: str | URL | Engine | Connection,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    revision: str = "head",
+) -> None:
+    """Create or upgrade the broker's tables.
+
+    Idempotent and safe to call from several processes at once (an advisory
+    lock serialises them).
+
+    Parameters:
+      connection_or_url(str|URL|Engine|Connection): Where to migrate.  With a
+        ``Connection`` the migration runs in that connection's transaction and
+        the caller commits.
+      schema(str): The schema holding the tables; created if missing.  Default ``dramatiq``.
+      revision(str): Target alembic revision.  Default ``head``.
+
+    Raises:
+      ValueError: If ``schema`` is not a valid name or the URL is not PostgreSQL.
+    """
+    from alembic import command
+
+    validate_schema_name(schema)
+    if isinstance(connection_or_url, Connection):
+        cfg = _config(schema)
+        cfg.attributes["connection"] = connection_or_url
+        command.upgrade(cfg, revision)
+        return
+    if isinstance(connection_or_url, Engine):
+        with connection_or_url.begin() as conn:
+            upgrade(conn, schema=schema, revision=revision)
+        return
+    engine = create_engine(normalize_sqlalchemy_url(connection_or_url), poolclass=pool.NullPool)
+    try:
+        with engine.begin() as conn:
+            upgrade(conn, schema=schema, revision=revision)
+    finally:
+        engine.dispose()
+
+
+def downgrade(
+    connection_or_url: str | URL | Engine | Connection, *, schema: str = DEFAULT_SCHEMA, revision: str
+) -> None:
+    """Downgrade the broker's tables to ``revision`` (``base`` drops them).  Same arguments as :func:`upgrade`."""
+    from alembic import command
+
+    validate_schema_name(schema)
+    if isinstance(connection_or_url, Connection):
+        cfg = _config(schema)
+        cfg.attributes["connection"] = connection_or_url
+        command.downgrade(cfg, revision)
+        return
+    engine = (
+        connection_or_url
+        if isinstance(connection_or_url, Engine)
+        else create_engine(normalize_sqlalchemy_url(connection_or_url), poolclass=pool.NullPool)
+    )
+    with engine.begin() as conn:
+        downgrade(conn, schema=schema, revision=revision)
+
+
+def upgrade_sql(schema: str = DEFAULT_SCHEMA, revision: str = "head") -> None:
+    """Print the SQL of an upgrade to standard output without connecting (alembic offline mode)."""
+    from alembic import command
+
+    command.upgrade(_config(validate_schema_name(schema), "postgresql+psycopg://"), revision, sql=True)
