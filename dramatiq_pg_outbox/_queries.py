@@ -18,7 +18,7 @@ def raw_queries() -> dict[str, str]:
     parts = _HEADER.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
     queries: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2]):
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
         if name in queries:
             raise ValueError(f"queries.sql defines {name!r} twice")
         # Comments stay in the file for readers; they are dropped here so that

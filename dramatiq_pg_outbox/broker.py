@@ -283,7 +283,7 @@ class PostgresBroker(Broker):
             time.sleep(interval / 1000)
 
     def queue_size(self, queue_name: str) -> int:
-        """Stored messages of ``queue_name`` and its delay queue, in one snapshot (acks not yet flushed count)."""
+        """Stored messages of a queue and its delay queue, in one snapshot (unflushed acks count)."""
         queue_name = q_name(validate_queue_name(queue_name))
         rows = self.runtime.execute("queue_size", {"queue_names": [queue_name, dq_name(queue_name)]})
         return int(rows[0][0])
@@ -369,7 +369,7 @@ class _PostgresConsumer(Consumer):
                 self.logger.error(
                     "Dead-lettering undecodable message %d of queue %r: %s", row_id, self.queue_name, e
                 )
-                error_type, error = format_error(e.__cause__ or e)
+                _, error = format_error(e.__cause__ or e)
                 self.runtime.flusher.nack(row_id, lease, "DecodeError", error)
                 continue
             if message.queue_name != self.queue_name:

@@ -16,9 +16,15 @@ class SchemaNotReady(BrokerError):
     The message names the command that fixes it (``dramatiq-pg-outbox migrate``).
     """
 
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
 
 class OutboxError(BrokerError):
     """A transactional enqueue was used wrongly (for example, an ``AsyncSession`` in a sync ``with``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
 
 
 @contextmanager

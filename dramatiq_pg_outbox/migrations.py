@@ -188,7 +188,7 @@ def upgrade(
 def downgrade(
     connection_or_url: str | URL | Engine | Connection, *, schema: str = DEFAULT_SCHEMA, revision: str
 ) -> None:
-    """Downgrade the broker's tables to ``revision`` (``base`` drops them).  Same arguments as :func:`upgrade`."""
+    """Downgrade to ``revision`` (``base`` drops the tables).  Arguments as for :func:`upgrade`."""
     from alembic import command
 
     validate_schema_name(schema)

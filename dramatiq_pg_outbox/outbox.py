@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
     from .broker import PostgresBroker
 
+#: What :func:`outbox` binds to.
+Bind = Session | Connection | AsyncSession | AsyncConnection
 _current: ContextVar[Outbox | None] = ContextVar("dramatiq_pg_outbox_current", default=None)
 _INFO_KEY = "dramatiq_pg_outbox.pending"
 
@@ -52,9 +54,7 @@ def current_outbox() -> Outbox | None:
     return _current.get()
 
 
-def outbox(
-    bind: Session | Connection | AsyncSession | AsyncConnection, broker: PostgresBroker | None = None
-) -> Outbox:
+def outbox(bind: Bind, broker: PostgresBroker | None = None) -> Outbox:
     """Bind ``actor.send()`` to a SQLAlchemy transaction for the duration of a ``with`` block.
 
     Parameters:
@@ -118,7 +118,7 @@ def _pending_for_session(session: Session, broker: PostgresBroker) -> _Pending:
         event.listen(session, "before_commit", lambda s: pending.write(s.connection()))
         event.listen(session, "after_commit", lambda s: pending.after_commit())
         event.listen(session, "after_rollback", lambda s: pending.discard())
-    return pending  # type: ignore[no-any-return]
+    return pending
 
 
 def _pending_for_connection(conn: Connection, broker: PostgresBroker) -> _Pending:
@@ -128,7 +128,7 @@ def _pending_for_connection(conn: Connection, broker: PostgresBroker) -> _Pendin
         # ConnectionEvents.commit fires before the DBAPI commit, with the transaction still open.
         event.listen(conn, "commit", lambda c: pending.write(c))
         event.listen(conn, "rollback", lambda c: pending.discard())
-    return pending  # type: ignore[no-any-return]
+    return pending
 
 
 class Outbox:

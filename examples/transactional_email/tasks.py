@@ -1,0 +1,89 @@
+"""The broker and the ``send_welcome_email`` actor.
+
+This module is what the workers load::
+
+    dramatiq examples.transactional_email.tasks --processes 2 --threads 8
+
+It reads its configuration from environment variables, which ``run.py`` sets
+for itself and for the workers it starts:
+
+``EXAMPLE_DATABASE_URL``  the example's database (broker tables and ``users``).
+``EXAMPLE_SMTP_HOST``     the SMTP server the emails go to (default ``127.0.0.1``).
+``EXAMPLE_SMTP_PORT``     its port (default ``8025``).
+"""
+
+from __future__ import annotations
+
+import os
+import smtplib
+import threading
+from email.message import EmailMessage
+
+import dramatiq
+from sqlalchemy import Engine, create_engine
+
+from dramatiq_pg_outbox import PostgresBroker
+
+#: Sender address of the welcome emails.
+SENDER = "welcome@example.com"
+#: Header carrying the user id, so the SMTP server can count emails per user.
+USER_ID_HEADER = "X-User-Id"
+
+
+def database_url() -> str:
+    """The example database's URL, from ``EXAMPLE_DATABASE_URL``."""
+    url = os.environ.get("EXAMPLE_DATABASE_URL")
+    if not url:
+        raise RuntimeError(
+            "EXAMPLE_DATABASE_URL is not set: start the example with "
+            "`python -m examples.transactional_email`, which sets it."
+        )
+    return url
+
+
+broker = PostgresBroker(url=database_url())
+dramatiq.set_broker(broker)
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+
+
+def engine() -> Engine:
+    """This process's SQLAlchemy engine, created on first use (worker processes are forked)."""
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            from .app import engine_for
+
+            _engine = engine_for(database_url(), pool_size=8)
+        return _engine
+
+
+def welcome_email(user_id: int, address: str) -> EmailMessage:
+    """Build the welcome email for one user; its Message-ID and header carry the user id."""
+    message = EmailMessage()
+    message["From"] = SENDER
+    message["To"] = address
+    message["Subject"] = "Welcome aboard!"
+    message["Message-ID"] = f"<welcome-{user_id}@example.com>"
+    message[USER_ID_HEADER] = str(user_id)
+    message.set_content(f"Hello {address},\n\nyour account #{user_id} is ready.\n")
+    return message
+
+
+@dramatiq.actor(max_retries=3)
+def send_welcome_email(user_id: int) -> None:
+    """Email the welcome message to user ``user_id`` over SMTP.
+
+    The message was enqueued in the signup's transaction, so the user row is
+    always there: a missing row would mean a message outlived a rollback.
+    """
+    from .app import load_user_email
+
+    address = load_user_email(engine(), user_id)
+    if address is None:
+        raise LookupError(f"user {user_id} does not exist: the signup that sent this message rolled back")
+    host = os.environ.get("EXAMPLE_SMTP_HOST", "127.0.0.1")
+    port = int(os.environ.get("EXAMPLE_SMTP_PORT", "8025"))
+    with smtplib.SMTP(host, port, timeout=30) as smtp:
+        smtp.send_message(welcome_email(user_id, address))
