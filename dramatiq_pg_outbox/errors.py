@@ -17,14 +17,14 @@ class SchemaNotReady(BrokerError):
     """
 
     def __init__(self, message: str) -> None:
-        super().__init__(message)
+        super().__init__(message)  # type: ignore[no-untyped-call]
 
 
 class OutboxError(BrokerError):
     """A transactional enqueue was used wrongly (for example, an ``AsyncSession`` in a sync ``with``)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message)
+        super().__init__(message)  # type: ignore[no-untyped-call]
 
 
 @contextmanager
