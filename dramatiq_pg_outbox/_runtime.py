@@ -243,6 +243,7 @@ class _Flusher:
         self.runtime = runtime
         self.acks: deque[tuple[int, uuid.UUID]] = deque()
         self.nacks: deque[tuple[int, uuid.UUID, str, str]] = deque()
+        self.failed_acks: deque[tuple[int, uuid.UUID, str, str]] = deque()
         self.requeues: deque[tuple[int, uuid.UUID]] = deque()
         self.notifications: deque[str] = deque()
         self.stats = {"acked": 0, "nacked": 0, "requeued": 0, "stale": 0}
@@ -261,6 +262,10 @@ class _Flusher:
     def nack(self, row_id: int, lease: uuid.UUID, error_type: str, error: str) -> None:
         self.nacks.append((row_id, lease, error_type, error))
         self._signal(len(self.nacks))
+
+    def ack_with_error(self, row_id: int, lease: uuid.UUID, error_type: str, error: str) -> None:
+        self.failed_acks.append((row_id, lease, error_type, error))
+        self._signal(len(self.failed_acks))
 
     def requeue(self, rows: Sequence[tuple[int, uuid.UUID]]) -> None:
         self.requeues.extend(rows)
@@ -289,7 +294,8 @@ class _Flusher:
                 self._thread.start()
 
     def pending(self) -> int:
-        return len(self.acks) + len(self.nacks) + len(self.requeues) + len(self.notifications)
+        buffers = (self.acks, self.nacks, self.failed_acks, self.requeues, self.notifications)
+        return sum(len(b) for b in buffers)
 
     def _run(self) -> None:
         interval = self.runtime.broker.flush_interval / 1000
@@ -330,7 +336,13 @@ class _Flusher:
     def _flush_locked(self) -> dict[str, int]:
         done = {"acked": 0, "nacked": 0, "requeued": 0, "stale": 0}
         batch = self.runtime.broker.flush_batch_size
-        for name, buffer in (("requeue", self.requeues), ("ack", self.acks), ("nack", self.nacks)):
+        kinds: tuple[tuple[str, deque[Any]], ...] = (
+            ("requeue", self.requeues),
+            ("ack", self.acks),
+            ("ack_with_error", self.failed_acks),
+            ("nack", self.nacks),
+        )
+        for name, buffer in kinds:
             while buffer:
                 items: list[Any] = [buffer.popleft() for _ in range(min(len(buffer), batch))]
                 try:
@@ -341,7 +353,9 @@ class _Flusher:
                 for item in items:
                     self.runtime.inflight.pop(item[0], None)
                 stale = len(items) - written
-                key = {"ack": "acked", "nack": "nacked", "requeue": "requeued"}[name]
+                key = {"ack": "acked", "ack_with_error": "acked", "nack": "nacked", "requeue": "requeued"}[
+                    name
+                ]
                 done[key] += written
                 done["stale"] += stale
                 if stale:
@@ -368,11 +382,14 @@ class _Flusher:
         ids = [item[0] for item in items]
         leases = [item[1] for item in items]
         params: dict[str, Any] = {"ids": ids, "leases": leases}
-        if name == "nack":
+        query = name
+        if name in ("nack", "ack_with_error"):
+            query = "archive"
+            params["state"] = "failed" if name == "nack" else "completed"
             params["error_types"] = [item[2] for item in items]
             params["errors"] = [item[3] for item in items]
         with self.runtime.connection() as conn:
-            cur = conn.execute(self.runtime.queries[name], params)
+            cur = conn.execute(self.runtime.queries[query], params)
             if name != "requeue":
                 return cur.rowcount, []
             rows = cur.fetchall()

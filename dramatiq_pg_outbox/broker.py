@@ -388,7 +388,13 @@ class _PostgresConsumer(Consumer):
 
     def ack(self, message: MessageProxy) -> None:
         assert isinstance(message, _PostgresMessage)
-        self.runtime.flusher.ack(message.row_id, message.lease)
+        exception = getattr(message, "_exception", None)
+        if exception is None:
+            self.runtime.flusher.ack(message.row_id, message.lease)
+        else:
+            # The actor raised but Dramatiq acks: Retries enqueued a retry (or
+            # the exception is in `throws`).  Keep the error in history.
+            self.runtime.flusher.ack_with_error(message.row_id, message.lease, *format_error(exception))
         self._release()
 
     def nack(self, message: MessageProxy) -> None:

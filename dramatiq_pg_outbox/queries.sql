@@ -69,8 +69,10 @@ INSERT INTO {schema}.history
 SELECT id, queue_name, actor_name, message_id, 'completed', attempts, enqueued_at, acquired_at, payload
 FROM done;
 
--- name: nack --
--- Dead-letters messages: moved to history as failed, with their error.  Fenced like ack.
+-- name: archive --
+-- Moves messages to history in state %(state)s with their error: failed for a
+-- dead letter (nack), completed for an acked delivery whose actor raised
+-- (Retries enqueued its retry).  Fenced like ack.
 WITH failed AS (
     DELETE FROM {schema}.messages AS m
     USING unnest(%(ids)s::bigint[], %(leases)s::uuid[], %(error_types)s::text[], %(errors)s::text[])
@@ -81,7 +83,7 @@ WITH failed AS (
 INSERT INTO {schema}.history
     (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
      error_type, error, payload)
-SELECT id, queue_name, actor_name, message_id, 'failed', attempts, enqueued_at, acquired_at,
+SELECT id, queue_name, actor_name, message_id, %(state)s, attempts, enqueued_at, acquired_at,
        failure_type, failure, payload
 FROM failed;
 

@@ -10,7 +10,9 @@ Storage layout
               and is incremented *before* the actor runs.  Finished rows leave this
               table at once.
 ``history``   completed and failed (dead-lettered) messages, moved here by the same
-              statement that deletes them from ``messages``.
+              statement that deletes them from ``messages``.  A completed row with an
+              error is a delivery whose actor raised and that Dramatiq acked anyway
+              (Retries had enqueued its retry, or the exception was in ``throws``).
 ``workers``   one row per consuming process, with its heartbeat; a processing row
               whose owner stopped heartbeating is released (or quarantined).
 
@@ -81,8 +83,7 @@ def upgrade() -> None:
             error_type  text,
             error       text,
             payload     bytea       NOT NULL,
-            CONSTRAINT history_state_check CHECK (state IN ('completed', 'failed')),
-            CONSTRAINT history_error_check CHECK (state = 'failed' OR error IS NULL)
+            CONSTRAINT history_state_check CHECK (state IN ('completed', 'failed'))
         )
         """
     )
