@@ -117,7 +117,8 @@ def _pending_for_session(session: Session, broker: PostgresBroker) -> _Pending:
         pending = session.info[_INFO_KEY] = _Pending(broker)
         event.listen(session, "before_commit", lambda s: pending.write(s.connection()))
         event.listen(session, "after_commit", lambda s: pending.after_commit())
-        event.listen(session, "after_rollback", lambda s: pending.discard())
+        # after_soft_rollback fires on every rollback() call, even before any SQL ran.
+        event.listen(session, "after_soft_rollback", lambda s, previous: pending.discard())
     return pending
 
 
@@ -174,6 +175,11 @@ class Outbox:
     def add(self, message: Message[Any], delay: int) -> None:
         """Buffer one message (called by ``PostgresBroker.enqueue``)."""
         assert self._pending is not None
+        bind = self._sync_bind()
+        if isinstance(bind, Connection) and not bind.in_transaction():
+            # Connection.commit() is a no-op without a transaction: begin one
+            # (no I/O; the DBAPI begins implicitly) so the commit event fires.
+            bind.begin()
         self._pending.items.append((message, delay))
 
     def _write_sync(self, bind: Session | Connection) -> None:
@@ -191,10 +197,19 @@ class Outbox:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._detach()
-        # On error the buffer stays attached: written if the transaction still
-        # commits, discarded if it rolls back.
+        bind = self._sync_bind()
         if exc_type is None:
-            self._write_sync(self._sync_bind())
+            self._write_sync(bind)
+        else:
+            self._keep_or_discard(bind)
+
+    def _keep_or_discard(self, bind: Session | Connection) -> None:
+        # On error the buffer stays with the transaction in progress: written
+        # if it still commits, discarded if it rolls back.  With no transaction
+        # in progress nothing can commit alongside these messages: drop them.
+        assert self._pending is not None
+        if not bind.in_transaction():
+            self._pending.discard()
 
     async def __aenter__(self) -> Outbox:
         if not self.is_async:
@@ -207,6 +222,7 @@ class Outbox:
     ) -> None:
         self._detach()
         if exc_type is not None:
+            self._keep_or_discard(self._sync_bind())
             return
         bind = self.bind
         if isinstance(bind, AsyncSession):

@@ -1,0 +1,154 @@
+"""Fixtures: a real PostgreSQL, never a user's real database.
+
+The server comes from ``$DRAMATIQ_PG_OUTBOX_TEST_URL`` (an admin URL), else a
+Docker container via testcontainers when an engine is reachable, else the local
+server on 127.0.0.1:5432, else a throwaway server started for the run
+(``dramatiq_pg_outbox.devserver.postgres_server``).  Each run creates its own
+database ``dpo_test_<random>`` and drops it at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from psycopg import sql
+from sqlalchemy.engine import make_url
+
+from dramatiq_pg_outbox import PostgresBroker, upgrade
+from dramatiq_pg_outbox.devserver import mask_password, postgres_server
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = "dramatiq"
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"dramatiq {dramatiq.__version__}, psycopg {psycopg.__version__}"]
+
+
+@pytest.fixture(scope="session")
+def admin_url() -> Iterator[str]:
+    with postgres_server("DRAMATIQ_PG_OUTBOX_TEST_URL") as url:
+        with psycopg.connect(url, autocommit=True) as conn:
+            version = conn.execute("SHOW server_version").fetchone()
+            print(f"\nPostgreSQL {version[0] if version else '?'} at {mask_password(url)}")
+        yield url
+
+
+@pytest.fixture(scope="session")
+def database_url(admin_url: str) -> Iterator[str]:
+    """URL of a fresh database for this test run, migrated to head."""
+    name = f"dpo_test_{secrets.token_hex(4)}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    upgrade(url, schema=SCHEMA)
+    yield url
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def db(database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection to the test database, with the broker's tables emptied."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "TRUNCATE dramatiq.messages, dramatiq.history, dramatiq.workers;"
+            "CREATE TABLE IF NOT EXISTS received (key text PRIMARY KEY, n int NOT NULL, pids int[] NOT NULL);"
+            "CREATE TABLE IF NOT EXISTS started (key text, pid int, at timestamptz DEFAULT now());"
+            "TRUNCATE received, started;"
+        )
+        yield conn
+
+
+#: Broker settings that make liveness checks fast enough for tests.
+FAST = {
+    "heartbeat_interval": 200,
+    "heartbeat_timeout": 1_000,
+    "rescue_interval": 300,
+    "max_fetch_interval": 200,
+}
+
+
+@pytest.fixture
+def make_broker(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Any]:
+    """Factory of PostgresBrokers on the test database; closes them and resets the global broker."""
+    brokers: list[PostgresBroker] = []
+    workers: list[dramatiq.Worker] = []
+
+    def factory(**options: Any) -> PostgresBroker:
+        settings = {**FAST, **options}
+        broker = PostgresBroker(url=database_url, **settings)
+        brokers.append(broker)
+        dramatiq.set_broker(broker)
+        return broker
+
+    factory.workers = workers  # type: ignore[attr-defined]
+    yield factory
+    for worker in workers:
+        worker.stop(timeout=5_000)
+    for broker in brokers:
+        broker.close()
+
+
+@pytest.fixture
+def broker(make_broker: Any) -> PostgresBroker:
+    return make_broker()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def start_worker(make_broker: Any) -> Any:
+    def start(broker: PostgresBroker, **options: Any) -> dramatiq.Worker:
+        options.setdefault("worker_timeout", 100)
+        options.setdefault("worker_threads", 4)
+        worker = dramatiq.Worker(broker, **options)
+        worker.start()
+        make_broker.workers.append(worker)
+        return worker
+
+    return start
+
+
+class WorkerProcess:
+    """A ``dramatiq`` CLI worker running tests/worker_app.py in its own process group."""
+
+    def __init__(self, url: str, *, processes: int = 1, threads: int = 4, env: dict[str, str] | None = None):
+        self.args = [
+            sys.executable, "-m", "dramatiq", "tests.worker_app",
+            "--processes", str(processes), "--threads", str(threads),
+        ]  # fmt: skip
+        self.env = {**os.environ, "DPO_TEST_URL": url, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, start_new_session=True)
+        return self
+
+    def stop(self, sig: int = 15, timeout: float = 30) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture
+def worker_process(database_url: str) -> Iterator[Any]:
+    started: list[WorkerProcess] = []
+
+    def start(**kwargs: Any) -> WorkerProcess:
+        wp = WorkerProcess(database_url, **kwargs).start()
+        started.append(wp)
+        return wp
+
+    yield start
+    for wp in started:
+        if wp.proc is not None and wp.proc.poll() is None:
+            wp.stop(9)

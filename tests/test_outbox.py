@@ -1,0 +1,206 @@
+"""Transactional enqueue: a message exists if and only if its transaction commits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import dramatiq
+import pytest
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+from dramatiq_pg_outbox import OutboxError, PostgresBroker, outbox
+from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
+
+
+def stored(db: Any) -> list[str]:
+    rows = db.execute("SELECT actor_name FROM dramatiq.messages ORDER BY id").fetchall()
+    return [r[0] for r in rows]
+
+
+@pytest.fixture
+def engine(database_url: str) -> Any:
+    engine = create_engine(normalize_sqlalchemy_url(database_url))
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def actor(broker: PostgresBroker) -> Any:
+    @dramatiq.actor(broker=broker)
+    def welcome(user_id: int) -> None:
+        pass
+
+    return welcome
+
+
+def test_session_commit_stores_the_message(db: Any, engine: Any, actor: Any) -> None:
+    with Session(engine) as session:
+        with outbox(session):
+            actor.send(1)
+        # Not visible to anyone before the commit.
+        assert stored(db) == []
+        session.commit()
+    assert stored(db) == ["welcome"]
+
+
+def test_session_rollback_leaves_no_message(db: Any, engine: Any, actor: Any) -> None:
+    with Session(engine) as session:
+        with outbox(session):
+            actor.send(1)
+        session.rollback()
+    assert stored(db) == []
+
+
+def test_commit_inside_the_block_still_writes_the_message(db: Any, engine: Any, actor: Any) -> None:
+    with Session(engine) as session, outbox(session):
+        actor.send(1)
+        session.commit()
+    assert stored(db) == ["welcome"]
+
+
+def test_an_exception_in_the_block_then_rollback_leaves_no_message(db: Any, engine: Any, actor: Any) -> None:
+    with Session(engine) as session:
+        with pytest.raises(RuntimeError), outbox(session):
+            actor.send(1)
+            raise RuntimeError("signup failed")
+        session.rollback()
+        session.commit()
+    assert stored(db) == []
+
+
+def test_connection_commit_and_rollback(db: Any, engine: Any, actor: Any) -> None:
+    with engine.connect() as conn:
+        with outbox(conn):
+            actor.send(1)
+        conn.rollback()
+        with outbox(conn):
+            actor.send(2)
+        assert stored(db) == []
+        conn.commit()
+    assert stored(db) == ["welcome"]
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 1
+
+
+def test_connection_commit_inside_the_block_writes_the_message(db: Any, engine: Any, actor: Any) -> None:
+    with engine.connect() as conn, outbox(conn):
+        actor.send(1)
+        conn.commit()
+    assert stored(db) == ["welcome"]
+
+
+def test_several_sends_in_one_transaction_are_one_insert(db: Any, engine: Any, actor: Any) -> None:
+    statements: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda c, cur, stmt, *a: statements.append(stmt))
+    with Session(engine) as session:
+        with outbox(session):
+            for i in range(50):
+                actor.send(i)
+        session.commit()
+    inserts = [s for s in statements if "INSERT INTO" in s and "messages" in s]
+    assert len(inserts) == 1
+    assert len(stored(db)) == 50
+
+
+def test_send_outside_a_binding_uses_the_broker_pool(db: Any, actor: Any) -> None:
+    actor.send(1)
+    assert stored(db) == ["welcome"]
+
+
+def test_business_rows_and_messages_commit_together(db: Any, engine: Any, actor: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS users (id int PRIMARY KEY)"))
+        conn.execute(text("TRUNCATE users"))
+    for user_id in range(10):
+        with Session(engine) as session, outbox(session):
+            session.execute(text("INSERT INTO users VALUES (:id)"), {"id": user_id})
+            actor.send(user_id)
+            if user_id % 3 == 0:
+                session.rollback()
+            else:
+                session.commit()
+    users = {r[0] for r in db.execute("SELECT id FROM users")}
+    payload_ids = {r[0] for r in db.execute("SELECT message_id FROM dramatiq.messages")}
+    assert users == {1, 2, 4, 5, 7, 8}
+    assert len(payload_ids) == len(users)
+
+
+def test_async_session_commit_and_rollback(db: Any, database_url: str, actor: Any) -> None:
+    async def scenario() -> None:
+        engine = create_async_engine(normalize_sqlalchemy_url(database_url))
+        async with AsyncSession(engine) as session:
+            async with outbox(session):
+                actor.send(1)
+            await session.rollback()
+            async with outbox(session):
+                actor.send(2)
+                actor.send(3)
+            assert stored(db) == []
+            await session.commit()
+        async with AsyncSession(engine) as session:
+            async with outbox(session):
+                actor.send(4)
+                await session.commit()
+        async with engine.connect() as conn:
+            async with outbox(conn):
+                actor.send(5)
+            await conn.commit()
+        await engine.dispose()
+
+    asyncio.run(scenario())
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 4
+
+
+def test_async_bind_in_a_sync_with_is_a_clear_error(database_url: str, actor: Any) -> None:
+    engine = create_async_engine(normalize_sqlalchemy_url(database_url))
+    session = AsyncSession(engine)
+    with pytest.raises(OutboxError, match="async with"):
+        with outbox(session):
+            pass
+
+
+def test_commit_wakes_an_idle_worker_without_waiting_for_a_poll(
+    make_broker: Any, start_worker: Any, engine: Any, db: Any
+) -> None:
+    # Given a worker whose poll interval is 10 s
+    broker = make_broker(max_fetch_interval=10_000)
+    started: list[float] = []
+
+    @dramatiq.actor(broker=broker)
+    def ping() -> None:
+        started.append(time.monotonic())
+
+    worker = start_worker(broker, worker_timeout=10_000)
+    listener = broker.runtime.listener
+    assert listener is not None
+    # a first message makes sure the consumer is up and idle
+    ping.send()
+    broker.join("default", timeout=15_000)
+    worker.join()
+    time.sleep(0.3)
+    # When a transaction that sends a message commits
+    with Session(engine) as session:
+        with outbox(session):
+            ping.send()
+        committed = time.monotonic()
+        session.commit()
+    deadline = time.monotonic() + 5
+    while len(started) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    # Then the actor starts long before the 10 s poll would have fetched it
+    assert len(started) == 2
+    assert started[1] - committed < 2.0
+
+
+def test_connection_exception_then_rollback_leaves_no_message(db: Any, engine: Any, actor: Any) -> None:
+    with engine.connect() as conn:
+        with pytest.raises(RuntimeError), outbox(conn):
+            actor.send(1)
+            raise RuntimeError("signup failed")
+        conn.rollback()
+        conn.execute(text("SELECT 1"))
+        conn.commit()
+    assert stored(db) == []

@@ -1,0 +1,68 @@
+"""Actors run by real ``dramatiq`` worker processes in the tests.
+
+Configured from the environment: ``DPO_TEST_URL`` (database), ``DPO_*`` broker
+settings.  Actors record what they did in the tables ``received`` (key, count,
+pids) and ``started`` so the tests can compare what was sent with what ran.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import dramatiq
+import psycopg
+
+from dramatiq_pg_outbox import PostgresBroker
+
+
+def _int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+broker = PostgresBroker(
+    url=os.environ["DPO_TEST_URL"],
+    heartbeat_interval=_int("DPO_HEARTBEAT_INTERVAL", 200),
+    heartbeat_timeout=_int("DPO_HEARTBEAT_TIMEOUT", 1_000),
+    rescue_interval=_int("DPO_RESCUE_INTERVAL", 300),
+    max_fetch_interval=_int("DPO_MAX_FETCH_INTERVAL", 200),
+    max_deliveries=_int("DPO_MAX_DELIVERIES", 3),
+)
+dramatiq.set_broker(broker)
+
+_conn: dict[int, psycopg.Connection[Any]] = {}
+
+
+def _db() -> psycopg.Connection[Any]:
+    pid = os.getpid()
+    if pid not in _conn:
+        _conn[pid] = psycopg.connect(os.environ["DPO_TEST_URL"], autocommit=True)
+    return _conn[pid]
+
+
+def _record(key: str) -> None:
+    _db().execute(
+        "INSERT INTO received (key, n, pids) VALUES (%s, 1, ARRAY[%s]) "
+        "ON CONFLICT (key) DO UPDATE SET n = received.n + 1, pids = received.pids || %s",
+        (key, os.getpid(), os.getpid()),
+    )
+
+
+@dramatiq.actor(max_retries=0)
+def record(key: str) -> None:
+    _record(key)
+
+
+@dramatiq.actor(max_retries=0, time_limit=120_000)
+def slow_record(key: str, seconds: float) -> None:
+    _db().execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
+    time.sleep(seconds)
+    _record(key)
+
+
+@dramatiq.actor(max_retries=0)
+def crash(key: str) -> None:
+    """Kills its own worker process (a poison message), recording the start first."""
+    _db().execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
+    os._exit(1)
