@@ -173,13 +173,13 @@ def test_commit_wakes_an_idle_worker_without_waiting_for_a_poll(
     def ping() -> None:
         started.append(time.monotonic())
 
-    worker = start_worker(broker, worker_timeout=10_000)
-    listener = broker.runtime.listener
-    assert listener is not None
+    worker = start_worker(broker, worker_timeout=1_000)
     # a first message makes sure the consumer is up and idle
     ping.send()
     broker.join("default", timeout=15_000)
     worker.join()
+    listener = broker.runtime.listener
+    assert listener is not None and listener.connected.wait(5)
     time.sleep(0.3)
     # When a transaction that sends a message commits
     with Session(engine) as session:

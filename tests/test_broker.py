@@ -1,0 +1,311 @@
+"""The Dramatiq broker contract, with in-process Workers on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import dramatiq
+import pytest
+from dramatiq.errors import QueueJoinTimeout, QueueNotFound
+
+from dramatiq_pg_outbox import PostgresBroker
+
+
+def history(db: Any) -> list[tuple[Any, ...]]:
+    return db.execute(
+        "SELECT actor_name, state, attempts, error_type, error FROM dramatiq.history ORDER BY finished_at, id"
+    ).fetchall()
+
+
+def test_declared_queues_are_canonical(broker: PostgresBroker) -> None:
+    broker.declare_queue("emails")
+    broker.declare_queue("emails.DQ")
+    assert broker.get_declared_queues() == {"emails"}
+    assert broker.get_declared_delay_queues() == {"emails.DQ"}
+
+
+def test_messages_are_processed_and_archived_as_completed(
+    broker: PostgresBroker, start_worker: Any, db: Any
+) -> None:
+    seen: list[int] = []
+
+    @dramatiq.actor(broker=broker)
+    def add(x: int) -> None:
+        seen.append(x)
+
+    for i in range(200):
+        add.send(i)
+    start_worker(broker)
+    broker.join(add.queue_name, timeout=20_000)
+    assert sorted(seen) == list(range(200))
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 0
+    assert db.execute(
+        "SELECT count(*), min(attempts), max(attempts) FROM dramatiq.history WHERE state = 'completed'"
+    ).fetchone() == (200, 1, 1)
+
+
+def test_attempts_are_charged_before_the_actor_runs(broker: PostgresBroker, start_worker: Any, db: Any) -> None:
+    observed: list[tuple[Any, ...]] = []
+
+    @dramatiq.actor(broker=broker)
+    def look() -> None:
+        observed.extend(db.execute("SELECT state, attempts FROM dramatiq.messages").fetchall())
+
+    look.send()
+    start_worker(broker)
+    broker.join(look.queue_name, timeout=10_000)
+    assert observed == [("processing", 1)]
+
+
+def test_delayed_messages_are_not_delivered_early(broker: PostgresBroker, start_worker: Any, db: Any) -> None:
+    started: list[float] = []
+
+    @dramatiq.actor(broker=broker)
+    def later() -> None:
+        started.append(time.monotonic())
+
+    start_worker(broker)
+    sent = time.monotonic()
+    later.send_with_options(delay=1_500)
+    # While it waits, the row is pending in the table, not in a worker's memory.
+    time.sleep(0.5)
+    assert db.execute("SELECT state, queue_name FROM dramatiq.messages").fetchall() == [("pending", "default")]
+    broker.join(later.queue_name, timeout=10_000)
+    assert len(started) == 1
+    assert started[0] - sent >= 1.5
+
+
+def test_join_counts_delayed_messages_and_times_out(broker: PostgresBroker) -> None:
+    @dramatiq.actor(broker=broker)
+    def later() -> None:
+        pass
+
+    later.send_with_options(delay=60_000)
+    assert broker.queue_size("default") == 1
+    with pytest.raises(QueueJoinTimeout):
+        broker.join("default", timeout=300)
+
+
+def test_retries_with_backoff_then_success(broker: PostgresBroker, start_worker: Any, db: Any) -> None:
+    calls: list[float] = []
+
+    @dramatiq.actor(broker=broker, max_retries=3, min_backoff=300, max_backoff=300)
+    def flaky() -> None:
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise ValueError(f"failure {len(calls)}")
+
+    flaky.send()
+    start_worker(broker)
+    broker.join(flaky.queue_name, timeout=20_000)
+    assert len(calls) == 3
+    # Retries re-enqueue with a delay of min_backoff (plus jitter): never early.
+    assert calls[1] - calls[0] >= 0.3 and calls[2] - calls[1] >= 0.3
+    rows = history(db)
+    assert [(r[1], r[3]) for r in rows] == [("completed", "ValueError")] * 2 + [("completed", None)]
+
+
+def test_dead_letters_land_in_history_with_their_error(broker: PostgresBroker, start_worker: Any, db: Any) -> None:
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def broken() -> None:
+        raise KeyError("no such customer")
+
+    broken.send()
+    start_worker(broker)
+    broker.join(broken.queue_name, timeout=10_000)
+    ((actor, state, attempts, error_type, error),) = history(db)
+    assert (actor, state, attempts, error_type) == ("broken", "failed", 1, "KeyError")
+    assert "no such customer" in error and "Traceback" in error
+
+
+def test_unknown_actor_is_dead_lettered(broker: PostgresBroker, start_worker: Any, db: Any) -> None:
+    @dramatiq.actor(broker=broker)
+    def known() -> None:
+        pass
+
+    message = known.message()
+    broker.enqueue(message.copy(actor_name="ghost"))
+    start_worker(broker)
+    broker.join("default", timeout=10_000)
+    ((actor, state, _, error_type, _),) = history(db)
+    assert (actor, state, error_type) == ("ghost", "failed", "ActorNotFound")
+
+
+def test_undecodable_row_is_dead_lettered_and_the_consumer_keeps_going(
+    broker: PostgresBroker, start_worker: Any, db: Any
+) -> None:
+    seen: list[int] = []
+
+    @dramatiq.actor(broker=broker)
+    def fine(x: int) -> None:
+        seen.append(x)
+
+    fine.send(1)
+    db.execute(
+        "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, payload) "
+        "VALUES ('default', 'fine', 'garbage', '\\xdeadbeef'::bytea)"
+    )
+    fine.send(2)
+    start_worker(broker)
+    broker.join("default", timeout=10_000)
+    assert sorted(seen) == [1, 2]
+    failed = db.execute("SELECT message_id, error_type, error FROM dramatiq.history WHERE state = 'failed'")
+    ((message_id, error_type, error),) = failed.fetchall()
+    assert (message_id, error_type) == ("garbage", "DecodeError")
+    assert error
+
+
+def test_graceful_stop_requeues_unstarted_messages_without_an_attempt(
+    broker: PostgresBroker, start_worker: Any, db: Any
+) -> None:
+    @dramatiq.actor(broker=broker)
+    def slow() -> None:
+        time.sleep(0.5)
+
+    for _ in range(40):
+        slow.send()
+    # 2 threads -> Dramatiq prefetches 4: 2 running, 2 waiting in memory.
+    worker = start_worker(broker, worker_threads=2)
+    deadline = time.monotonic() + 10
+    while db.execute("SELECT count(*) FROM dramatiq.messages WHERE state='processing'").fetchone()[0] < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    worker.stop()
+    rows = db.execute("SELECT state, attempts FROM dramatiq.messages").fetchall()
+    done = db.execute("SELECT count(*) FROM dramatiq.history").fetchone()[0]
+    assert len(rows) + done == 40
+    # Nothing left claimed, and no unstarted message was charged an attempt.
+    assert all(row == ("pending", 0) for row in rows)
+
+
+def test_a_stale_ack_after_release_is_ignored(broker: PostgresBroker, db: Any) -> None:
+    @dramatiq.actor(broker=broker)
+    def task() -> None:
+        pass
+
+    task.send()
+    first = broker.consume("default", prefetch=1, timeout=1_000)
+    message = next(first)
+    assert message is not None
+    # The row is released (as if its worker had been declared dead) and claimed again elsewhere.
+    db.execute("UPDATE dramatiq.messages SET state='pending', lease=NULL, owner=NULL")
+    other = PostgresBroker(url=broker.conninfo, max_fetch_interval=100)
+    other.declare_queue("default")
+    second = other.consume("default", prefetch=1, timeout=1_000)
+    again = next(second)
+    assert again is not None and again.message_id == message.message_id
+    # The slow first worker acks late: fenced out.
+    first.ack(message)
+    assert broker.runtime.flusher.flush_once()["stale"] == 1
+    assert db.execute("SELECT state, attempts FROM dramatiq.messages").fetchall() == [("processing", 2)]
+    second.ack(again)
+    assert other.runtime.flusher.flush_once() == {"acked": 1, "nacked": 0, "requeued": 0, "stale": 0}
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 0
+    first.close()
+    second.close()
+    other.close()
+
+
+def test_messages_of_a_dead_worker_are_released_and_quarantined_after_max_deliveries(
+    make_broker: Any, db: Any
+) -> None:
+    broker = make_broker(max_deliveries=2)
+
+    @dramatiq.actor(broker=broker)
+    def task() -> None:
+        pass
+
+    task.send()
+    for delivery in (1, 2):
+        consumer = broker.consume("default", prefetch=1, timeout=2_000)
+        message = next(consumer)
+        assert message is not None and message.attempts == delivery
+        # The worker "dies": its heartbeat row is gone and nothing is acked.
+        consumer._closed = True
+        db.execute("DELETE FROM dramatiq.workers")
+        maintenance = broker.runtime.maintenance
+        assert maintenance is not None
+        result = maintenance.rescue()
+        assert (result.released, result.quarantined) == ((1, 0) if delivery == 1 else (0, 1))
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 0
+    ((_, state, attempts, error_type, error),) = history(db)
+    assert (state, attempts, error_type) == ("failed", 2, "MaxDeliveriesExceeded")
+    assert "max_deliveries=2" in error
+
+
+def test_a_live_workers_long_task_is_never_released(broker: PostgresBroker, db: Any) -> None:
+    @dramatiq.actor(broker=broker)
+    def long() -> None:
+        pass
+
+    long.send()
+    consumer = broker.consume("default", prefetch=1, timeout=2_000)
+    assert next(consumer) is not None
+    # Claimed long ago by task-length standards, but the owner heartbeats.
+    db.execute("UPDATE dramatiq.messages SET acquired_at = now() - interval '1 day'")
+    maintenance = broker.runtime.maintenance
+    assert maintenance is not None
+    maintenance.heartbeat()
+    assert maintenance.rescue().released == 0
+    assert db.execute("SELECT state FROM dramatiq.messages").fetchone() == ("processing",)
+    consumer.close()
+
+
+def test_orphaned_claims_of_a_live_process_are_released(broker: PostgresBroker, db: Any) -> None:
+    @dramatiq.actor(broker=broker)
+    def task() -> None:
+        pass
+
+    task.send()
+    consumer = broker.consume("default", prefetch=1, timeout=2_000)
+    assert next(consumer) is not None
+    # The claim's reply was "lost": this process no longer knows the row.
+    broker.runtime.inflight.clear()
+    db.execute("UPDATE dramatiq.messages SET acquired_at = now() - interval '1 minute'")
+    maintenance = broker.runtime.maintenance
+    assert maintenance is not None
+    assert maintenance.release_orphans() == 1
+    assert db.execute("SELECT state, attempts FROM dramatiq.messages").fetchall() == [("pending", 0)]
+    consumer._closed = True
+
+
+def test_consume_of_an_undeclared_queue_raises(broker: PostgresBroker) -> None:
+    with pytest.raises(QueueNotFound):
+        broker.consume("nowhere")
+
+
+def test_flush_drops_messages_of_a_queue(broker: PostgresBroker, db: Any) -> None:
+    @dramatiq.actor(broker=broker, queue_name="q1")
+    def a() -> None:
+        pass
+
+    @dramatiq.actor(broker=broker, queue_name="q2")
+    def b() -> None:
+        pass
+
+    a.send()
+    a.send_with_options(delay=10_000)
+    b.send()
+    broker.flush("q1")
+    assert db.execute("SELECT queue_name FROM dramatiq.messages").fetchall() == [("q2",)]
+    broker.flush_all()
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 0
+
+
+def test_notify_off_still_delivers_everything_by_polling(make_broker: Any, start_worker: Any) -> None:
+    broker = make_broker(notify="off", listen=False, max_fetch_interval=100)
+    seen: list[str] = []
+
+    @dramatiq.actor(broker=broker)
+    def task(x: str) -> None:
+        seen.append(x)
+
+    start_worker(broker)
+    keys = [str(uuid.uuid4()) for _ in range(100)]
+    for key in keys:
+        task.send(key)
+    broker.join("default", timeout=20_000)
+    assert sorted(seen) == sorted(keys)
+    assert broker.runtime.listener is None
