@@ -1,0 +1,161 @@
+"""Schema migrations: our own environment, an application's alembic history, the wheel."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from alembic import command
+from alembic.config import Config
+
+from dramatiq_pg_outbox import PostgresBroker, SchemaNotReady, downgrade, upgrade, versions_path
+from dramatiq_pg_outbox.migrations import SCHEMA_REVISION
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tables(url: str, schema: str) -> set[str]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,)).fetchall()
+    return {r[0] for r in rows}
+
+
+def drop_schema(url: str, schema: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def test_upgrade_creates_the_tables_in_a_chosen_schema_and_is_idempotent(database_url: str) -> None:
+    drop_schema(database_url, "jobs")
+    upgrade(database_url, schema="jobs")
+    upgrade(database_url, schema="jobs")
+    assert {"messages", "history", "workers", "dramatiq_pg_outbox_version"} <= tables(database_url, "jobs")
+    downgrade(database_url, schema="jobs", revision="base")
+    assert tables(database_url, "jobs") == {"dramatiq_pg_outbox_version"}
+    drop_schema(database_url, "jobs")
+
+
+def test_check_constraints_enforce_the_states(database_url: str, db: Any) -> None:
+    with pytest.raises(psycopg.errors.CheckViolation):
+        db.execute(
+            "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, state, payload) "
+            "VALUES ('q', 'a', 'm', 'done', '')"
+        )
+    with pytest.raises(psycopg.errors.CheckViolation):
+        db.execute(
+            "INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts, "
+            "enqueued_at, payload) VALUES (1, 'q', 'a', 'm', 'pending', 0, now(), '')"
+        )
+
+
+def test_the_cli_migrates(database_url: str) -> None:
+    drop_schema(database_url, "cli_jobs")
+    out = subprocess.run(
+        [sys.executable, "-m", "dramatiq_pg_outbox.cli", "migrate", "--url", database_url, "--schema", "cli_jobs"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "cli_jobs" in out.stdout
+    assert "messages" in tables(database_url, "cli_jobs")
+    drop_schema(database_url, "cli_jobs")
+
+
+def test_the_broker_names_the_fix_when_the_schema_is_missing(database_url: str) -> None:
+    broker = PostgresBroker(url=database_url, schema="not_migrated")
+
+    @dramatiq.actor(broker=broker)
+    def task() -> None:
+        pass
+
+    with pytest.raises(SchemaNotReady, match="dramatiq-pg-outbox migrate"):
+        task.send()
+    broker.close()
+
+
+def test_the_broker_refuses_an_old_schema(database_url: str) -> None:
+    drop_schema(database_url, "old_jobs")
+    upgrade(database_url, schema="old_jobs")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("COMMENT ON TABLE old_jobs.messages IS 'dramatiq-pg-outbox schema revision 0'")
+    broker = PostgresBroker(url=database_url, schema="old_jobs")
+    with pytest.raises(SchemaNotReady, match=f"needs {SCHEMA_REVISION}"):
+        broker.queue_size("default")
+    broker.close()
+    drop_schema(database_url, "old_jobs")
+
+
+def test_an_application_can_include_our_revisions_in_its_own_history(tmp_path: Path, database_url: str) -> None:
+    # Given an application's alembic environment with one revision of its own
+    (tmp_path / "versions").mkdir()
+    (tmp_path / "env.py").write_text(
+        textwrap.dedent(
+            """
+            from alembic import context
+            from sqlalchemy import create_engine
+            engine = create_engine(context.config.get_main_option("sqlalchemy.url"))
+            with engine.begin() as conn:
+                context.configure(connection=conn)
+                with context.begin_transaction():
+                    context.run_migrations()
+            """
+        )
+    )
+    (tmp_path / "versions" / "a1_users.py").write_text(
+        textwrap.dedent(
+            """
+            from alembic import op
+            revision = "a1"
+            down_revision = None
+            branch_labels = ("app",)
+            depends_on = None
+            def upgrade():
+                op.execute("CREATE TABLE app_users (id int PRIMARY KEY)")
+            def downgrade():
+                op.execute("DROP TABLE app_users")
+            """
+        )
+    )
+    drop_schema(database_url, "app_jobs")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS app_users; DROP TABLE IF EXISTS alembic_version")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(tmp_path))
+    cfg.set_main_option("path_separator", "space")
+    cfg.set_main_option("version_locations", f"{tmp_path / 'versions'} {versions_path()}")
+    cfg.set_main_option("sqlalchemy.url", database_url.replace("postgresql://", "postgresql+psycopg://"))
+    cfg.cmd_opts = type("Opts", (), {"x": ["dramatiq_pg_outbox_schema=app_jobs"]})()  # type: ignore[assignment]
+    # When it upgrades all heads
+    command.upgrade(cfg, "heads")
+    # Then both histories are applied, tracked in the application's alembic_version
+    assert "messages" in tables(database_url, "app_jobs")
+    with psycopg.connect(database_url) as conn:
+        heads = {r[0] for r in conn.execute("SELECT version_num FROM alembic_version")}
+    assert "a1" in heads and len(heads) == 2
+    broker = PostgresBroker(url=database_url, schema="app_jobs")
+    assert broker.queue_size("default") == 0
+    broker.close()
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DROP TABLE app_users; DROP TABLE alembic_version")
+    drop_schema(database_url, "app_jobs")
+
+
+def test_the_wheel_ships_the_migrations_and_the_sql(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "dramatiq_pg_outbox/_alembic/env.py" in names
+    assert "dramatiq_pg_outbox/_alembic/versions/0001_initial.py" in names
+    assert "dramatiq_pg_outbox/queries.sql" in names
+    assert "dramatiq_pg_outbox/py.typed" in names
