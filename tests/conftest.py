@@ -135,7 +135,11 @@ class WorkerProcess:
     def stop(self, sig: int = 15, timeout: float = 30) -> int:
         assert self.proc is not None
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
+            if sig == 9:
+                os.killpg(self.proc.pid, sig)
+            else:
+                # Only the main process: it forwards the signal to its workers.
+                self.proc.send_signal(sig)
         return self.proc.wait(timeout)
 
 

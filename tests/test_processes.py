@@ -1,0 +1,174 @@
+"""Behaviour that is about processes: real `dramatiq` CLI workers, kill -9, SIGTERM, killed connections."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def count(db: Any, query: str) -> int:
+    return int(db.execute(query).fetchone()[0])
+
+
+@pytest.fixture
+def producer(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """tests/worker_app.py imported in the test process, used only to send."""
+    monkeypatch.setenv("DPO_TEST_URL", database_url)
+    from tests import worker_app
+
+    dramatiq.set_broker(worker_app.broker)
+    yield worker_app
+    worker_app.broker.close()
+
+
+def test_two_worker_processes_never_receive_the_same_message_and_together_receive_all(
+    producer: Any, worker_process: Any, db: Any
+) -> None:
+    keys = [f"k{i}" for i in range(2_000)]
+    for key in keys:
+        producer.record.send(key)
+    a = worker_process(threads=4)
+    b = worker_process(threads=4)
+    wait_for(lambda: count(db, "SELECT count(*) FROM received") == len(keys), 90, "all keys")
+    assert a.stop() == 0 and b.stop() == 0
+    assert count(db, "SELECT count(*) FROM received WHERE n > 1") == 0
+    # Both processes took part.
+    assert count(db, "SELECT count(DISTINCT pids[1]) FROM received") == 2
+    assert count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'completed'") == len(keys)
+
+
+def test_a_killed_workers_messages_are_delivered_again(producer: Any, worker_process: Any, db: Any) -> None:
+    # Given a worker busy with slow messages
+    for i in range(4):
+        producer.slow_record.send(f"s{i}", 30)
+    victim = worker_process(threads=4)
+    wait_for(lambda: count(db, "SELECT count(*) FROM started") == 4, 30, "slow messages to start")
+    # When it is killed -9 and another worker runs
+    victim.stop(signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert count(db, "SELECT count(*) FROM dramatiq.messages WHERE state = 'processing'") == 4
+    db.execute("UPDATE dramatiq.messages SET payload = payload")  # no-op: rows still there
+    rescuer = worker_process(threads=4, env={"DPO_TEST_SECONDS": "0"})
+    # Then its messages start again elsewhere within the heartbeat timeout (1 s here) plus a rescue pass
+    wait_for(lambda: count(db, "SELECT count(*) FROM started") == 8, 30, "redelivery")
+    assert time.monotonic() - killed_at < 15
+    rows = db.execute("SELECT attempts FROM dramatiq.messages WHERE state = 'processing'").fetchall()
+    assert rows == [(2,)] * 4
+    rescuer.stop(signal.SIGKILL)
+
+
+def test_a_message_that_kills_its_worker_is_quarantined_after_max_deliveries(
+    producer: Any, worker_process: Any, db: Any
+) -> None:
+    # Given a poison message among ordinary ones, and max_deliveries=3
+    producer.crash.send("poison")
+    for i in range(50):
+        producer.record.send(f"ok{i}")
+    # When workers keep being restarted by a supervisor each time the poison kills them
+    restarts = 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        wp = worker_process(threads=2, env={"DPO_MAX_DELIVERIES": "3"})
+        while wp.proc.poll() is None and time.monotonic() < deadline:
+            if count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'") == 1:
+                break
+            time.sleep(0.1)
+        if wp.proc.poll() is None:
+            wp.stop()
+            break
+        restarts += 1
+    # Then it ran exactly max_deliveries times and sits in history as failed; the rest completed
+    assert count(db, "SELECT count(*) FROM started WHERE key = 'poison'") == 3
+    ((state, attempts, error_type),) = db.execute(
+        "SELECT state, attempts, error_type FROM dramatiq.history WHERE message_id IN "
+        "(SELECT message_id FROM dramatiq.history WHERE actor_name = 'crash')"
+    ).fetchall()
+    assert (state, attempts, error_type) == ("failed", 3, "MaxDeliveriesExceeded")
+    wait_for(lambda: count(db, "SELECT count(*) FROM received") == 50, 30, "ordinary messages")
+    assert restarts >= 3
+
+
+def test_the_worker_recovers_after_its_connections_are_terminated(
+    producer: Any, worker_process: Any, db: Any, database_url: str
+) -> None:
+    wp = worker_process(threads=4)
+    for i in range(100):
+        producer.record.send(f"a{i}")
+    wait_for(lambda: count(db, "SELECT count(*) FROM received") == 100, 30, "first batch")
+    # When every connection of the worker (pool and LISTEN) is terminated
+    own = db.execute("SELECT pg_backend_pid()").fetchone()[0]
+    killed = db.execute(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> %s AND backend_type = 'client backend'",
+        (own,),
+    ).fetchone()[0]
+    assert killed >= 2
+    # Then, without a restart, it processes new messages and LISTEN works again
+    for i in range(100):
+        producer.record.send(f"b{i}")
+    wait_for(lambda: count(db, "SELECT count(*) FROM received") == 200, 60, "second batch")
+    wait_for(
+        lambda: count(db, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'") >= 1,
+        30,
+        "LISTEN connection to come back",
+    )
+    assert wp.proc.poll() is None
+    assert wp.stop() == 0
+    assert count(db, "SELECT count(*) FROM received WHERE n > 1") == 0
+
+
+def test_sigterm_requeues_unstarted_messages_without_an_attempt(
+    producer: Any, worker_process: Any, db: Any
+) -> None:
+    for i in range(40):
+        producer.slow_record.send(f"t{i}", 1)
+    wp = worker_process(threads=2)
+    wait_for(lambda: count(db, "SELECT count(*) FROM started") >= 2, 30, "work to start")
+    assert wp.stop(signal.SIGTERM) == 0
+    rows = db.execute("SELECT state, attempts FROM dramatiq.messages").fetchall()
+    assert rows and all(row == ("pending", 0) for row in rows)
+    assert len(rows) + count(db, "SELECT count(*) FROM received") == 40
+
+
+def test_worker_processes_use_the_documented_connection_budget(
+    producer: Any, worker_process: Any, db: Any
+) -> None:
+    # pool_size (4) + 1 LISTEN connection per worker process, whatever the queues and threads.
+    wp = worker_process(threads=8)
+    for i in range(500):
+        producer.record.send(f"c{i}")
+    wait_for(lambda: count(db, "SELECT count(*) FROM received") == 500, 60, "messages")
+    pids = {r[0] for r in db.execute("SELECT pid FROM dramatiq.workers")}
+    assert len(pids) == 1
+    own = db.execute("SELECT pg_backend_pid()").fetchone()[0]
+    used = count(
+        db,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        f"AND backend_type = 'client backend' AND pid <> {own} AND application_name = ''",
+    )
+    # The test's own producer broker holds at most its pool; the actors' record connection is one more.
+    assert used <= 5 + 4 + 1
+    wp.stop()
+    _ = os.getpid()
+
+
+def test_psycopg_is_the_driver(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        assert conn.info.server_version >= 130000
