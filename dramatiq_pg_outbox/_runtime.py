@@ -192,9 +192,29 @@ def enqueue_params(items: Sequence[tuple[Message[Any], int]], channel: str, noti
         "message_ids": [m.message_id for m, _ in items],
         "delays": [d for _, d in items],
         "payloads": [m.encode() for m, _ in items],
+        "idempotency_keys": [idempotency_key(m) for m, _ in items],
         "channel": channel,
         "notify": notify,
     }
+
+
+def idempotency_key(message: Message[Any]) -> str | None:
+    """The key that makes ``message`` unique in the queue tables, or None.
+
+    It is the ``idempotency_key`` option (``actor.send_with_options(...,
+    idempotency_key="...")``), for a first enqueue only: a retry that the
+    Retries middleware enqueues carries the same options (``retries`` >= 1) but
+    is the same message again, so it is stored without a key.
+
+    Raises:
+      ValueError: If the option is not a non-empty string.
+    """
+    key = message.options.get("idempotency_key")
+    if key is None or message.options.get("retries"):
+        return None
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"idempotency_key must be a non-empty string, not {key!r}")
+    return key
 
 
 class _Loop:

@@ -108,10 +108,10 @@ def _retry_failed(conn: psycopg.Connection[Any], s: str, args: argparse.Namespac
                 WHERE state = 'failed'
                   AND (%(queue)s::text IS NULL OR queue_name = %(queue)s)
                   AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-                RETURNING queue_name, actor_name, message_id, payload
+                RETURNING queue_name, actor_name, message_id, payload, idempotency_key
             ), inserted AS (
-                INSERT INTO {s}.messages (queue_name, actor_name, message_id, payload)
-                SELECT queue_name, actor_name, message_id, payload FROM moved RETURNING 1
+                INSERT INTO {s}.messages (queue_name, actor_name, message_id, payload, idempotency_key)
+                SELECT queue_name, actor_name, message_id, payload, idempotency_key FROM moved RETURNING 1
             ) SELECT count(*) FROM inserted""",  # noqa: S608
         {"queue": args.queue, "ids": args.ids},
     ).fetchone()

@@ -11,11 +11,20 @@
 -- notification is delivered at commit, never before; Postgres folds identical
 -- notifications of one transaction, so there is one per queue at most.  The
 -- payload is the queue name only (NOTIFY payloads are limited to 8000 bytes).
+-- Idempotency: a row whose key (NULL for none) is already in the hot table
+-- (unique partial index, ON CONFLICT DO NOTHING, also within this batch) or
+-- in history (the message was processed) is skipped.  Rows without a key
+-- never conflict.
 WITH inserted AS (
-    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload)
-    SELECT q, a, m, now() + d * interval '1 millisecond', p
+    INSERT INTO {schema}.messages
+        (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key)
+    SELECT q, a, m, now() + d * interval '1 millisecond', p, k
     FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
-                %(delays)s::bigint[], %(payloads)s::bytea[]) AS t(q, a, m, d, p)
+                %(delays)s::bigint[], %(payloads)s::bytea[], %(idempotency_keys)s::text[])
+        AS t(q, a, m, d, p, k)
+    WHERE k IS NULL
+       OR NOT EXISTS (SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = t.k)
+    ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING queue_name, next_attempt_at <= now() AS due
 )
 SELECT pg_notify(%(channel)s, queue_name)
@@ -65,8 +74,10 @@ WITH done AS (
     RETURNING m.*
 )
 INSERT INTO {schema}.history
-    (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at, payload)
-SELECT id, queue_name, actor_name, message_id, 'completed', attempts, enqueued_at, acquired_at, payload
+    (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at, payload,
+     idempotency_key)
+SELECT id, queue_name, actor_name, message_id, 'completed', attempts, enqueued_at, acquired_at, payload,
+       idempotency_key
 FROM done;
 
 -- name: archive --
@@ -82,9 +93,9 @@ WITH failed AS (
 )
 INSERT INTO {schema}.history
     (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
-     error_type, error, payload)
+     error_type, error, payload, idempotency_key)
 SELECT id, queue_name, actor_name, message_id, %(state)s, attempts, enqueued_at, acquired_at,
-       failure_type, failure, payload
+       failure_type, failure, payload, idempotency_key
 FROM failed;
 
 -- name: requeue --
@@ -138,12 +149,12 @@ quarantined AS (
 archived AS (
     INSERT INTO {schema}.history
         (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
-         error_type, error, payload)
+         error_type, error, payload, idempotency_key)
     SELECT id, queue_name, actor_name, message_id, 'failed', attempts, enqueued_at, acquired_at,
            'MaxDeliveriesExceeded',
            format('quarantined: delivered %%s times without an ack (max_deliveries=%%s); '
                   'its worker probably died while running it', attempts, %(max_deliveries)s),
-           payload
+           payload, idempotency_key
     FROM quarantined
     RETURNING queue_name
 ),
