@@ -1,0 +1,365 @@
+"""Bulk enqueue from a Spark DataFrame: one Dramatiq message per row.
+
+Usage (``pip install 'dramatiq-pg-outbox[spark]'``)::
+
+    from dramatiq_pg_outbox.spark import enqueue_dataframe
+
+    result = enqueue_dataframe(
+        customers,                     # a pyspark.sql.DataFrame
+        notify_customer,               # a dramatiq Actor (or its name, with queue_name=)
+        args=["customer_id", "email"], # columns -> positional arguments
+        kwargs={"segment": "segment"}, # keyword argument -> column
+        key="customer_id",             # the row's unique key
+        batch_id="newsletter-2026-11", # the same id on a re-run adds nothing
+        url="postgresql://app@db/app",
+    )
+    print(result.enqueued, result.skipped)
+
+How it writes
+-------------
+The executors write, not the driver: ``foreachPartition`` runs, per
+partition, one transaction on one connection: a binary ``COPY`` into a
+temporary table, then one ``INSERT ... SELECT ... ON CONFLICT DO NOTHING``
+into the messages table, then at most one ``NOTIFY`` (delivered at commit).
+Rows are encoded while they stream into ``COPY``, so a partition is never
+held in memory.
+
+Idempotency
+-----------
+Every row gets the idempotency key ``"<batch_id>:<key>"`` and the message id
+``uuid5(NAMESPACE, that key)``.  The database keeps one message per key (the
+unique index of migration 0002, and the key is looked up in history too), so
+a Spark task that is retried, a speculative duplicate task, or a re-run of
+the whole job with the same ``batch_id`` adds nothing that already exists,
+whether or not the messages were processed in between.  A second statement in
+the same transaction removes any row whose twin was archived to history while
+the insert ran, so this holds even while workers are acking.
+
+Bad input
+---------
+A null key, or an argument that the message encoder cannot encode (with the
+default JSON encoder: a ``Decimal``, a ``date``...; cast such columns first),
+raises :class:`EnqueueError` naming the column and the row's key.  The
+partition's transaction is rolled back (it writes nothing) and the Spark job
+fails.  Other partitions may have committed: run the job again with the same
+``batch_id`` once the data is fixed; it adds only what is missing.
+
+Connection budget
+-----------------
+One connection per running task, for the length of the task: at most
+``min(number of partitions, total executor cores)`` connections at a time.
+Use ``max_partitions=`` to cap it (the DataFrame is coalesced).  The driver
+opens none.
+
+The messages are ordinary messages: a ``dramatiq`` worker with a
+:class:`~dramatiq_pg_outbox.PostgresBroker` on the same schema processes them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .migrations import DEFAULT_SCHEMA, libpq_url, quote_ident, validate_schema_name
+
+if TYPE_CHECKING:
+    from dramatiq import Actor
+    from dramatiq.encoder import Encoder
+    from pyspark.sql import DataFrame
+
+__all__ = ["NAMESPACE", "EnqueueError", "EnqueueResult", "enqueue_dataframe", "message_id_for"]
+
+#: Namespace of the uuid5 message ids of :func:`enqueue_dataframe`.
+NAMESPACE = uuid.UUID("5b0d1c1e-7f4e-5a43-9d0e-0a6f0c0b7d21")
+
+
+class EnqueueError(ValueError):
+    """A row could not become a message (null key, unencodable argument)."""
+
+
+@dataclass(frozen=True)
+class EnqueueResult:
+    """What :func:`enqueue_dataframe` did.
+
+    Attributes:
+      batch_id(str): The batch id.
+      rows(int): Rows read from the DataFrame.
+      enqueued(int): New messages.
+      skipped(int): Rows whose key was already enqueued (this batch earlier, a retried task).
+      partitions(int): Partitions written.
+      seconds(float): Wall time of the Spark job.
+    """
+
+    batch_id: str
+    rows: int
+    enqueued: int
+    skipped: int
+    partitions: int
+    seconds: float
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else float("inf")
+
+
+def idempotency_key_for(batch_id: str, key: Any) -> str:
+    """The idempotency key of the row with ``key`` in batch ``batch_id``."""
+    return f"{batch_id}:{key}"
+
+
+def message_id_for(batch_id: str, key: Any) -> str:
+    """The deterministic message id of the row with ``key`` in batch ``batch_id``."""
+    return str(uuid.uuid5(NAMESPACE, idempotency_key_for(batch_id, key)))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything an executor needs, pickled once per task (no Spark objects)."""
+
+    conninfo: str
+    schema: str
+    channel: str
+    queue_name: str
+    actor_name: str
+    batch_id: str
+    key: str
+    args: tuple[str, ...]
+    kwargs: tuple[tuple[str, str], ...]
+    options: dict[str, Any]
+    delay_ms: int
+    notify: bool
+    encoder: Encoder
+
+
+def enqueue_dataframe(
+    df: DataFrame,
+    actor: Actor[Any, Any] | str,
+    *,
+    key: str,
+    batch_id: str,
+    args: Sequence[str] = (),
+    kwargs: Mapping[str, str] | None = None,
+    url: str | None = None,
+    schema: str | None = None,
+    queue_name: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    delay: int = 0,
+    notify: bool = True,
+    max_partitions: int | None = None,
+    encoder: Encoder | None = None,
+) -> EnqueueResult:
+    """Enqueue one message per row of ``df``, idempotently, written by the executors.
+
+    Parameters:
+      df(DataFrame): The rows.
+      actor(Actor|str): The actor (its name and queue are used), or an actor name
+        with ``queue_name=``.  The actor need not be importable on the executors.
+      key(str): Column that identifies a row within the batch (not null).
+      batch_id(str): Identifies this enqueue job; re-running with the same id adds nothing.
+      args(list[str]): Columns passed as positional arguments, in order.
+      kwargs(dict[str, str]): Keyword argument name -> column.
+      url(str): Database URL.  Default: the URL of the actor's PostgresBroker.
+      schema(str): The broker's schema.  Default: the actor's broker's, else ``dramatiq``.
+      queue_name(str): Queue.  Default: the actor's queue.
+      options(dict): Extra message options (e.g. ``max_retries``).
+      delay(int): Delay before the messages are due, in milliseconds.
+      notify(bool): Wake listening workers (one NOTIFY per partition, at commit).
+      max_partitions(int): Cap on partitions, hence on concurrent connections.
+      encoder(Encoder): Message encoder.  Default: ``dramatiq.get_encoder()`` of the driver.
+
+    Raises:
+      EnqueueError: (from the Spark job) a null key or an argument that cannot be encoded.
+      ValueError: For bad parameters (unknown column, bad schema or queue name).
+
+    Returns:
+      EnqueueResult: Counts and timing.
+    """
+    import dramatiq
+    from dramatiq.common import q_name
+
+    from .broker import PostgresBroker, validate_queue_name
+
+    plan_args = tuple(args)
+    plan_kwargs = tuple((kwargs or {}).items())
+    if not isinstance(batch_id, str) or not batch_id:
+        raise ValueError(f"batch_id must be a non-empty string, not {batch_id!r}")
+    if isinstance(actor, str):
+        actor_name, broker = actor, None
+        if queue_name is None:
+            raise ValueError("Pass queue_name= with an actor name.")
+    else:
+        actor_name, broker = actor.actor_name, actor.broker
+        queue_name = queue_name or actor.queue_name
+    queue_name = q_name(validate_queue_name(queue_name))
+    pg_broker = broker if isinstance(broker, PostgresBroker) else None
+    if url is None:
+        if pg_broker is None:
+            raise ValueError("Pass url= (the actor's broker is not a PostgresBroker).")
+        conninfo = pg_broker.conninfo
+    else:
+        conninfo = libpq_url(url)
+    if schema is None:
+        schema = pg_broker.schema if pg_broker is not None else DEFAULT_SCHEMA
+    validate_schema_name(schema)
+    columns = set(df.columns)
+    wanted = [key, *plan_args, *(column for _, column in plan_kwargs)]
+    missing = [c for c in wanted if c not in columns]
+    if missing:
+        raise ValueError(f"Column(s) {missing} not in the DataFrame (columns: {sorted(columns)})")
+    if delay < 0:
+        raise ValueError(f"delay must be a non-negative number of milliseconds, not {delay!r}")
+    plan = _Plan(
+        conninfo=conninfo,
+        schema=schema,
+        channel=f"dramatiq_pg_outbox.{schema}",
+        queue_name=queue_name,
+        actor_name=actor_name,
+        batch_id=batch_id,
+        key=key,
+        args=plan_args,
+        kwargs=plan_kwargs,
+        options=dict(options or {}),
+        delay_ms=int(delay),
+        notify=notify,
+        encoder=encoder or dramatiq.get_encoder(),
+    )
+    selected = df.select(*dict.fromkeys(wanted))
+    if max_partitions is not None:
+        if max_partitions < 1:
+            raise ValueError(f"max_partitions must be at least 1, not {max_partitions!r}")
+        if selected.rdd.getNumPartitions() > max_partitions:
+            selected = selected.coalesce(max_partitions)
+    spark = selected.sparkSession
+    sc = spark.sparkContext
+    rows_acc = sc.accumulator(0)
+    enqueued_acc = sc.accumulator(0)
+    partitions_acc = sc.accumulator(0)
+
+    def write(rows: Iterator[Any]) -> None:
+        read, enqueued = write_partition(plan, rows)
+        rows_acc.add(read)
+        enqueued_acc.add(enqueued)
+        partitions_acc.add(1)
+
+    started = time.perf_counter()
+    selected.foreachPartition(write)
+    seconds = time.perf_counter() - started
+    return EnqueueResult(
+        batch_id=batch_id,
+        rows=rows_acc.value,
+        enqueued=enqueued_acc.value,
+        skipped=rows_acc.value - enqueued_acc.value,
+        partitions=partitions_acc.value,
+        seconds=seconds,
+    )
+
+
+def _encode_rows(plan: _Plan, rows: Iterable[Any], now_ms: int) -> Iterator[tuple[str, str, bytes]]:
+    """(message id, idempotency key, payload) per row; raises EnqueueError naming the bad column."""
+    options = plan.options
+    encode = plan.encoder.encode
+    for row in rows:
+        key = row[plan.key]
+        if key is None:
+            raise EnqueueError(
+                f"Column {plan.key!r} (the key) is null in a row of batch {plan.batch_id!r}; "
+                "every row needs a key"
+            )
+        ikey = idempotency_key_for(plan.batch_id, key)
+        message_id = str(uuid.uuid5(NAMESPACE, ikey))
+        message = {
+            "queue_name": plan.queue_name,
+            "actor_name": plan.actor_name,
+            "args": [row[c] for c in plan.args],
+            "kwargs": {name: row[c] for name, c in plan.kwargs},
+            "options": {**options, "idempotency_key": ikey},
+            "message_id": message_id,
+            "message_timestamp": now_ms,
+        }
+        try:
+            payload = encode(message)
+        except Exception as e:
+            raise EnqueueError(_explain(plan, row, key, e)) from e
+        yield message_id, ikey, payload
+
+
+def _explain(plan: _Plan, row: Any, key: Any, error: Exception) -> str:
+    for column in (*plan.args, *(c for _, c in plan.kwargs)):
+        try:
+            plan.encoder.encode({"value": row[column]})
+        except Exception as e:
+            value = row[column]
+            return (
+                f"Column {column!r} of the row with {plan.key}={key!r} cannot be encoded "
+                f"({type(value).__name__} {value!r}: {e}); cast it to a supported type"
+            )
+    return f"The row with {plan.key}={key!r} cannot be encoded: {error}"
+
+
+def write_partition(plan: _Plan, rows: Iterable[Any]) -> tuple[int, int]:
+    """Write one partition in one transaction.  Runs on an executor.
+
+    Returns:
+      tuple[int, int]: (rows read, messages enqueued).
+    """
+    import psycopg
+
+    iterator = iter(rows)
+    first = next(iterator, None)
+    if first is None:
+        return 0, 0
+    s = quote_ident(plan.schema)
+    now_ms = int(time.time() * 1000)
+    read = 0
+    with psycopg.connect(plan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
+        with conn.cursor() as cur:
+            cur.execute(
+                "CREATE TEMP TABLE dpo_stage (message_id text, idempotency_key text, payload bytea) "
+                "ON COMMIT DROP"
+            )
+            with cur.copy("COPY dpo_stage FROM STDIN (FORMAT BINARY)") as copy:
+                copy.set_types(["text", "text", "bytea"])
+                for record in _encode_rows(plan, _chain(first, iterator), now_ms):
+                    copy.write_row(record)
+                    read += 1
+            cur.execute(
+                f"""
+                INSERT INTO {s}.messages
+                    (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key)
+                SELECT %(queue_name)s, %(actor_name)s, st.message_id,
+                       now() + %(delay)s * interval '1 millisecond', st.payload, st.idempotency_key
+                FROM dpo_stage AS st
+                WHERE NOT EXISTS (
+                    SELECT 1 FROM {s}.history AS h WHERE h.idempotency_key = st.idempotency_key
+                )
+                ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+                """,  # noqa: S608 - the schema is validated and quoted
+                {"queue_name": plan.queue_name, "actor_name": plan.actor_name, "delay": plan.delay_ms},
+            )
+            enqueued = cur.rowcount
+            if enqueued:
+                # A twin whose archiving committed while the INSERT ran is not in
+                # the INSERT's snapshot of history; this statement's newer snapshot sees it.
+                cur.execute(
+                    f"""
+                    DELETE FROM {s}.messages AS m
+                    USING dpo_stage AS st
+                    WHERE m.idempotency_key = st.idempotency_key
+                      AND m.xmin = pg_current_xact_id()::xid
+                      AND EXISTS (
+                        SELECT 1 FROM {s}.history AS h WHERE h.idempotency_key = st.idempotency_key
+                      )
+                    """  # noqa: S608
+                )
+                enqueued -= cur.rowcount
+            if enqueued and plan.notify and plan.delay_ms == 0:
+                cur.execute("SELECT pg_notify(%s, %s)", (plan.channel, plan.queue_name))
+    return read, enqueued
+
+
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
