@@ -318,6 +318,8 @@ class _PostgresConsumer(Consumer):
         self._notified = False
         self._more = False
         self._next_fetch_at = 0.0
+        #: Row id of a redelivered message running alone (see _isolate).
+        self._isolated: int | None = None
         self._closed = False
         self.runtime.register(self)
 
@@ -335,9 +337,9 @@ class _PostgresConsumer(Consumer):
                 return None
             now = time.monotonic()
             free = self.limit - self._outstanding
-            # With a backlog, wait for half the buffer to drain so claims stay batched.
-            threshold = max(1, self.limit // 2) if self._more else 1
-            if free >= threshold and (now >= self._next_fetch_at or self._notified):
+            threshold = self._threshold()
+            can_fetch = free >= threshold and self._isolated is None
+            if can_fetch and (now >= self._next_fetch_at or self._notified):
                 self._wakeup.clear()
                 self._notified = False
                 claimed = self._fetch(free)
@@ -346,13 +348,19 @@ class _PostgresConsumer(Consumer):
                 self._next_fetch_at = time.monotonic() + interval / 1000
                 if self._buffer:
                     continue
-            wait_until = deadline if free < threshold else min(deadline, self._next_fetch_at)
+                can_fetch = self._isolated is None
+            wait_until = min(deadline, self._next_fetch_at) if can_fetch else deadline
             remaining = wait_until - time.monotonic()
             if remaining <= 0:
                 if time.monotonic() >= deadline:
                     return None
                 continue
             self._wakeup.wait(remaining)
+
+    def _threshold(self) -> int:
+        # With a backlog, wait for half the buffer to drain so claims stay batched;
+        # when idle, fetch as soon as one slot is free (latency).
+        return max(1, self.limit // 2) if self._more else 1
 
     def _fetch(self, limit: int) -> int:
         lease = uuid.uuid4()
@@ -361,8 +369,12 @@ class _PostgresConsumer(Consumer):
             {"queue_name": self.queue_name, "limit": limit, "lease": lease, "owner": self.runtime.worker_id},
         )
         rows.sort(key=lambda row: row[0])
-        for row_id, attempts, payload in rows:
+        for row_id, _, _ in rows:
             self.runtime.inflight[row_id] = lease
+        suspects = [row for row in rows if row[1] > 1]
+        if suspects:
+            rows = self._isolate(suspects[0], [row for row in rows if row is not suspects[0]], lease)
+        for row_id, attempts, payload in rows:
             try:
                 message = Message.decode(bytes(payload))
             except DecodeError as e:
@@ -371,6 +383,8 @@ class _PostgresConsumer(Consumer):
                 )
                 _, error = format_error(e.__cause__ or e)
                 self.runtime.flusher.nack(row_id, lease, "DecodeError", error)
+                if row_id == self._isolated:
+                    self._isolated = None
                 continue
             if message.queue_name != self.queue_name:
                 message = dataclasses.replace(message, queue_name=self.queue_name)
@@ -379,11 +393,43 @@ class _PostgresConsumer(Consumer):
             self._buffer.append(_PostgresMessage(message, row_id, lease, attempts))
         return len(rows)
 
-    def _release(self, count: int = 1) -> None:
+    def _isolate(
+        self, suspect: tuple[Any, ...], others: list[tuple[Any, ...]], lease: uuid.UUID
+    ) -> list[Any]:
+        """Run a redelivered message alone.
+
+        A message claimed before without an ack (attempts > 1) may be what
+        killed its last worker.  Every message a dying process holds is
+        charged an attempt, so running a suspect beside others could push
+        innocent messages towards ``max_deliveries``.  The rest of this claim
+        is handed back at once (refunded) and this consumer claims nothing
+        more until the suspect is acked or nacked.
+        """
+        if others:
+            self.runtime.flusher.requeue([(row[0], lease) for row in others])
+            try:
+                self.runtime.flusher.flush_once()
+            except Exception as e:
+                self.logger.warning("Requeue of %d message(s) deferred to the flush loop: %s", len(others), e)
+        self.logger.info(
+            "Message %d of queue %r is on delivery %d: running it alone",
+            suspect[0],
+            self.queue_name,
+            suspect[1],
+        )
+        self._isolated = suspect[0]
+        return [suspect]
+
+    def _release(self, count: int = 1, row_id: int | None = None) -> None:
         with self._lock:
-            was_full = self._outstanding >= self.limit
             self._outstanding -= count
-        if was_full:
+            free = self.limit - self._outstanding
+        threshold = self._threshold()
+        if row_id is not None and row_id == self._isolated:
+            self._isolated = None
+            self._wakeup.set()
+        elif threshold <= free < threshold + count:
+            # Just crossed the refill threshold: let __next__ claim now.
             self._wakeup.set()
 
     def ack(self, message: MessageProxy) -> None:
@@ -395,13 +441,13 @@ class _PostgresConsumer(Consumer):
             # The actor raised but Dramatiq acks: Retries enqueued a retry (or
             # the exception is in `throws`).  Keep the error in history.
             self.runtime.flusher.ack_with_error(message.row_id, message.lease, *format_error(exception))
-        self._release()
+        self._release(row_id=message.row_id)
 
     def nack(self, message: MessageProxy) -> None:
         assert isinstance(message, _PostgresMessage)
         error_type, error = format_error(getattr(message, "_exception", None))
         self.runtime.flusher.nack(message.row_id, message.lease, error_type, error)
-        self._release()
+        self._release(row_id=message.row_id)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Hand unstarted messages back at once, without charging them an attempt."""
@@ -409,6 +455,8 @@ class _PostgresConsumer(Consumer):
         if not rows:
             return
         self.runtime.flusher.requeue(rows)
+        if any(row_id == self._isolated for row_id, _ in rows):
+            self._isolated = None
         self._release(len(rows))
         try:
             self.runtime.flusher.flush_once()

@@ -13,6 +13,10 @@ from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq_pg_outbox import PostgresBroker
 
 
+#: Background maintenance ticks once at start, then the test drives it by hand.
+MANUAL = {"heartbeat_interval": 600_000, "rescue_interval": 600_000}
+
+
 def history(db: Any) -> list[tuple[Any, ...]]:
     return db.execute(
         "SELECT actor_name, state, attempts, error_type, error FROM dramatiq.history ORDER BY finished_at, id"
@@ -46,7 +50,9 @@ def test_messages_are_processed_and_archived_as_completed(
     ).fetchone() == (200, 1, 1)
 
 
-def test_attempts_are_charged_before_the_actor_runs(broker: PostgresBroker, start_worker: Any, db: Any) -> None:
+def test_attempts_are_charged_before_the_actor_runs(
+    broker: PostgresBroker, start_worker: Any, db: Any
+) -> None:
     observed: list[tuple[Any, ...]] = []
 
     @dramatiq.actor(broker=broker)
@@ -71,7 +77,9 @@ def test_delayed_messages_are_not_delivered_early(broker: PostgresBroker, start_
     later.send_with_options(delay=1_500)
     # While it waits, the row is pending in the table, not in a worker's memory.
     time.sleep(0.5)
-    assert db.execute("SELECT state, queue_name FROM dramatiq.messages").fetchall() == [("pending", "default")]
+    assert db.execute("SELECT state, queue_name FROM dramatiq.messages").fetchall() == [
+        ("pending", "default")
+    ]
     broker.join(later.queue_name, timeout=10_000)
     assert len(started) == 1
     assert started[0] - sent >= 1.5
@@ -101,13 +109,16 @@ def test_retries_with_backoff_then_success(broker: PostgresBroker, start_worker:
     start_worker(broker)
     broker.join(flaky.queue_name, timeout=20_000)
     assert len(calls) == 3
-    # Retries re-enqueue with a delay of min_backoff (plus jitter): never early.
-    assert calls[1] - calls[0] >= 0.3 and calls[2] - calls[1] >= 0.3
+    # Retries re-enqueues with a jittered delay of at least min_backoff / 2 (Dramatiq's
+    # compute_backoff); the broker never delivers a retry before its delay.
+    assert calls[1] - calls[0] >= 0.15 and calls[2] - calls[1] >= 0.15
     rows = history(db)
     assert [(r[1], r[3]) for r in rows] == [("completed", "ValueError")] * 2 + [("completed", None)]
 
 
-def test_dead_letters_land_in_history_with_their_error(broker: PostgresBroker, start_worker: Any, db: Any) -> None:
+def test_dead_letters_land_in_history_with_their_error(
+    broker: PostgresBroker, start_worker: Any, db: Any
+) -> None:
     @dramatiq.actor(broker=broker, max_retries=0)
     def broken() -> None:
         raise KeyError("no such customer")
@@ -211,7 +222,7 @@ def test_a_stale_ack_after_release_is_ignored(broker: PostgresBroker, db: Any) -
 def test_messages_of_a_dead_worker_are_released_and_quarantined_after_max_deliveries(
     make_broker: Any, db: Any
 ) -> None:
-    broker = make_broker(max_deliveries=2)
+    broker = make_broker(max_deliveries=2, **MANUAL)
 
     @dramatiq.actor(broker=broker)
     def task() -> None:
@@ -235,7 +246,9 @@ def test_messages_of_a_dead_worker_are_released_and_quarantined_after_max_delive
     assert "max_deliveries=2" in error
 
 
-def test_a_live_workers_long_task_is_never_released(broker: PostgresBroker, db: Any) -> None:
+def test_a_live_workers_long_task_is_never_released(make_broker: Any, db: Any) -> None:
+    broker = make_broker(**MANUAL)
+
     @dramatiq.actor(broker=broker)
     def long() -> None:
         pass
@@ -253,7 +266,9 @@ def test_a_live_workers_long_task_is_never_released(broker: PostgresBroker, db: 
     consumer.close()
 
 
-def test_orphaned_claims_of_a_live_process_are_released(broker: PostgresBroker, db: Any) -> None:
+def test_orphaned_claims_of_a_live_process_are_released(make_broker: Any, db: Any) -> None:
+    broker = make_broker(**MANUAL)
+
     @dramatiq.actor(broker=broker)
     def task() -> None:
         pass
