@@ -17,17 +17,14 @@ from __future__ import annotations
 import os
 import smtplib
 import threading
-from email.message import EmailMessage
 
 import dramatiq
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine
 
 from dramatiq_pg_outbox import PostgresBroker
 
-#: Sender address of the welcome emails.
-SENDER = "welcome@example.com"
-#: Header carrying the user id, so the SMTP server can count emails per user.
-USER_ID_HEADER = "X-User-Id"
+from .emails import welcome_email
+from .models import engine_for, load_user_email
 
 
 def database_url() -> str:
@@ -53,36 +50,27 @@ def engine() -> Engine:
     global _engine
     with _engine_lock:
         if _engine is None:
-            from .app import engine_for
-
             _engine = engine_for(database_url(), pool_size=8)
         return _engine
 
 
-def welcome_email(user_id: int, address: str) -> EmailMessage:
-    """Build the welcome email for one user; its Message-ID and header carry the user id."""
-    message = EmailMessage()
-    message["From"] = SENDER
-    message["To"] = address
-    message["Subject"] = "Welcome aboard!"
-    message["Message-ID"] = f"<welcome-{user_id}@example.com>"
-    message[USER_ID_HEADER] = str(user_id)
-    message.set_content(f"Hello {address},\n\nyour account #{user_id} is ready.\n")
-    return message
+class UserNotFound(LookupError):
+    """The user of a message does not exist: the message outlived its signup's rollback."""
 
 
-@dramatiq.actor(max_retries=3)
+@dramatiq.actor(max_retries=3, throws=(UserNotFound,))
 def send_welcome_email(user_id: int) -> None:
     """Email the welcome message to user ``user_id`` over SMTP.
 
     The message was enqueued in the signup's transaction, so the user row is
-    always there: a missing row would mean a message outlived a rollback.
+    always there.  A missing row would mean a message outlived a rollback (or
+    ran before its commit): retrying cannot fix that, so ``UserNotFound`` is
+    not retried and the message ends in the broker's history with its error,
+    where ``run.py`` counts it.
     """
-    from .app import load_user_email
-
     address = load_user_email(engine(), user_id)
     if address is None:
-        raise LookupError(f"user {user_id} does not exist: the signup that sent this message rolled back")
+        raise UserNotFound(f"user {user_id} does not exist")
     host = os.environ.get("EXAMPLE_SMTP_HOST", "127.0.0.1")
     port = int(os.environ.get("EXAMPLE_SMTP_PORT", "8025"))
     with smtplib.SMTP(host, port, timeout=30) as smtp:
