@@ -1,0 +1,96 @@
+"""The Dramatiq app run by the chaos suite's worker processes (``dramatiq benchmarks.chaos.app``).
+
+Configuration comes from the environment so that the supervisor can start
+real ``dramatiq`` CLI processes:
+
+- ``CHAOS_URL``: the database.
+- ``CHAOS_<OPTION>`` (upper case): an integer broker option, e.g.
+  ``CHAOS_HEARTBEAT_TIMEOUT=2000``.  Unset options keep the broker's defaults,
+  which is what most scenarios measure.
+- ``CHAOS_WORK_MS``: time each ``work`` message spends "working" (default 0).
+
+Every delivery of a ``work`` or ``long_task`` message adds one to its key's
+count in the table ``chaos_received`` (unique key + count), in its own
+committed transaction: that table is the durable record the suite compares
+with what was sent.  Keys starting with ``poison`` make ``work`` kill its own
+process with ``os._exit`` (a poison message).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import dramatiq
+import psycopg
+
+from dramatiq_pg_outbox import PostgresBroker
+
+#: Broker options that can be set with ``CHAOS_<NAME>``.
+OPTIONS = (
+    "pool_size",
+    "max_deliveries",
+    "max_fetch_interval",
+    "min_fetch_interval",
+    "flush_interval",
+    "heartbeat_interval",
+    "heartbeat_timeout",
+    "rescue_interval",
+)
+
+URL = os.environ["CHAOS_URL"]
+settings = {
+    name: int(os.environ[f"CHAOS_{name.upper()}"])
+    for name in OPTIONS
+    if f"CHAOS_{name.upper()}" in os.environ
+}
+broker = PostgresBroker(url=URL, **settings)
+dramatiq.set_broker(broker)
+
+WORK_MS = int(os.environ.get("CHAOS_WORK_MS", "0"))
+_conn: dict[int, psycopg.Connection[Any]] = {}
+
+RECORD = (
+    "INSERT INTO chaos_received (key, n) VALUES (%s, 1) "
+    "ON CONFLICT (key) DO UPDATE SET n = chaos_received.n + 1, last_at = now()"
+)
+
+
+def execute(query: str, params: tuple[Any, ...]) -> None:
+    """Run one autocommit statement on this process's own connection, reconnecting until it works.
+
+    The actors' bookkeeping must survive the faults the suite injects
+    (terminated connections, a database restart); 60 s of retries is more than
+    any scenario's outage.
+    """
+    deadline = time.monotonic() + 60
+    while True:
+        conn = _conn.get(os.getpid())
+        try:
+            if conn is None or conn.closed:
+                conn = _conn[os.getpid()] = psycopg.connect(URL, autocommit=True, connect_timeout=5)
+            conn.execute(query, params)
+            return
+        except psycopg.OperationalError:
+            _conn.pop(os.getpid(), None)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@dramatiq.actor(max_retries=0)
+def work(key: str) -> None:
+    if key.startswith("poison"):
+        execute("INSERT INTO chaos_started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
+        os._exit(1)
+    if WORK_MS:
+        time.sleep(WORK_MS / 1000)
+    execute(RECORD, (key,))
+
+
+@dramatiq.actor(max_retries=0, time_limit=3_600_000)
+def long_task(key: str, seconds: float) -> None:
+    execute("INSERT INTO chaos_started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
+    time.sleep(seconds)
+    execute(RECORD, (key,))
