@@ -119,22 +119,21 @@ def test_rerunning_the_same_batch_adds_nothing(spark: Any, actor: Any, db: Any) 
 
 
 def test_a_retried_task_adds_nothing(actor: Any, broker: PostgresBroker, db: Any) -> None:
-    plan = _Plan(
+    plan = _Plan.build(
+        key="customer_id",
+        args=["customer_id"],
         conninfo=broker.conninfo,
         schema="dramatiq",
         channel="dramatiq_pg_outbox.dramatiq",
         queue_name="notifications",
         actor_name="notify_customer",
         batch_id="retry",
-        key="customer_id",
-        args=("customer_id",),
-        kwargs=(),
         options={},
         delay_ms=0,
         notify=False,
         encoder=dramatiq.get_encoder(),
     )
-    rows = [{"customer_id": i} for i in range(100)]
+    rows = [(i,) for i in range(100)]
     assert write_partition(plan, rows) == (100, 100)
     # The same task run again (Spark retried it after its commit): nothing new.
     assert write_partition(plan, rows) == (100, 0)
@@ -195,3 +194,39 @@ def test_max_partitions_caps_connections(spark: Any, actor: Any, db: Any) -> Non
         batch_id="b8", max_partitions=2,
     )  # fmt: skip
     assert (result.enqueued, result.partitions) == (200, 2)
+
+
+def test_the_json_fast_path_encodes_exactly_like_dramatiq() -> None:
+    from dramatiq.encoder import JSONEncoder, PickleEncoder
+
+    from dramatiq_pg_outbox.spark import _encode_rows
+
+    fields: dict[str, Any] = {
+        "conninfo": "", "schema": "dramatiq", "channel": "c", "queue_name": "q", "actor_name": "a",
+        "batch_id": "b", "options": {"max_retries": 1, "note": "é"}, "delay_ms": 0, "notify": False,
+    }  # fmt: skip
+    # Columns: id (the key), then the args email, score, extra, then the kwarg column segment.
+    rows = [(1, "x@example.com", 2.5, None, "gold"), ('k"2', "ü", float("nan"), [1, {"a": None}], "")]
+    for encoder in (JSONEncoder(), PickleEncoder()):
+        plan = _Plan.build(
+            key="id",
+            args=["email", "score", "extra"],
+            kwargs={"segment": "segment"},
+            encoder=encoder,
+            **fields,
+        )
+        for row, (message_id, ikey, payload) in zip(rows, _encode_rows(plan, rows, 1234), strict=True):
+            expected = {
+                "queue_name": "q",
+                "actor_name": "a",
+                "args": [row[1], row[2], row[3]],
+                "kwargs": {"segment": row[4]},
+                "options": {"max_retries": 1, "note": "é", "idempotency_key": ikey},
+                "message_id": message_id,
+                "message_timestamp": 1234,
+            }
+            assert ikey == f"b:{row[0]}" and message_id == message_id_for("b", row[0])
+            if isinstance(encoder, JSONEncoder):
+                assert payload == encoder.encode(expected)
+            else:
+                assert encoder.decode(payload)["message_id"] == message_id

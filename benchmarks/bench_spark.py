@@ -1,0 +1,181 @@
+"""Spark bulk enqueue vs a plain Spark JDBC append, same rows, same run.
+
+    python benchmarks/bench_spark.py                 # 1,000,000 rows
+    python benchmarks/bench_spark.py --rows 200000 --partitions 4 --repeat 3
+
+What is compared (each on a freshly truncated table, best of ``--repeat``):
+
+- ``jdbc append``: ``df.write.jdbc(mode="append")`` of the customer rows
+  (customer_id bigint, email text, segment text) into a bare table with no
+  index, the fastest thing Spark does out of the box (batchsize 10,000;
+  ``--rewrite-batched`` also turns on the driver's multi-row rewrite).
+- ``enqueue_dataframe``: the same rows as Dramatiq messages (encoded JSON
+  payloads, uuid5 ids, idempotency keys) into the broker's messages table,
+  with its indexes, the history check and ON CONFLICT DO NOTHING.
+- ``re-run (no-op)``: the same enqueue again with the same batch id, which
+  adds nothing.
+
+Needs the ``[spark]`` extra, Java 17 and the PostgreSQL JDBC jar (Debian:
+``apt-get install libpostgresql-jdbc-java``).  The server: ``$DATABASE_URL``,
+else the local one on 127.0.0.1:5432, else a throwaway one (a scratch
+database is created and dropped either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from sqlalchemy.engine import make_url
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dramatiq_pg_outbox import upgrade
+from dramatiq_pg_outbox.devserver import postgres_server
+from dramatiq_pg_outbox.spark import enqueue_dataframe, jdbc_jar, jdbc_options, local_session
+
+
+@contextmanager
+def scratch_database(admin_url: str) -> Iterator[str]:
+    admin = make_url(admin_url).set(drivername="postgresql")
+    name = f"bench_spark_{secrets.token_hex(4)}"
+    admin_dsn = admin.render_as_string(hide_password=False)
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield admin.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def customers(spark: Any, rows: int, partitions: int) -> Any:
+    from pyspark.sql import functions as F
+
+    df = (
+        spark.range(0, rows, numPartitions=partitions)
+        .select(
+            F.col("id").alias("customer_id"),
+            F.concat(F.lit("customer"), F.col("id").cast("string"), F.lit("@example.com")).alias("email"),
+            F.when(F.col("id") % 10 == 0, "gold").otherwise("basic").alias("segment"),
+        )
+        .cache()
+    )
+    df.count()
+    return df
+
+
+def timed(fn: Any) -> tuple[float, Any]:
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each case; the best is reported")
+    parser.add_argument("--rewrite-batched", action="store_true", help="reWriteBatchedInserts=true for JDBC")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    if jdbc_jar() is None:
+        print("No PostgreSQL JDBC jar: apt-get install -y libpostgresql-jdbc-java", file=sys.stderr)
+        return 2
+
+    with postgres_server() as admin_url, scratch_database(admin_url) as url:
+        upgrade(url)
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE plain_customers (customer_id bigint, email text, segment text)")
+        spark = local_session("bench-spark", memory="2g")
+        cores = spark.sparkContext.defaultParallelism
+        df = customers(spark, args.rows, args.partitions)
+        warm = customers(spark, 20_000, args.partitions)
+        jdbc = jdbc_options(url)
+        if args.rewrite_batched:
+            jdbc["url"] += "&reWriteBatchedInserts=true"
+
+        def truncate(table: str) -> None:
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute(f"TRUNCATE {table}")
+                conn.execute(f"VACUUM ANALYZE {table}")
+
+        def jdbc_append(frame: Any) -> None:
+            frame.write.format("jdbc").options(**jdbc).option("dbtable", "plain_customers").option(
+                "batchsize", "10000"
+            ).mode("append").save()
+
+        def enqueue(frame: Any, batch_id: str) -> Any:
+            return enqueue_dataframe(
+                frame,
+                "notify_customer",
+                queue_name="notifications",
+                args=["customer_id", "email"],
+                kwargs={"segment": "segment"},
+                key="customer_id",
+                batch_id=batch_id,
+                url=url,
+            )
+
+        # Warm up the JVM, the Python workers and both code paths.
+        jdbc_append(warm)
+        enqueue(warm, "warmup")
+        plain: list[float] = []
+        ours: list[float] = []
+        rerun: list[float] = []
+        for i in range(args.repeat):
+            truncate("plain_customers")
+            plain.append(timed(lambda: jdbc_append(df))[0])
+            truncate("dramatiq.messages")
+            seconds, result = timed(lambda i=i: enqueue(df, f"bench-{i}"))
+            assert result.enqueued == args.rows, result
+            ours.append(seconds)
+            seconds, again = timed(lambda i=i: enqueue(df, f"bench-{i}"))
+            assert again.enqueued == 0 and again.skipped == args.rows, again
+            rerun.append(seconds)
+        with psycopg.connect(url) as conn:
+            stored = conn.execute("SELECT count(*) FROM dramatiq.messages").fetchone()
+            plain_rows = conn.execute("SELECT count(*) FROM plain_customers").fetchone()
+        spark.stop()
+
+    assert stored is not None and plain_rows is not None
+    assert stored[0] == args.rows and plain_rows[0] == args.rows
+    best = {"jdbc append": min(plain), "enqueue_dataframe": min(ours), "re-run (no-op)": min(rerun)}
+    print(
+        f"\n{args.rows:,} rows, {args.partitions} partitions, local[{cores}], best of {args.repeat}, "
+        f"JDBC reWriteBatchedInserts={'on' if args.rewrite_batched else 'off'}"
+    )
+    print(f"{'case':<20}{'seconds':>10}{'rows/s':>14}")
+    for name, seconds in best.items():
+        print(f"{name:<20}{seconds:>10.2f}{args.rows / seconds:>14,.0f}")
+    ratio = best["enqueue_dataframe"] / best["jdbc append"]
+    verdict = "within" if ratio <= 2 else "NOT within"
+    print(f"\nenqueue_dataframe takes {ratio:.2f}x the time of the plain JDBC append ({verdict} the 2x goal)")
+    if args.json:
+        figures = {
+            "rows": args.rows,
+            "partitions": args.partitions,
+            "cores": cores,
+            "seconds": best,
+            "all_runs": {"jdbc append": plain, "enqueue_dataframe": ours, "re-run (no-op)": rerun},
+            "ratio": ratio,
+        }
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    sys.exit(main())
