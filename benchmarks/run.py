@@ -1,0 +1,72 @@
+"""Run the benchmark suite: ``python -m benchmarks.run [--quick] [--scenarios drain,enqueue,...]``.
+
+Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained.
+Every system of a scenario is measured in the same run, on the same machine,
+against a durable PostgreSQL (fsync and synchronous_commit on).  By default a
+private server is started (``ThrowawayPostgres`` with pg_stat_statements);
+``--pg-url`` uses an existing one instead (each system gets its own database).
+Results are printed as Markdown tables and saved as JSON under ``out/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+from .bench_common import ALL_SYSTEMS, Context, machine_notes, postgres_for_benchmarks, save_json
+
+SCENARIOS = ("drain", "enqueue", "latency", "backlog", "sustained")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller counts, for a smoke run")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
+    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset")
+    parser.add_argument("--runs", type=int, default=None, help="repetitions (default 3, quick 2)")
+    parser.add_argument("--pg-url", default=os.environ.get("BENCH_PG_URL"), help="admin URL of a server")
+    parser.add_argument("--backlog-sizes", default=None, help="e.g. 10000,100000,1000000")
+    parser.add_argument("--sustained-seconds", type=int, default=None)
+    parser.add_argument("--sustained-rate", type=int, default=None, help="messages per second")
+    parser.add_argument("--out", default="out/benchmarks", help="directory of the JSON results")
+    args = parser.parse_args(argv)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    for s in scenarios:
+        if s not in SCENARIOS:
+            parser.error(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+    systems = tuple(s for s in args.systems.split(",") if s)
+    runs = args.runs or (2 if args.quick else 3)
+    if args.backlog_sizes:
+        os.environ["BENCH_BACKLOG_SIZES"] = args.backlog_sizes
+    if args.sustained_seconds:
+        os.environ["BENCH_SUSTAINED_SECONDS"] = str(args.sustained_seconds)
+    if args.sustained_rate:
+        os.environ["BENCH_SUSTAINED_RATE"] = str(args.sustained_rate)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    with postgres_for_benchmarks(args.pg_url) as admin_url:
+        ctx = Context(admin_url=admin_url, runs=runs, quick=args.quick, systems=systems, out_dir=args.out)
+        report: dict[str, object] = {
+            "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": machine_notes(admin_url),
+        }
+        print(f"# machine: {report['machine']}", flush=True)
+        for name in scenarios:
+            print(f"\n## {name}", flush=True)
+            module = importlib.import_module(f"benchmarks.bench_{name}")
+            started = time.monotonic()
+            result = module.run(ctx)
+            result["seconds"] = round(time.monotonic() - started, 1)
+            report[name] = result
+            for key, value in result.items():
+                if isinstance(value, str) and ("table" in key or key == "explain"):
+                    print(f"\n{key}:\n{value}", flush=True)
+            save_json(os.path.join(args.out, f"results-{stamp}.json"), report)
+    print(f"\nsaved {os.path.join(args.out, f'results-{stamp}.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
