@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import socket
 import threading
 import time
@@ -106,10 +107,36 @@ class _Runtime:
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled autocommit connection; connection errors become Dramatiq's."""
-        with translate_errors(), self.pool.connection() as conn:
-            if not self._schema_ok:
-                self._check_schema(conn)
-            yield conn
+        with translate_errors():
+            conn = self._getconn()
+            try:
+                if not self._schema_ok:
+                    self._check_schema(conn)
+                yield conn
+            finally:
+                self.pool.putconn(conn)
+
+    def _getconn(self) -> psycopg.Connection[Any]:
+        # An idle pooled connection with unread input has been told something
+        # by the server, typically "terminating connection" (a restart,
+        # pg_terminate_backend, an idle timeout).  Check those before use and
+        # replace the dead ones, so a statement is never sent on them: no
+        # spurious ConnectionClosed after a server-side disconnect.  Healthy
+        # idle connections have nothing to read and cost no round trip.
+        for _ in range(self.broker.pool_size + 1):
+            conn = self.pool.getconn()
+            readable, _, _ = (
+                select.select([conn.fileno()], [], [], 0) if not conn.closed else ([True], [], [])
+            )
+            if not readable:
+                return conn
+            try:
+                ConnectionPool.check_connection(conn)
+                return conn
+            except psycopg.Error:
+                conn.close()
+                self.pool.putconn(conn)
+        return self.pool.getconn()
 
     def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         with self.connection() as conn:

@@ -35,6 +35,9 @@ _QUEUE_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
 #: Longest queue name accepted (NOTIFY payloads and index entries stay small), in characters.
 MAX_QUEUE_NAME = 200
 
+#: Delivery number from which a message runs alone in its consumer (or at its last allowed delivery).
+SUSPECT_AT_DELIVERY = 3
+
 NotifyMode = Literal["transaction", "after_commit", "off"]
 
 
@@ -318,6 +321,8 @@ class _PostgresConsumer(Consumer):
         self._notified = False
         self._more = False
         self._next_fetch_at = 0.0
+        #: Deliveries from which a message runs alone (see _isolate).
+        self._suspect_at = min(SUSPECT_AT_DELIVERY, broker.max_deliveries)
         #: Row id of a redelivered message running alone (see _isolate).
         self._isolated: int | None = None
         self._closed = False
@@ -371,7 +376,7 @@ class _PostgresConsumer(Consumer):
         rows.sort(key=lambda row: row[0])
         for row_id, _, _ in rows:
             self.runtime.inflight[row_id] = lease
-        suspects = [row for row in rows if row[1] > 1]
+        suspects = [row for row in rows if row[1] >= self._suspect_at]
         if suspects:
             rows = self._isolate(suspects[0], [row for row in rows if row is not suspects[0]], lease)
         for row_id, attempts, payload in rows:
@@ -396,14 +401,17 @@ class _PostgresConsumer(Consumer):
     def _isolate(
         self, suspect: tuple[Any, ...], others: list[tuple[Any, ...]], lease: uuid.UUID
     ) -> list[Any]:
-        """Run a redelivered message alone.
+        """Run a message alone from its third (or its last allowed) delivery.
 
-        A message claimed before without an ack (attempts > 1) may be what
-        killed its last worker.  Every message a dying process holds is
-        charged an attempt, so running a suspect beside others could push
-        innocent messages towards ``max_deliveries``.  The rest of this claim
-        is handed back at once (refunded) and this consumer claims nothing
-        more until the suspect is acked or nacked.
+        A message claimed twice before without an ack may be what killed its
+        workers.  Every message a dying process holds is charged an attempt,
+        so running a suspect beside others would push innocent messages
+        towards ``max_deliveries``; running it alone means only the suspect
+        pays for its own crashes.  The rest of this claim is handed back at
+        once (refunded) and this consumer claims nothing more until the
+        suspect is acked or nacked.  (RabbitMQ quorum queues' delivery-limit
+        charges every unacked message of a dead channel alike, with no such
+        protection.)
         """
         if others:
             self.runtime.flusher.requeue([(row[0], lease) for row in others])

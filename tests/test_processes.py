@@ -114,12 +114,23 @@ def test_the_worker_recovers_after_its_connections_are_terminated(
     wait_for(lambda: count(db, "SELECT count(*) FROM received") == 100, 30, "first batch")
     # When every connection of the worker (pool and LISTEN) is terminated
     own = db.execute("SELECT pg_backend_pid()").fetchone()[0]
-    killed = db.execute(
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-        "WHERE datname = current_database() AND pid <> %s AND backend_type = 'client backend'",
-        (own,),
-    ).fetchone()[0]
-    assert killed >= 2
+    victims = [
+        r[0]
+        for r in db.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> %s "
+            "AND backend_type = 'client backend' AND pg_terminate_backend(pid)",
+            (own,),
+        )
+    ]
+    assert len(victims) >= 2
+    wait_for(
+        lambda: (
+            count(db, f"SELECT count(*) FROM pg_stat_activity WHERE pid IN ({','.join(map(str, victims))})")
+            == 0
+        ),
+        10,
+        "terminated backends to exit",
+    )
     # Then, without a restart, it processes new messages and LISTEN works again
     for i in range(100):
         producer.record.send(f"b{i}")

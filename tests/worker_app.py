@@ -36,13 +36,23 @@ _conn: dict[int, psycopg.Connection[Any]] = {}
 
 def _db() -> psycopg.Connection[Any]:
     pid = os.getpid()
-    if pid not in _conn:
-        _conn[pid] = psycopg.connect(os.environ["DPO_TEST_URL"], autocommit=True)
-    return _conn[pid]
+    conn = _conn.get(pid)
+    if conn is None or conn.closed or conn.broken:
+        conn = _conn[pid] = psycopg.connect(os.environ["DPO_TEST_URL"], autocommit=True)
+    return conn
+
+
+def _execute(query: str, params: tuple[Any, ...]) -> None:
+    # The tests also terminate this connection (pg_terminate_backend): reconnect once.
+    try:
+        _db().execute(query, params)
+    except psycopg.OperationalError:
+        _conn.pop(os.getpid(), None)
+        _db().execute(query, params)
 
 
 def _record(key: str) -> None:
-    _db().execute(
+    _execute(
         "INSERT INTO received (key, n, pids) VALUES (%s, 1, ARRAY[%s]) "
         "ON CONFLICT (key) DO UPDATE SET n = received.n + 1, pids = received.pids || %s",
         (key, os.getpid(), os.getpid()),
@@ -56,7 +66,7 @@ def record(key: str) -> None:
 
 @dramatiq.actor(max_retries=0, time_limit=120_000)
 def slow_record(key: str, seconds: float) -> None:
-    _db().execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
+    _execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
     time.sleep(seconds)
     _record(key)
 
@@ -64,5 +74,5 @@ def slow_record(key: str, seconds: float) -> None:
 @dramatiq.actor(max_retries=0)
 def crash(key: str) -> None:
     """Kills its own worker process (a poison message), recording the start first."""
-    _db().execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
+    _execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
     os._exit(1)
