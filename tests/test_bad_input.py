@@ -68,3 +68,17 @@ def test_no_password_reaches_a_log_line_or_an_error(
     assert "s3cret-pw" not in str(excinfo.value)
     broker.close()
     assert "s3cret-pw" not in caplog.text
+
+
+def test_an_unreachable_server_surfaces_as_dramatiqs_connection_error() -> None:
+    from dramatiq.errors import BrokerConnectionError
+
+    broker = PostgresBroker(url="postgresql://nobody@127.0.0.1:1/none", pool_timeout=500)
+
+    @dramatiq.actor(broker=broker)
+    def task() -> None:
+        pass
+
+    with pytest.raises(BrokerConnectionError):
+        task.send()
+    broker.close()

@@ -12,7 +12,6 @@ from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 
 from dramatiq_pg_outbox import PostgresBroker
 
-
 #: Background maintenance ticks once at start, then the test drives it by hand.
 MANUAL = {"heartbeat_interval": 600_000, "rescue_interval": 600_000}
 

@@ -12,9 +12,9 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
-from alembic import command
 from alembic.config import Config
 
+from alembic import command
 from dramatiq_pg_outbox import PostgresBroker, SchemaNotReady, downgrade, upgrade, versions_path
 from dramatiq_pg_outbox.migrations import SCHEMA_REVISION
 
@@ -58,7 +58,16 @@ def test_check_constraints_enforce_the_states(database_url: str, db: Any) -> Non
 def test_the_cli_migrates(database_url: str) -> None:
     drop_schema(database_url, "cli_jobs")
     out = subprocess.run(
-        [sys.executable, "-m", "dramatiq_pg_outbox.cli", "migrate", "--url", database_url, "--schema", "cli_jobs"],
+        [
+            sys.executable,
+            "-m",
+            "dramatiq_pg_outbox.cli",
+            "migrate",
+            "--url",
+            database_url,
+            "--schema",
+            "cli_jobs",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -92,7 +101,9 @@ def test_the_broker_refuses_an_old_schema(database_url: str) -> None:
     drop_schema(database_url, "old_jobs")
 
 
-def test_an_application_can_include_our_revisions_in_its_own_history(tmp_path: Path, database_url: str) -> None:
+def test_an_application_can_include_our_revisions_in_its_own_history(
+    tmp_path: Path, database_url: str
+) -> None:
     # Given an application's alembic environment with one revision of its own
     (tmp_path / "versions").mkdir()
     (tmp_path / "env.py").write_text(
