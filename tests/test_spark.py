@@ -230,3 +230,100 @@ def test_the_json_fast_path_encodes_exactly_like_dramatiq() -> None:
                 assert payload == encoder.encode(expected)
             else:
                 assert encoder.decode(payload)["message_id"] == message_id
+
+
+# -- analytics ---------------------------------------------------------------
+
+BASE = "2026-11-21 10:00:00+00"
+
+
+def _history(db: Any) -> None:
+    """Known history: actor a over two minutes (retries, a dead letter), actor b in one minute."""
+    rows = []
+    ident = 0
+
+    def add(actor: str, message: str, state: str, attempts: int, minute: int, second: int,
+            wait_ms: int, run_ms: int, error: str | None = None) -> None:  # fmt: skip
+        nonlocal ident
+        ident += 1
+        rows.append((ident, actor, message, state, attempts, minute, second, wait_ms, run_ms, error))
+
+    for i in range(20):  # a, minute 0: 20 clean messages
+        add("a", f"a{i}", "completed", 1, 0, i, 10 * (i + 1), 100 + i)
+    for i in range(3):  # a, minute 1: 3 messages retried once, then fine
+        add("a", f"r{i}", "completed", 1, 1, i, 5, 50, "ValueError")
+        add("a", f"r{i}", "completed", 1, 1, 30 + i, 1000, 60)
+    add("a", "dead", "failed", 2, 1, 50, 7, 8, "KeyError")  # delivered twice (crash), dead-lettered
+    add("a", "dead", "completed", 1, 1, 40, 7, 8, "KeyError")
+    for i in range(5):  # b, minute 0
+        add("b", f"b{i}", "completed", 1, 0, 10 + i, 1, 2000)
+    with db.cursor() as cur:
+        cur.executemany(
+            """
+            INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts,
+                enqueued_at, started_at, finished_at, error_type, payload)
+            SELECT %s, 'default', %s, %s, %s, %s,
+                   f - (w + r) * interval '1 ms', f - r * interval '1 ms', f, %s, '\\x'::bytea
+            FROM (SELECT %s::timestamptz + %s * interval '1 minute' + %s * interval '1 second' AS f,
+                         %s::int AS w, %s::int AS r) AS t
+            """,
+            [(i, a, m, s, n, e, BASE, mi, se, w, r) for i, a, m, s, n, mi, se, w, r, e in rows],
+        )
+        cur.execute(
+            """
+            INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, state, next_attempt_at,
+                lease, owner, payload)
+            SELECT 'default', 'a', 'p' || g, CASE WHEN g = 6 THEN 'processing' ELSE 'pending' END,
+                   CASE WHEN g IN (4, 5) THEN now() + interval '1 hour' ELSE now() - interval '10 s' END,
+                   CASE WHEN g = 6 THEN gen_random_uuid() END, NULL, '\\x'::bytea
+            FROM generate_series(1, 6) AS g
+            """
+        )
+
+
+def test_analytics_match_the_sql_functions(spark: Any, db: Any, database_url: str, tmp_path: Any) -> None:
+    from dramatiq_pg_outbox.spark_analytics import run
+
+    _history(db)
+    analytics, written = run(database_url, tmp_path, spark=spark, bucket_seconds=60, partitions=3)
+    for name in ("stats.csv", "attempts.csv", "errors.csv", "backlog.csv", "throughput.png", "latency.png"):
+        assert written[name].is_file() and written[name].stat().st_size > 0, name
+    assert (tmp_path / "parquet" / "stats").is_dir()
+
+    got = {(r["actor_name"], r["bucket_start"].minute): r.asDict() for r in analytics.stats.collect()}
+    sql_rows = db.execute("SELECT * FROM dramatiq.message_stats(interval '1 minute')").fetchall()
+    names = [c.name for c in db.execute("SELECT * FROM dramatiq.message_stats() LIMIT 0").description]
+    assert len(got) == len(sql_rows) == 3
+    for values in sql_rows:
+        expected = dict(zip(names, values, strict=True))
+        row = got[(expected["actor_name"], expected["bucket_start"].minute)]
+        for column in ("deliveries", "completed", "retried", "failed"):
+            assert row[column] == expected[column], column
+        for column in ("throughput_per_s", "failure_rate", "retry_rate"):
+            assert row[column] == pytest.approx(expected[column]), column
+        for column in ("wait_p50_ms", "run_p50_ms", "wait_p99_ms", "run_p99_ms"):
+            # percentile_approx picks a sample, percentile_cont interpolates.
+            assert row[column] == pytest.approx(expected[column], rel=0.1, abs=15), column
+    a0, a1 = got[("a", 0)], got[("a", 1)]
+    assert (a0["deliveries"], a0["completed"], a0["retried"], a0["failed"]) == (20, 20, 0, 0)
+    assert (a1["deliveries"], a1["retried"], a1["failed"]) == (8, 4, 1)
+    assert a1["failure_rate"] == pytest.approx(1 / 8) and a1["retry_rate"] == pytest.approx(4 / 8)
+
+    attempts = sorted(tuple(r) for r in analytics.attempts.collect())
+    assert attempts == sorted(
+        tuple(r) for r in db.execute("SELECT actor_name, attempts, messages FROM dramatiq.message_attempts")
+    )
+    assert ("a", 2, 3) in attempts and ("a", 3, 1) in attempts and ("b", 1, 5) in attempts
+    errors = [tuple(r) for r in analytics.errors.collect()]
+    assert errors == [tuple(r) for r in db.execute("SELECT * FROM dramatiq.message_errors")]
+    assert errors == [("a", "ValueError", 3, 0, 3, 1), ("a", "KeyError", 1, 1, 2, 2)]
+    backlog = [tuple(r)[:5] for r in analytics.backlog.collect()]
+    assert backlog == [("default", "a", 3, 2, 1)]
+    assert backlog == [tuple(r)[:5] for r in db.execute("SELECT * FROM dramatiq.queue_backlog")]
+
+
+def test_analytics_command_on_an_empty_history(db: Any, database_url: str, tmp_path: Any, spark: Any) -> None:
+    from dramatiq_pg_outbox.spark_analytics import run
+
+    analytics, written = run(database_url, tmp_path, spark=spark)
+    assert analytics.stats.count() == 0 and written["stats.csv"].is_file()
