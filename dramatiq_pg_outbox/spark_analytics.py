@@ -292,7 +292,9 @@ def _charts(stats: Any, out: Path) -> dict[str, Path]:
         for actor in actors:
             rows = stats[stats["actor_name"] == actor]
             for p, style in ((50, "-"), (90, "--"), (99, ":")):
-                ax.plot(rows["bucket_start"], rows[f"{kind}_p{p}_ms"], style, label=f"{actor} p{p}")
+                ax.plot(
+                    rows["bucket_start"], rows[f"{kind}_p{p}_ms"], style, marker=".", label=f"{actor} p{p}"
+                )
         ax.set_title(f"Latency {title}")
         ax.set_ylabel("ms")
         ax.set_yscale("symlog")

@@ -1,0 +1,1 @@
+"""Spark pipeline example: customers -> one message each -> dramatiq workers -> analytics report."""
