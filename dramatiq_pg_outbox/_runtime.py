@@ -86,7 +86,9 @@ class _Runtime:
             broker.conninfo,
             min_size=1,
             max_size=broker.pool_size,
-            kwargs={"autocommit": True},
+            # The application name tells operators (pg_stat_activity) which
+            # process holds which connection: "dramatiq-pg-outbox:<pid>".
+            kwargs={"autocommit": True, "application_name": f"dramatiq-pg-outbox:{self.pid}"},
             timeout=broker.pool_timeout / 1000,
             name=f"dramatiq-pg-outbox-{self.pid}",
             open=False,
@@ -541,7 +543,11 @@ class _Listener(_Loop):
         self.received = 0
 
     def tick(self) -> None:
-        conn = psycopg.connect(self.runtime.broker.conninfo, autocommit=True)
+        conn = psycopg.connect(
+            self.runtime.broker.conninfo,
+            autocommit=True,
+            application_name=f"dramatiq-pg-outbox:{os.getpid()}:listen",
+        )
         try:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.runtime.channel)))
             self.connected.set()
