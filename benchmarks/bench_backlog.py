@@ -1,0 +1,161 @@
+"""Scenario 4 (backlog): drain rate of our broker with 10k / 100k / 1M messages pending.
+
+For a backlog of S rows the table holds, when the drain starts: M due messages
+of the drained queue ``dpo_bench`` (M = 5,000 for S = 10k, else 10,000), and
+S - M others, half of them delayed by an hour on ``dpo_bench`` and half due on
+three other queues, written interleaved in id order.  A 1 x 8 ``Worker``
+drains ``dpo_bench`` until its M due messages have run.  The table is freshly
+filled (no ANALYZE, autovacuum off for the table during the fill) so the claim
+runs with no planner statistics, which is where a peer drains 3x slower;
+``EXPLAIN`` of the claim is recorded then, and again after ``ANALYZE``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+
+from .bench_common import DEFAULT_CAP_S, OURS, Context, Series, fmt_rate, markdown_table
+from .bench_systems import ACTOR, QUEUE, WorkerGroup, install, make_message
+
+OTHER_QUEUES = ("dpo_bench_a", "dpo_bench_b", "dpo_bench_c")
+FILL_BATCH = 10_000
+
+CLAIM_SQL = """
+WITH candidates AS (
+    SELECT id FROM dramatiq.messages
+    WHERE queue_name = 'dpo_bench' AND state = 'pending' AND next_attempt_at <= now()
+    ORDER BY next_attempt_at, id
+    LIMIT 16
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE dramatiq.messages AS m
+SET state = 'processing', attempts = m.attempts + 1, lease = gen_random_uuid(),
+    owner = gen_random_uuid(), acquired_at = now()
+FROM candidates WHERE m.id = candidates.id
+RETURNING m.id, m.attempts, m.payload
+"""
+
+
+def fill(url: str, size: int, due: int) -> float:
+    """Write the backlog with COPY; returns seconds taken."""
+    payload = make_message(0).encode()
+    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    t0 = time.perf_counter()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE dramatiq.messages SET (autovacuum_enabled = false)")
+        with conn.cursor() as cur:
+            with cur.copy(
+                "COPY dramatiq.messages (queue_name, actor_name, message_id, next_attempt_at, payload) "
+                "FROM STDIN"
+            ) as cp:
+                # Interleave: spread the due rows evenly among the others.
+                step = max(1, size // max(due, 1))
+                written_due = 0
+                for i in range(size):
+                    if written_due < due and (i % step == 0 or size - i <= due - written_due):
+                        msg = make_message(written_due)
+                        written_due += 1
+                        cp.write_row((QUEUE, ACTOR, msg.message_id, "now", msg.encode()))
+                    elif (i - written_due) % 2 == 0:
+                        cp.write_row((QUEUE, ACTOR, f"d{i}", later, payload))
+                    else:
+                        q = OTHER_QUEUES[i % len(OTHER_QUEUES)]
+                        cp.write_row((q, ACTOR, f"o{i}", "now", payload))
+    return time.perf_counter() - t0
+
+
+def explain(url: str, analyze: bool) -> str:
+    with psycopg.connect(url) as conn:
+        opts = "(ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)" if analyze else "(COSTS OFF)"
+        rows = conn.execute(f"EXPLAIN {opts} {CLAIM_SQL}").fetchall()
+        conn.rollback()  # EXPLAIN ANALYZE really claimed: undo it
+    return "\n".join(r[0] for r in rows)
+
+
+def table_stats(url: str) -> dict[str, Any]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT n_live_tup, n_dead_tup, last_analyze, last_autoanalyze, n_mod_since_analyze "
+            "FROM pg_stat_user_tables WHERE relid = 'dramatiq.messages'::regclass"
+        ).fetchone()
+        reltuples = conn.execute(
+            "SELECT reltuples FROM pg_class WHERE oid = 'dramatiq.messages'::regclass"
+        ).fetchone()
+    keys = ("n_live_tup", "n_dead_tup", "last_analyze", "last_autoanalyze", "n_mod_since_analyze")
+    out = dict(zip(keys, row or (), strict=False))
+    out["reltuples"] = reltuples[0] if reltuples else None
+    return out
+
+
+def backlog_once(ctx: Context, size: int, *, record_explain: bool) -> dict[str, Any]:
+    due = 5_000 if size <= 10_000 else 10_000
+    dbname = "bench_backlog_ours"
+    url = ctx.db_url(dbname)
+    install(OURS, ctx.admin_url, dbname, url)
+    fill_s = fill(url, size, due)
+    result: dict[str, Any] = {"size": size, "due": due, "fill_s": round(fill_s, 1)}
+    if record_explain:
+        result["stats_before_analyze"] = table_stats(url)
+        result["explain_fresh"] = explain(url, analyze=True)
+    with psycopg.connect(url, autocommit=True) as conn:  # the drain runs with normal autovacuum
+        conn.execute("ALTER TABLE dramatiq.messages RESET (autovacuum_enabled)")
+    group = WorkerGroup(OURS, url, processes=1, threads=8)
+    try:
+        group.start()
+        t0 = group.go()
+        t1 = group.wait_for(due, DEFAULT_CAP_S)
+        result["rate"] = due / (t1 - t0) if t1 else None
+    finally:
+        group.close()
+    if record_explain:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("ANALYZE dramatiq.messages")
+        result["explain_analyzed"] = explain(url, analyze=True)
+    return result
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    sizes = [int(x) for x in os.environ.get("BENCH_BACKLOG_SIZES", "10000,100000").split(",")]
+    if OURS not in ctx.systems:
+        return {"table": "not run (our broker not selected)"}
+    series: dict[int, Series] = {}
+    explains: dict[int, dict[str, Any]] = {}
+    for run_no in range(ctx.runs):
+        for size in sizes:
+            if size >= 1_000_000 and run_no > 0:
+                continue  # one run of the 1M backlog (the fill alone takes ~30 s)
+            s = series.setdefault(size, Series())
+            try:
+                res = backlog_once(ctx, size, record_explain=run_no == 0)
+                if res["rate"] is None:
+                    s.errors.append("not drained within the cap")
+                else:
+                    s.values.append(res["rate"])
+                if run_no == 0:
+                    explains[size] = res
+                print(f"  backlog run {run_no + 1} size {size:,}: {fmt_rate(res['rate'])} msgs/s", flush=True)
+            except Exception as e:
+                s.errors.append(f"{type(e).__name__}: {e}")
+                print(f"  backlog run {run_no + 1} size {size:,}: FAILED {e!r}", flush=True)
+    base = series.get(sizes[0])
+    rows = []
+    for size in sizes:
+        s = series[size]
+        ratio = f"{s.median / base.median:.2f}x" if s.median and base and base.median else "-"
+        rows.append([f"{size:,}", str(len(s.values)), fmt_rate(s.median), s.spread(), ratio])
+    table = markdown_table(
+        ["pending rows", "runs", "drain msgs/s (median, 1x8)", "min-max", f"vs {sizes[0]:,}"], rows
+    )
+    explain_text = []
+    for size, res in explains.items():
+        explain_text.append(
+            f"### backlog {size:,}: fresh, before ANALYZE (stats: {res.get('stats_before_analyze')})\n"
+            f"{res.get('explain_fresh')}\n\n### backlog {size:,}: after the drain and ANALYZE\n"
+            f"{res.get('explain_analyzed')}"
+        )
+    return {"table": table, "explain": "\n\n".join(explain_text), "runs": explains}
