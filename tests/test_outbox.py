@@ -204,3 +204,21 @@ def test_connection_exception_then_rollback_leaves_no_message(db: Any, engine: A
         conn.execute(text("SELECT 1"))
         conn.commit()
     assert stored(db) == []
+
+
+def test_notify_carries_only_the_queue_name_and_only_at_commit(
+    database_url: str, engine: Any, broker: PostgresBroker, actor: Any
+) -> None:
+    import psycopg
+
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute(f'LISTEN "{broker.channel}"')
+        with Session(engine) as session:
+            with outbox(session):
+                for i in range(3):
+                    actor.send("x" * 10_000 + str(i))  # large arguments never reach the payload
+            assert list(listener.notifies(timeout=0.3)) == []
+            session.commit()
+        notes = list(listener.notifies(timeout=1.0, stop_after=5))
+        # One notification per queue per transaction, carrying the queue name only.
+        assert [n.payload for n in notes] == ["default"]
