@@ -27,6 +27,7 @@ Supported binds: SQLAlchemy ``Session``, ``Connection``, ``AsyncSession`` and
 
 from __future__ import annotations
 
+import weakref
 from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -111,6 +112,10 @@ class _Pending:
         self.notify_queues.clear()
 
 
+#: Buffered messages of each bound Connection (dropped with the Connection).
+_connection_pending: weakref.WeakKeyDictionary[Connection, _Pending] = weakref.WeakKeyDictionary()
+
+
 def _pending_for_session(session: Session, broker: PostgresBroker) -> _Pending:
     pending = session.info.get(_INFO_KEY)
     if pending is None:
@@ -123,9 +128,12 @@ def _pending_for_session(session: Session, broker: PostgresBroker) -> _Pending:
 
 
 def _pending_for_connection(conn: Connection, broker: PostgresBroker) -> _Pending:
-    pending = conn.info.get(_INFO_KEY)
+    # Keyed by the Connection object, not kept in ``conn.info``: that dict belongs to the
+    # pooled DBAPI connection, so the next checkout (a new Connection) would find a _Pending
+    # whose commit/rollback listeners sit on the previous Connection and never fire.
+    pending = _connection_pending.get(conn)
     if pending is None:
-        pending = conn.info[_INFO_KEY] = _Pending(broker)
+        pending = _connection_pending[conn] = _Pending(broker)
         # ConnectionEvents.commit fires before the DBAPI commit, with the transaction still open.
         event.listen(conn, "commit", lambda c: pending.write(c))
         event.listen(conn, "rollback", lambda c: pending.discard())

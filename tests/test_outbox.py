@@ -222,3 +222,26 @@ def test_notify_carries_only_the_queue_name_and_only_at_commit(
         notes = list(listener.notifies(timeout=1.0, stop_after=5))
         # One notification per queue per transaction, carrying the queue name only.
         assert [n.payload for n in notes] == ["default"]
+
+
+def test_a_pooled_connection_checked_out_again_binds_its_own_transaction(
+    db: Any, database_url: str, actor: Any
+) -> None:
+    # Connection.info belongs to the pooled DBAPI connection and outlives each Connection object:
+    # the second checkout below gets the same DBAPI connection through a new Connection.
+    engine = create_engine(normalize_sqlalchemy_url(database_url), pool_size=1, max_overflow=0)
+    try:
+        for user_id in (1, 2):
+            with engine.connect() as conn, outbox(conn):
+                actor.send(user_id)
+                conn.commit()
+        assert stored(db) == ["welcome", "welcome"]
+        # A rollback inside the block discards the message, whatever comes after on that connection.
+        with engine.connect() as conn:
+            with outbox(conn):
+                actor.send(3)
+                conn.rollback()
+            conn.commit()
+        assert len(stored(db)) == 2
+    finally:
+        engine.dispose()
