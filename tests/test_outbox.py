@@ -245,3 +245,31 @@ def test_a_pooled_connection_checked_out_again_binds_its_own_transaction(
         assert len(stored(db)) == 2
     finally:
         engine.dispose()
+
+
+def test_after_commit_mode_notifies_from_the_broker_after_the_commit(
+    database_url: str, engine: Any, make_broker: Any, db: Any
+) -> None:
+    import psycopg
+
+    broker = make_broker(notify="after_commit")
+
+    @dramatiq.actor(broker=broker)
+    def task() -> None:
+        pass
+
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute(f'LISTEN "{broker.channel}"')
+        with Session(engine) as session:
+            with outbox(session):
+                task.send()
+            session.commit()
+        notes = list(listener.notifies(timeout=2.0, stop_after=1))
+        assert [n.payload for n in notes] == ["default"]
+        # The application's transaction itself sent no NOTIFY: the broker's pool did.
+        assert stored(db) == ["task"]
+        with Session(engine) as session:
+            with outbox(session):
+                task.send()
+            session.rollback()
+        assert list(listener.notifies(timeout=0.5)) == []
