@@ -37,6 +37,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
+from ._queries import queries_for_schema
 from .errors import OutboxError
 
 if TYPE_CHECKING:
@@ -97,7 +98,8 @@ class _Pending:
         items, self.items = self.items, []
         notify_in_txn = self.broker.notify == "transaction"
         params = enqueue_params(items, self.broker.channel, notify_in_txn)
-        conn.exec_driver_sql(self.broker.runtime.queries["enqueue"], params)
+        # The broker's pool is not touched: the write uses the application's connection.
+        conn.exec_driver_sql(queries_for_schema(self.broker.schema)["enqueue"], params)
         if self.broker.notify == "after_commit":
             self.notify_queues.update(m.queue_name for m, d in items if d == 0)
 

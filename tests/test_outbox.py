@@ -273,3 +273,14 @@ def test_after_commit_mode_notifies_from_the_broker_after_the_commit(
                 task.send()
             session.rollback()
         assert list(listener.notifies(timeout=0.5)) == []
+
+
+def test_the_outbox_path_opens_no_broker_connection(db: Any, engine: Any, actor: Any) -> None:
+    broker = actor.broker
+    broker.close()
+    with Session(engine) as session:
+        with outbox(session):
+            actor.send(1)
+        session.commit()
+    assert stored(db) == ["welcome"]
+    assert broker._runtime is None
