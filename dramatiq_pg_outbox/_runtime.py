@@ -94,7 +94,8 @@ class _Runtime:
             open=False,
         )
         self.pool.open(wait=False)
-        self._lock = threading.Lock()
+        # Reentrant: register() heartbeats, and the heartbeat reads queue_names().
+        self._lock = threading.RLock()
         self._schema_ok = not broker.check_schema
         self.consumers: dict[str, set[_PostgresConsumer]] = defaultdict(set)
         #: Claims this process holds: row id -> lease.  Removed once the
@@ -175,7 +176,15 @@ class _Runtime:
         with self._lock:
             self.consumers[consumer.queue_name].add(consumer)
             if self.maintenance is None:
-                self.maintenance = _Maintenance(self)
+                maintenance = _Maintenance(self)
+                # The workers row must exist before this process claims anything: a rescue
+                # pass elsewhere releases the claims of an owner it has no heartbeat from.
+                try:
+                    maintenance.heartbeat()
+                except BaseException:
+                    self.consumers[consumer.queue_name].discard(consumer)
+                    raise
+                self.maintenance = maintenance
                 self.maintenance.start()
             if self.listener is None and self.broker.listen:
                 self.listener = _Listener(self)

@@ -289,6 +289,19 @@ def test_a_message_exists_exactly_when_its_producers_transaction_commits(
     assert host.stop() == 0
 
 
+def test_a_worker_process_is_registered_before_it_claims_anything(broker: Any, db: Any) -> None:
+    # A rescue pass (in any other process) takes the claims of an owner without a fresh heartbeat
+    # for a dead worker's: if the first heartbeat came after the first claim, a starting worker's
+    # messages were handed to others while it ran them (duplicates at every start or deploy).
+    broker.declare_queue("q")
+    consumer = broker.consume("q", prefetch=1, timeout=100)
+    try:
+        worker_id = broker.runtime.worker_id
+        assert count(db, "SELECT count(*) FROM dramatiq.workers WHERE id = %s", (worker_id,)) == 1
+    finally:
+        consumer.close()
+
+
 def produce(prefix: str, n: int) -> None:
     """Producer process: one order row + one message per transaction; 25 % rolled back on purpose."""
     from sqlalchemy import create_engine, text
