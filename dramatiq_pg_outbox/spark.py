@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -303,17 +303,43 @@ def _uuid5(prefix: Any, name: str) -> str:
     """``str(uuid.uuid5(namespace, name))`` for a sha1 object primed with the namespace, faster."""
     digest = prefix.copy()
     digest.update(name.encode("utf-8"))
-    raw = bytearray(digest.digest()[:16])
-    raw[6] = (raw[6] & 0x0F) | 0x50
-    raw[8] = (raw[8] & 0x3F) | 0x80
-    h = raw.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    h = digest.hexdigest()
+    # Version 5 in the high nibble of byte 6, RFC 4122 variant in the top bits of byte 8.
+    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:32]}"
+
+
+_VARIANT = {c: "89ab"[int(c, 16) & 3] for c in "0123456789abcdef"}
+
+
+def _json_dumps() -> Callable[[Any], str]:
+    """A compact ``json.dumps`` (as Dramatiq's JSONEncoder writes) that reuses one C encoder."""
+    import json
+    from json import encoder as json_encoder
+
+    make = getattr(json_encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython always has it
+        return json.JSONEncoder(separators=(",", ":")).encode
+    iterencode = make(
+        None,
+        json.JSONEncoder().default,
+        json_encoder.encode_basestring_ascii,
+        None,
+        ":",
+        ",",
+        False,
+        False,
+        True,
+    )
+
+    def dumps(value: Any) -> str:
+        return "".join(iterencode(value, 0))
+
+    return dumps
 
 
 def _encode_rows(plan: _Plan, rows: Iterable[Any], now_ms: int) -> Iterator[tuple[str, str, bytes]]:
     """(message id, idempotency key, payload) per row; raises EnqueueError naming the bad column."""
     import hashlib
-    import json
 
     from dramatiq.encoder import JSONEncoder
 
@@ -324,7 +350,7 @@ def _encode_rows(plan: _Plan, rows: Iterable[Any], now_ms: int) -> Iterator[tupl
     if fast:
         # Byte for byte what JSONEncoder.encode gives for the message dict,
         # with the constant parts rendered once.
-        dumps = json.JSONEncoder(separators=(",", ":")).encode
+        dumps = _json_dumps()
         head = f'{{"queue_name":{dumps(plan.queue_name)},"actor_name":{dumps(plan.actor_name)},"args":'
         options = dumps(plan.options)[:-1] + ("," if plan.options else "") + '"idempotency_key":'
     for row in rows:
