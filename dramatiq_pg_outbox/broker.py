@@ -78,7 +78,10 @@ class PostgresBroker(Broker):
       max_deliveries(int): Claims of one stored message before it is quarantined
         (moved to history as failed and never run again).  Default 5.
       overfetch_factor(float): A consumer holds at most ``prefetch x overfetch_factor``
-        claimed, unacknowledged messages.  Default 1.0.
+        claimed, unacknowledged messages.  Default 4.0: with Dramatiq's prefetch
+        (2 x threads) a claim then covers the next claim's round trip, so worker
+        threads do not starve on no-op-sized tasks; use 1.0 for long tasks to
+        hoard less.
       min_fetch_interval(int): Pause after a fetch that filled the buffer, in milliseconds.  Default 0.
       max_fetch_interval(int): Poll interval of an idle consumer, in milliseconds.  Default 1000.
       flush_interval(int): How long acks are gathered before one write, in milliseconds.  Default 5.
@@ -110,7 +113,7 @@ class PostgresBroker(Broker):
         pool_size: int = 4,
         pool_timeout: int = 10_000,
         max_deliveries: int = 5,
-        overfetch_factor: float = 1.0,
+        overfetch_factor: float = 4.0,
         min_fetch_interval: int = 0,
         max_fetch_interval: int = 1_000,
         flush_interval: int = 5,
