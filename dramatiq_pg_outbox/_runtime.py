@@ -169,7 +169,8 @@ class _Runtime:
     # -- producing ----------------------------------------------------------
     def enqueue(self, items: Sequence[tuple[Message[Any], int]], *, notify: bool) -> None:
         with self.connection() as conn:
-            conn.execute(self.queries["enqueue"], enqueue_params(items, self.channel, notify))
+            params = enqueue_params(items, self.channel, notify)
+            conn.execute(self.queries[enqueue_query_name(params)], params)
 
     # -- consuming ----------------------------------------------------------
     def register(self, consumer: _PostgresConsumer) -> None:
@@ -234,6 +235,11 @@ def enqueue_params(items: Sequence[tuple[Message[Any], int]], channel: str, noti
         "channel": channel,
         "notify": notify,
     }
+
+
+def enqueue_query_name(params: dict[str, Any]) -> str:
+    """``enqueue``, or the cheaper ``enqueue_unkeyed`` when no message of the batch has an idempotency key."""
+    return "enqueue" if any(k is not None for k in params["idempotency_keys"]) else "enqueue_unkeyed"
 
 
 def idempotency_key(message: Message[Any]) -> str | None:

@@ -30,6 +30,23 @@ WITH inserted AS (
 SELECT pg_notify(%(channel)s, queue_name)
 FROM (SELECT DISTINCT queue_name FROM inserted WHERE due AND %(notify)s::boolean) AS woken;
 
+-- name: enqueue_unkeyed --
+-- The enqueue above for a batch in which no message has an idempotency key
+-- (the common case): same rows and notifications, without the history check
+-- and the ON CONFLICT arbiter.  Postgres makes a custom plan at every
+-- execution of these statements (the array lengths are only known then), and
+-- planning the history subquery doubled the cost of a one-message enqueue
+-- (measured ~190 -> ~90 us per statement inside a transaction).
+WITH inserted AS (
+    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload)
+    SELECT q, a, m, now() + d * interval '1 millisecond', p
+    FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
+                %(delays)s::bigint[], %(payloads)s::bytea[]) AS t(q, a, m, d, p)
+    RETURNING queue_name, next_attempt_at <= now() AS due
+)
+SELECT pg_notify(%(channel)s, queue_name)
+FROM (SELECT DISTINCT queue_name FROM inserted WHERE due AND %(notify)s::boolean) AS woken;
+
 -- name: notify --
 -- Wakes the listeners of the given queues (used after commit, or after a requeue).
 SELECT pg_notify(%(channel)s, q) FROM unnest(%(queue_names)s::text[]) AS q;
