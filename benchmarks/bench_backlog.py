@@ -125,6 +125,7 @@ def run(ctx: Context) -> dict[str, Any]:
         return {"table": "not run (our broker not selected)"}
     series: dict[int, Series] = {}
     explains: dict[int, dict[str, Any]] = {}
+    backlog_once(ctx, 10_000, record_explain=False)  # untimed warm-up (cold caches, new worker)
     for run_no in range(ctx.runs):
         for size in sizes:
             if size >= 1_000_000 and run_no > 0:

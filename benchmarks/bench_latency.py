@@ -112,7 +112,7 @@ def latency_once(ctx: Context, system: str, opts: dict[str, Any], how: str, k: i
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    k = 100 if ctx.quick else 300
+    k = 100 if ctx.quick else 200
     samples: dict[str, list[float]] = {}
     errors: dict[str, list[str]] = {}
     for run_no in range(ctx.runs):
