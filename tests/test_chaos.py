@@ -246,10 +246,10 @@ def test_poison_messages_are_quarantined_after_max_deliveries_while_the_rest_of_
         "SELECT actor_name, attempts, error_type FROM dramatiq.history WHERE state = 'failed'"
     ).fetchall()
     assert failed == [("crash", 3, "MaxDeliveriesExceeded")] * 2
-    assert dict(db.execute("SELECT key, count(*) FROM started GROUP BY key").fetchall()) == {
-        "poison50": 3,
-        "poison150": 3,
-    }
+    # Each ran at most max_deliveries times: a claim is charged even if the other poison killed the
+    # process before this one started.
+    runs = dict(db.execute("SELECT key, count(*) FROM started GROUP BY key").fetchall())
+    assert set(runs) == {"poison50", "poison150"} and all(1 <= n <= 3 for n in runs.values())
     wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.messages") == 0, 30, "the queue to drain")
     assert sum(h.restarts for h in hosts) >= 3
     for host in hosts:
