@@ -17,12 +17,22 @@ Usage (``pip install 'dramatiq-pg-outbox[spark]'``)::
 
 How it writes
 -------------
-The executors write, not the driver: ``foreachPartition`` runs, per
-partition, one transaction on one connection: a binary ``COPY`` into a
-temporary table, then one ``INSERT ... SELECT ... ON CONFLICT DO NOTHING``
-into the messages table, then at most one ``NOTIFY`` (delivered at commit).
-Rows are encoded while they stream into ``COPY``, so a partition is never
-held in memory.
+The executors write, not the driver: each partition's task (``mapInArrow``)
+runs one transaction on one connection: a ``COPY`` into a temporary table,
+then one ``INSERT ... SELECT ... ON CONFLICT DO NOTHING`` into the messages
+table, then at most one ``NOTIFY`` (delivered at commit).  Rows stream into
+``COPY`` batch by batch, so a partition is never held in memory.
+
+Payloads are built one of two ways, with the same result (same ids, keys
+and decoded messages):
+
+- by Spark expressions, when the encoder is Dramatiq's default JSON encoder,
+  the key is a string or integer column and the arguments are string,
+  boolean, integer or floating point columns: no Python runs per row, and
+  Arrow writes the batches to ``COPY`` as CSV;
+- else in the executors' Python, row by row, with the driver's encoder
+  (custom encoders such as pickle, arrays, structs, ...).  A value the
+  encoder refuses (a ``Decimal`` or a ``date`` with JSON) fails the job.
 
 Idempotency
 -----------
@@ -271,16 +281,23 @@ def enqueue_dataframe(
         if selected.rdd.getNumPartitions() > max_partitions:
             selected = selected.coalesce(max_partitions)
 
+    prepared = _prepare_in_jvm(selected, plan, int(time.time() * 1000))
+    in_jvm = prepared is not None  # the closure below must not capture a DataFrame
+
     # Arrow carries the rows to the Python workers column by column, much
     # faster than pickled Row objects; each task returns its counts as one row.
     def write(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        read, enqueued = write_partition(plan, _arrow_rows(batches))
+        if not in_jvm:
+            read, enqueued = write_partition(plan, _arrow_rows(batches))
+        else:
+            read, enqueued = write_prepared_partition(plan, batches)
         yield pa.RecordBatch.from_pydict({"rows": [read], "enqueued": [enqueued]})
 
     started = time.perf_counter()
-    counts = selected.mapInArrow(write, "rows long, enqueued long").collect()
+    source = selected if prepared is None else prepared
+    counts = source.mapInArrow(write, "rows long, enqueued long").collect()
     seconds = time.perf_counter() - started
     rows = sum(int(r["rows"]) for r in counts)
     enqueued = sum(int(r["enqueued"]) for r in counts)
@@ -292,6 +309,128 @@ def enqueue_dataframe(
         partitions=len(counts),
         seconds=seconds,
     )
+
+
+#: Spark types whose JSON (``to_json``) decodes to what Dramatiq's JSON encoder would write.
+_JVM_JSON_TYPES = ("string", "boolean", "tinyint", "smallint", "int", "bigint", "float", "double")
+#: Key types whose Spark string cast equals Python's ``str()``.
+_JVM_KEY_TYPES = ("string", "tinyint", "smallint", "int", "bigint")
+
+
+def _prepare_in_jvm(selected: DataFrame, plan: _Plan, now_ms: int) -> DataFrame | None:
+    """(message_id, idempotency_key, payload) computed by Spark itself, or None if it cannot.
+
+    The common case (Dramatiq's default JSON encoder, string or integer key,
+    arguments of string, boolean, integer or floating point columns) needs no
+    Python per row: Spark builds the JSON payload and the uuid5 id, and the
+    executor's Python streams Arrow batches into COPY as CSV.  Anything else
+    (another encoder, decimals, dates, nested types) takes the Python path,
+    which refuses what the encoder cannot encode.
+    """
+    import json
+
+    from dramatiq.encoder import JSONEncoder
+    from pyspark.sql import functions as F
+
+    types = dict(selected.dtypes)
+    columns = plan.columns
+    if type(plan.encoder) is not JSONEncoder or types[columns[plan.key]] not in _JVM_KEY_TYPES:
+        return None
+    values = [*plan.args, *(i for _, i in plan.kwargs)]
+    if any(types[columns[i]] not in _JVM_JSON_TYPES for i in values):
+        return None
+
+    def col(index: int) -> Any:
+        return selected[columns[index]]
+
+    def json_value(column: Any, kind: str = "string") -> Any:
+        if kind in ("tinyint", "smallint", "int", "bigint", "float", "double"):
+            # Numbers as Spark prints them (1.0E10, NaN, Infinity): json.loads reads them all.
+            return F.coalesce(column.cast("string"), F.lit("null"))
+        if kind == "boolean":
+            return F.when(column, F.lit("true")).when(~column, F.lit("false")).otherwise(F.lit("null"))
+        # Strings: to_json escapes them; it takes a struct: {"v":<value>} -> <value>.
+        text = F.to_json(F.struct(column.alias("v")), {"ignoreNullFields": "false"})
+        return text.substr(F.lit(6), F.length(text) - 6)
+
+    def value(index: int) -> Any:
+        return json_value(col(index), types[columns[index]])
+
+    ikey = F.concat(F.lit(f"{plan.batch_id}:"), col(plan.key).cast("string"))
+    digest = F.sha1(F.concat(F.unhex(F.lit(NAMESPACE.hex)), F.encode(ikey, "UTF-8")))
+    variant = F.element_at(
+        F.array(*(F.lit(c) for c in "89ab")),
+        (F.conv(F.substring(digest, 17, 1), 16, 10).cast("int").bitwiseAND(3) + 1),
+    )
+    message_id = F.concat(
+        F.substring(digest, 1, 8), F.lit("-"), F.substring(digest, 9, 4), F.lit("-5"),
+        F.substring(digest, 14, 3), F.lit("-"), variant, F.substring(digest, 18, 3), F.lit("-"),
+        F.substring(digest, 21, 12),
+    )  # fmt: skip
+    args_json = F.concat(
+        F.lit("["),
+        F.concat_ws(",", *(value(i) for i in plan.args)) if plan.args else F.lit(""),
+        F.lit("]"),
+    )
+    kwargs_json = F.concat(
+        F.lit("{"),
+        F.concat_ws(
+            ",",
+            *(F.concat(F.lit(json.dumps(name) + ":"), value(i)) for name, i in plan.kwargs),
+        )
+        if plan.kwargs
+        else F.lit(""),
+        F.lit("}"),
+    )
+    dumps = _json_dumps()
+    options = dumps(plan.options)[:-1] + ("," if plan.options else "") + '"idempotency_key":'
+    payload = F.concat(
+        F.lit(f'{{"queue_name":{dumps(plan.queue_name)},"actor_name":{dumps(plan.actor_name)},"args":'),
+        args_json,
+        F.lit(',"kwargs":'),
+        kwargs_json,
+        F.lit(f',"options":{options}'),
+        json_value(ikey),
+        F.lit('},"message_id":"'),
+        message_id,
+        F.lit(f'","message_timestamp":{int(now_ms)}}}'),
+    )
+    return selected.select(
+        message_id.alias("message_id"), ikey.alias("idempotency_key"), payload.alias("payload")
+    )
+
+
+def write_prepared_partition(plan: _Plan, batches: Iterable[Any]) -> tuple[int, int]:
+    """Write Arrow batches of (message_id, idempotency_key, payload) in one transaction.
+
+    The batches go to COPY as CSV written by Arrow (no Python per row).
+    """
+    import io
+
+    from pyarrow import csv
+
+    iterator = iter(batches)
+    first = next((b for b in iterator if b.num_rows), None)
+    if first is None:
+        return 0, 0
+    options = csv.WriteOptions(include_header=False)
+    key_name = plan.columns[plan.key]
+
+    def feed(copy: Any) -> int:
+        read = 0
+        for batch in _chain(first, iterator):
+            if batch.column(1).null_count:
+                raise EnqueueError(
+                    f"Column {key_name!r} (the key) is null in a row of batch {plan.batch_id!r}; "
+                    "every row needs a key"
+                )
+            buffer = io.BytesIO()
+            csv.write_csv(batch, buffer, options)
+            copy.write(buffer.getvalue())
+            read += batch.num_rows
+        return read
+
+    return _write_stage(plan, "text", "COPY dpo_stage FROM STDIN (FORMAT csv)", feed)
 
 
 def _arrow_rows(batches: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
@@ -402,37 +541,52 @@ def _explain(plan: _Plan, row: Any, key: Any, error: Exception) -> str:
 
 
 def write_partition(plan: _Plan, rows: Iterable[Any]) -> tuple[int, int]:
-    """Write one partition in one transaction.  Runs on an executor.
+    """Write one partition's rows (tuples in ``plan.columns`` order) in one transaction.
+
+    Runs on an executor; encodes each row in Python with ``plan.encoder``.
 
     Returns:
       tuple[int, int]: (rows read, messages enqueued).
     """
-    import psycopg
-
     iterator = iter(rows)
     first = next(iterator, None)
     if first is None:
         return 0, 0
-    s = quote_ident(plan.schema)
     now_ms = int(time.time() * 1000)
-    read = 0
+
+    def feed(copy: Any) -> int:
+        read = 0
+        copy.set_types(["text", "text", "bytea"])
+        for record in _encode_rows(plan, _chain(first, iterator), now_ms):
+            copy.write_row(record)
+            read += 1
+        return read
+
+    return _write_stage(plan, "bytea", "COPY dpo_stage FROM STDIN (FORMAT BINARY)", feed)
+
+
+def _write_stage(
+    plan: _Plan, payload_type: str, copy_sql: str, feed: Callable[[Any], int]
+) -> tuple[int, int]:
+    """One transaction: COPY into a temporary table, insert what is new, verify, NOTIFY once."""
+    import psycopg
+
+    s = quote_ident(plan.schema)
+    payload = "convert_to(st.payload, 'UTF8')" if payload_type == "text" else "st.payload"
     with psycopg.connect(plan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
         with conn.cursor() as cur:
             cur.execute(
-                "CREATE TEMP TABLE dpo_stage (message_id text, idempotency_key text, payload bytea) "
-                "ON COMMIT DROP"
+                "CREATE TEMP TABLE dpo_stage (message_id text, idempotency_key text, "
+                f"payload {payload_type}) ON COMMIT DROP"
             )
-            with cur.copy("COPY dpo_stage FROM STDIN (FORMAT BINARY)") as copy:
-                copy.set_types(["text", "text", "bytea"])
-                for record in _encode_rows(plan, _chain(first, iterator), now_ms):
-                    copy.write_row(record)
-                    read += 1
+            with cur.copy(copy_sql) as copy:
+                read = feed(copy)
             cur.execute(
                 f"""
                 INSERT INTO {s}.messages
                     (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key)
                 SELECT %(queue_name)s, %(actor_name)s, st.message_id,
-                       now() + %(delay)s * interval '1 millisecond', st.payload, st.idempotency_key
+                       now() + %(delay)s * interval '1 millisecond', {payload}, st.idempotency_key
                 FROM dpo_stage AS st
                 WHERE NOT EXISTS (
                     SELECT 1 FROM {s}.history AS h WHERE h.idempotency_key = st.idempotency_key

@@ -327,3 +327,37 @@ def test_analytics_command_on_an_empty_history(db: Any, database_url: str, tmp_p
 
     analytics, written = run(database_url, tmp_path, spark=spark)
     assert analytics.stats.count() == 0 and written["stats.csv"].is_file()
+
+
+def test_spark_builds_the_same_messages_as_python(spark: Any) -> None:
+    import json
+
+    from dramatiq_pg_outbox.spark import _encode_rows, _prepare_in_jvm
+
+    rows = [
+        (1, 'quote " and \\ backslash', True, 2.5, None, "gold"),
+        (-7, "ünïcødé ✓ and\nnewline\ttab", False, -0.125, 3, ""),
+        (123456789012, "", None, None, -1, None),
+    ]
+    df = spark.createDataFrame(
+        rows, "id long, email string, flag boolean, score double, n int, segment string"
+    )
+    plan = _Plan.build(
+        key="id", args=["email", "flag", "score", "n"], kwargs={"segment": "segment", "again": "id"},
+        conninfo="", schema="dramatiq", channel="c", queue_name="q", actor_name="a", batch_id="b-1",
+        options={"max_retries": 1}, delay_ms=0, notify=False, encoder=dramatiq.get_encoder(),
+    )  # fmt: skip
+    prepared = _prepare_in_jvm(df.select(*plan.columns), plan, 1234)
+    assert prepared is not None
+    from_spark = sorted(tuple(r) for r in prepared.collect())
+    python_rows = [tuple(r) for r in df.select(*plan.columns).collect()]
+    from_python = sorted((m, k, p.decode()) for m, k, p in _encode_rows(plan, python_rows, 1234))
+    assert [r[:2] for r in from_spark] == [r[:2] for r in from_python]
+    for (_, _, spark_payload), (_, _, python_payload) in zip(from_spark, from_python, strict=True):
+        assert json.loads(spark_payload) == json.loads(python_payload)
+        Message.decode(spark_payload.encode())
+    # Types Spark cannot encode like Dramatiq (decimals, dates) and other encoders take the Python path.
+    decimals = spark.createDataFrame([(1, decimal.Decimal("1.5"))], "id long, d decimal(5,2)")
+    fields = {k: v for k, v in plan.__dict__.items() if k not in ("columns", "key", "args", "kwargs")}
+    plan_d = _Plan.build(key="id", args=["d"], **fields)
+    assert _prepare_in_jvm(decimals, plan_d, 0) is None
