@@ -14,7 +14,9 @@ reads the history table (finished deliveries) and the live messages table
                     retry: a completed history row with ``error_type``), failed
                     (dead-lettered), throughput (deliveries/s), failure and retry
                     rates, latency percentiles p50/p90/p99 in milliseconds of
-                    enqueue -> start (``wait``) and start -> finish (``run``)
+                    enqueue -> start (``wait``, which includes any delay, such as
+                    a retry's backoff) and start -> finish (``run``, up to the
+                    batched acknowledgement)
 ``attempts``        per actor: how many messages needed n deliveries (retries and
                     redeliveries after a crash both count)
 ``errors``          per actor: the most frequent error types (retried and failed)
