@@ -67,6 +67,7 @@ The messages are ordinary messages: a ``dramatiq`` worker with a
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -297,7 +298,15 @@ def enqueue_dataframe(
 
     started = time.perf_counter()
     source = selected if prepared is None else prepared
-    counts = source.mapInArrow(write, "rows long, enqueued long").collect()
+    try:
+        counts = source.mapInArrow(write, "rows long, enqueued long").collect()
+    except Exception as e:
+        # An executor's EnqueueError reaches the driver inside Spark's own
+        # exception; raise it as itself, with its message.
+        found = re.search(r"EnqueueError: ([^\n]+)", str(e))
+        if found:
+            raise EnqueueError(found.group(1)) from e
+        raise
     seconds = time.perf_counter() - started
     rows = sum(int(r["rows"]) for r in counts)
     enqueued = sum(int(r["enqueued"]) for r in counts)

@@ -25,6 +25,7 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("Java is not installed (Spark needs a JVM)", allow_module_level=True)
 
 from dramatiq_pg_outbox.spark import (  # noqa: E402
+    EnqueueError,
     _Plan,
     enqueue_dataframe,
     message_id_for,
@@ -165,7 +166,7 @@ def test_processed_messages_are_not_enqueued_again(
 def test_a_null_key_fails_the_job_and_writes_nothing(spark: Any, actor: Any, db: Any) -> None:
     rows = [(i, f"c{i}@example.com") for i in range(50)] + [(None, "nokey@example.com")]
     df = spark.createDataFrame(rows, "customer_id long, email string").coalesce(1)
-    with pytest.raises(Exception, match=r"Column 'customer_id' \(the key\) is null"):
+    with pytest.raises(EnqueueError, match=r"Column 'customer_id' \(the key\) is null"):
         enqueue_dataframe(df, actor, args=["email"], key="customer_id", batch_id="b5")
     assert count(db) == 0
 
@@ -173,7 +174,7 @@ def test_a_null_key_fails_the_job_and_writes_nothing(spark: Any, actor: Any, db:
 def test_an_unencodable_argument_fails_the_job_naming_the_column(spark: Any, actor: Any, db: Any) -> None:
     rows = [(i, decimal.Decimal("9.99") if i == 7 else None) for i in range(20)]
     df = spark.createDataFrame(rows, "customer_id long, balance decimal(10,2)").coalesce(1)
-    with pytest.raises(Exception, match=r"Column 'balance' of the row with customer_id=7 cannot be encoded"):
+    with pytest.raises(EnqueueError, match=r"Column 'balance' of the row with customer_id=7 cannot be"):
         enqueue_dataframe(df, actor, args=["customer_id", "balance"], key="customer_id", batch_id="b6")
     assert count(db) == 0
 
