@@ -298,8 +298,13 @@ class PostgresBroker(Broker):
 class _PostgresMessage(MessageProxy):
     """A claimed message: carries its row id and lease for fenced acks."""
 
-    def __init__(self, message: Message[Any], row_id: int, lease: uuid.UUID, attempts: int) -> None:
+    def __init__(
+        self, message: Message[Any], row_id: int, lease: uuid.UUID, attempts: int, consumer: _PostgresConsumer
+    ) -> None:
         super().__init__(message)
+        #: The consumer that claimed it: its buffer slot is freed on ack, even when
+        #: Dramatiq acks through a consumer restarted after a connection error.
+        self.consumer = consumer
         self.row_id = row_id
         self.lease = lease
         #: Claims of this stored message so far, this one included.
@@ -398,7 +403,7 @@ class _PostgresConsumer(Consumer):
                 message = dataclasses.replace(message, queue_name=self.queue_name)
             with self._lock:
                 self._outstanding += 1
-            self._buffer.append(_PostgresMessage(message, row_id, lease, attempts))
+            self._buffer.append(_PostgresMessage(message, row_id, lease, attempts, self))
         return len(rows)
 
     def _isolate(
@@ -452,23 +457,26 @@ class _PostgresConsumer(Consumer):
             # The actor raised but Dramatiq acks: Retries enqueued a retry (or
             # the exception is in `throws`).  Keep the error in history.
             self.runtime.flusher.ack_with_error(message.row_id, message.lease, *format_error(exception))
-        self._release(row_id=message.row_id)
+        message.consumer._release(row_id=message.row_id)
 
     def nack(self, message: MessageProxy) -> None:
         assert isinstance(message, _PostgresMessage)
         error_type, error = format_error(getattr(message, "_exception", None))
         self.runtime.flusher.nack(message.row_id, message.lease, error_type, error)
-        self._release(row_id=message.row_id)
+        message.consumer._release(row_id=message.row_id)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Hand unstarted messages back at once, without charging them an attempt."""
-        rows = [(m.row_id, m.lease) for m in messages if isinstance(m, _PostgresMessage)]
-        if not rows:
+        claimed = [m for m in messages if isinstance(m, _PostgresMessage)]
+        if not claimed:
             return
+        rows = [(m.row_id, m.lease) for m in claimed]
         self.runtime.flusher.requeue(rows)
-        if any(row_id == self._isolated for row_id, _ in rows):
-            self._isolated = None
-        self._release(len(rows))
+        for message in claimed:
+            consumer = message.consumer
+            if message.row_id == consumer._isolated:
+                consumer._isolated = None
+            consumer._release()
         try:
             self.runtime.flusher.flush_once()
         except Exception as e:

@@ -323,3 +323,24 @@ def test_notify_off_still_delivers_everything_by_polling(make_broker: Any, start
     broker.join("default", timeout=20_000)
     assert sorted(seen) == sorted(keys)
     assert broker.runtime.listener is None
+
+
+def test_acks_through_a_restarted_consumer_free_the_slots_of_the_one_that_claimed(
+    broker: PostgresBroker, db: Any
+) -> None:
+    @dramatiq.actor(broker=broker)
+    def task() -> None:
+        pass
+
+    for _ in range(4):
+        task.send()
+    # Dramatiq restarts a consumer after a connection error and acks through the new one.
+    old = broker.consume("default", prefetch=4, timeout=1_000)
+    messages = [next(old) for _ in range(4)]
+    new = broker.consume("default", prefetch=4, timeout=1_000)
+    for message in messages:
+        assert message is not None
+        new.ack(message)
+    assert (old._outstanding, new._outstanding) == (0, 0)
+    old.close()
+    new.close()
