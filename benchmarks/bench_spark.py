@@ -17,6 +17,10 @@ What is compared (each on a freshly truncated table, best of ``--repeat``):
 - ``python-encoded``: the enqueue with the payloads encoded per row in the
   executors' Python (the path taken for custom encoders and types Spark
   cannot encode like Dramatiq) instead of by Spark expressions.
+- ``jdbc append (messages)``: for scale, a plain JDBC append of the rows that
+  ``enqueue_dataframe`` writes (message id, key, JSON payload, built by the
+  same Spark expressions) into a bare table: the cost of the message format
+  alone, without the queue table's indexes and the idempotency checks.
 
 Needs the ``[spark]`` extra, Java 17 and the PostgreSQL JDBC jar (Debian:
 ``apt-get install libpostgresql-jdbc-java``).  The server: ``$DATABASE_URL``,
@@ -46,7 +50,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dramatiq_pg_outbox import upgrade
 from dramatiq_pg_outbox.devserver import postgres_server
-from dramatiq_pg_outbox.spark import enqueue_dataframe, jdbc_jar, jdbc_options, local_session
+from dramatiq_pg_outbox.spark import (
+    _Plan,
+    _prepare_in_jvm,
+    enqueue_dataframe,
+    jdbc_jar,
+    jdbc_options,
+    local_session,
+)
 
 
 @contextmanager
@@ -107,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         upgrade(url)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("CREATE TABLE plain_customers (customer_id bigint, email text, segment text)")
+            conn.execute("CREATE TABLE plain_messages (message_id text, idempotency_key text, payload text)")
         spark = local_session("bench-spark", memory="2g")
         cores = spark.sparkContext.defaultParallelism
         df = customers(spark, args.rows, args.partitions)
@@ -120,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 conn.execute(f"TRUNCATE {table}")
                 conn.execute(f"VACUUM ANALYZE {table}")
 
-        def jdbc_append(frame: Any) -> None:
-            frame.write.format("jdbc").options(**jdbc).option("dbtable", "plain_customers").option(
+        def jdbc_append(frame: Any, table: str = "plain_customers") -> None:
+            frame.write.format("jdbc").options(**jdbc).option("dbtable", table).option(
                 "batchsize", "10000"
             ).mode("append").save()
 
@@ -146,9 +158,23 @@ def main(argv: list[str] | None = None) -> int:
         ours: list[float] = []
         rerun: list[float] = []
         python_path: list[float] = []
+        plain_messages: list[float] = []
+
+        def message_rows(frame: Any) -> Any:
+            """The rows enqueue_dataframe writes (id, key, JSON payload), built by the same Spark code."""
+            plan = _Plan.build(
+                key="customer_id", args=["customer_id", "email"], kwargs={"segment": "segment"},
+                conninfo="", schema="dramatiq", channel="", queue_name="notifications",
+                actor_name="notify_customer", batch_id="plain", options={}, delay_ms=0, notify=False,
+                encoder=JSONEncoder(),
+            )  # fmt: skip
+            return _prepare_in_jvm(frame.select(*plan.columns), plan, 0)
+
         for i in range(args.repeat):
             truncate("plain_customers")
             plain.append(timed(lambda: jdbc_append(df))[0])
+            truncate("plain_messages")
+            plain_messages.append(timed(lambda: jdbc_append(message_rows(df), "plain_messages"))[0])
             truncate("dramatiq.messages")
             seconds, result = timed(lambda i=i: enqueue(df, f"bench-{i}"))
             assert result.enqueued == args.rows, result
@@ -172,14 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         "enqueue_dataframe": min(ours),
         "re-run (no-op)": min(rerun),
         "python-encoded": min(python_path),
+        "jdbc append (messages)": min(plain_messages),
     }
     print(
         f"\n{args.rows:,} rows, {args.partitions} partitions, local[{cores}], best of {args.repeat}, "
         f"JDBC reWriteBatchedInserts={'on' if args.rewrite_batched else 'off'}"
     )
-    print(f"{'case':<20}{'seconds':>10}{'rows/s':>14}")
+    print(f"{'case':<24}{'seconds':>10}{'rows/s':>14}")
     for name, seconds in best.items():
-        print(f"{name:<20}{seconds:>10.2f}{args.rows / seconds:>14,.0f}")
+        print(f"{name:<24}{seconds:>10.2f}{args.rows / seconds:>14,.0f}")
     ratio = best["enqueue_dataframe"] / best["jdbc append"]
     verdict = "within" if ratio <= 2 else "NOT within"
     print(f"\nenqueue_dataframe takes {ratio:.2f}x the time of the plain JDBC append ({verdict} the 2x goal)")
@@ -194,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 "enqueue_dataframe": ours,
                 "re-run (no-op)": rerun,
                 "python-encoded": python_path,
+                "jdbc append (messages)": plain_messages,
             },
             "ratio": ratio,
         }
