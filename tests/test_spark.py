@@ -362,3 +362,43 @@ def test_spark_builds_the_same_messages_as_python(spark: Any) -> None:
     fields = {k: v for k, v in plan.__dict__.items() if k not in ("columns", "key", "args", "kwargs")}
     plan_d = _Plan.build(key="id", args=["d"], **fields)
     assert _prepare_in_jvm(decimals, plan_d, 0) is None
+
+
+def test_concurrent_duplicate_tasks_write_each_message_once(
+    actor: Any, broker: PostgresBroker, db: Any
+) -> None:
+    """Speculative execution: two attempts of the same task run at the same time."""
+    import threading
+
+    plan = _Plan.build(
+        key="customer_id", args=["customer_id"], conninfo=broker.conninfo, schema="dramatiq",
+        channel="dramatiq_pg_outbox.dramatiq", queue_name="notifications", actor_name="notify_customer",
+        batch_id="speculative", options={}, delay_ms=0, notify=True, encoder=dramatiq.get_encoder(),
+    )  # fmt: skip
+    rows = [(i,) for i in range(5_000)]
+    results: list[tuple[int, int]] = []
+    threads = [threading.Thread(target=lambda: results.append(write_partition(plan, rows))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(enqueued for _, enqueued in results) == [0, 0, 5_000]
+    assert count(db) == 5_000
+
+
+def test_a_custom_encoder_takes_the_python_path(spark: Any, actor: Any, db: Any) -> None:
+    from dramatiq.encoder import PickleEncoder
+
+    rows = [(i, decimal.Decimal(i) / 4) for i in range(10)]
+    df = spark.createDataFrame(rows, "customer_id long, balance decimal(10,2)")
+    result = enqueue_dataframe(
+        df, actor, args=["balance"], key="customer_id", batch_id="pickled", encoder=PickleEncoder()
+    )
+    assert result.enqueued == 10
+    payload = db.execute(
+        "SELECT payload FROM dramatiq.messages WHERE idempotency_key = 'pickled:3'"
+    ).fetchone()[0]
+    message = PickleEncoder().decode(bytes(payload))
+    assert message["args"] == [decimal.Decimal("0.75")] and message["message_id"] == message_id_for(
+        "pickled", 3
+    )
