@@ -169,8 +169,8 @@ class _Runtime:
     # -- producing ----------------------------------------------------------
     def enqueue(self, items: Sequence[tuple[Message[Any], int]], *, notify: bool) -> None:
         with self.connection() as conn:
-            params = enqueue_params(items, self.channel, notify)
-            conn.execute(self.queries[enqueue_query_name(params)], params)
+            name, params = enqueue_statement(items, self.channel, notify)
+            conn.execute(self.queries[name], params)
 
     # -- consuming ----------------------------------------------------------
     def register(self, consumer: _PostgresConsumer) -> None:
@@ -240,6 +240,29 @@ def enqueue_params(items: Sequence[tuple[Message[Any], int]], channel: str, noti
 def enqueue_query_name(params: dict[str, Any]) -> str:
     """``enqueue``, or the cheaper ``enqueue_unkeyed`` when no message of the batch has an idempotency key."""
     return "enqueue" if any(k is not None for k in params["idempotency_keys"]) else "enqueue_unkeyed"
+
+
+def enqueue_statement(
+    items: Sequence[tuple[Message[Any], int]], channel: str, notify: bool
+) -> tuple[str, dict[str, Any]]:
+    """(query name, parameters) that store ``(message, delay in ms)`` pairs.
+
+    One message without an idempotency key takes ``enqueue_one`` (scalar
+    parameters); other batches take ``enqueue`` or ``enqueue_unkeyed``.
+    """
+    if len(items) == 1 and idempotency_key(items[0][0]) is None:
+        message, delay = items[0]
+        return "enqueue_one", {
+            "queue_name": message.queue_name,
+            "actor_name": message.actor_name,
+            "message_id": message.message_id,
+            "delay": delay,
+            "payload": message.encode(),
+            "channel": channel,
+            "notify": notify,
+        }
+    params = enqueue_params(items, channel, notify)
+    return enqueue_query_name(params), params
 
 
 def idempotency_key(message: Message[Any]) -> str | None:

@@ -93,13 +93,13 @@ class _Pending:
     def write(self, conn: Connection) -> None:
         if not self.items:
             return
-        from ._runtime import enqueue_params, enqueue_query_name
+        from ._runtime import enqueue_statement
 
         items, self.items = self.items, []
         notify_in_txn = self.broker.notify == "transaction"
-        params = enqueue_params(items, self.broker.channel, notify_in_txn)
+        name, params = enqueue_statement(items, self.broker.channel, notify_in_txn)
         # The broker's pool is not touched: the write uses the application's connection.
-        conn.exec_driver_sql(queries_for_schema(self.broker.schema)[enqueue_query_name(params)], params)
+        conn.exec_driver_sql(queries_for_schema(self.broker.schema)[name], params)
         if self.broker.notify == "after_commit":
             self.notify_queues.update(m.queue_name for m, d in items if d == 0)
 

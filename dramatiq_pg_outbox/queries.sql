@@ -47,6 +47,19 @@ WITH inserted AS (
 SELECT pg_notify(%(channel)s, queue_name)
 FROM (SELECT DISTINCT queue_name FROM inserted WHERE due AND %(notify)s::boolean) AS woken;
 
+-- name: enqueue_one --
+-- enqueue_unkeyed for exactly one message (one send() per transaction, the
+-- outbox's common case): scalar parameters instead of arrays.  Adapting six
+-- one-element arrays cost ~60 us of client CPU and unnest() ~35 us of server
+-- time per statement.
+WITH inserted AS (
+    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload)
+    VALUES (%(queue_name)s::text, %(actor_name)s::text, %(message_id)s::text,
+            now() + %(delay)s::bigint * interval '1 millisecond', %(payload)s::bytea)
+    RETURNING queue_name, next_attempt_at <= now() AS due
+)
+SELECT pg_notify(%(channel)s, queue_name) FROM inserted WHERE due AND %(notify)s::boolean;
+
 -- name: notify --
 -- Wakes the listeners of the given queues (used after commit, or after a requeue).
 SELECT pg_notify(%(channel)s, q) FROM unnest(%(queue_names)s::text[]) AS q;
