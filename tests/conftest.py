@@ -156,3 +156,14 @@ def worker_process(database_url: str) -> Iterator[Any]:
     for wp in started:
         if wp.proc is not None and wp.proc.poll() is None:
             wp.stop(9)
+
+
+@pytest.fixture
+def producer(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """tests/worker_app.py imported in the test process, used only to send."""
+    monkeypatch.setenv("DPO_TEST_URL", database_url)
+    from tests import worker_app
+
+    dramatiq.set_broker(worker_app.broker)
+    yield worker_app
+    worker_app.broker.close()

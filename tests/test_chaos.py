@@ -23,26 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import dramatiq
 import pytest
 from dramatiq import Message
+
+from tests.helpers import count, wait_for
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-def count(db: Any, query: str, params: Any = None) -> int:
-    return int(db.execute(query, params).fetchone()[0])
 
 
 def children(pid: int) -> list[int]:
@@ -101,17 +89,6 @@ def held_by(db: Any, worker_ids: list[Any]) -> dict[int, str]:
         (worker_ids,),
     ).fetchall()
     return {row_id: str(Message.decode(bytes(payload)).args[0]) for row_id, payload in rows}
-
-
-@pytest.fixture
-def producer(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """tests/worker_app.py imported in the test process, used only to send."""
-    monkeypatch.setenv("DPO_TEST_URL", database_url)
-    from tests import worker_app
-
-    dramatiq.set_broker(worker_app.broker)
-    yield worker_app
-    worker_app.broker.close()
 
 
 def test_worker_processes_killed_9_repeatedly_lose_nothing_and_only_in_flight_messages_run_twice(

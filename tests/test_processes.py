@@ -4,37 +4,14 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
-import dramatiq
 import psycopg
 import pytest
 
+from tests.helpers import count, wait_for
+
 pytestmark = pytest.mark.slow
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def count(db: Any, query: str) -> int:
-    return int(db.execute(query).fetchone()[0])
-
-
-@pytest.fixture
-def producer(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """tests/worker_app.py imported in the test process, used only to send."""
-    monkeypatch.setenv("DPO_TEST_URL", database_url)
-    from tests import worker_app
-
-    dramatiq.set_broker(worker_app.broker)
-    yield worker_app
-    worker_app.broker.close()
 
 
 def test_two_worker_processes_never_receive_the_same_message_and_together_receive_all(
