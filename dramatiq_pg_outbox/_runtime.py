@@ -294,6 +294,8 @@ class _Loop:
         self.runtime = runtime
         self.interval = interval
         self._stop = threading.Event()
+        #: Set after each successful tick.
+        self.ticked = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"dramatiq-pg-outbox-{self.name}", daemon=True)
 
     def start(self) -> None:
@@ -311,6 +313,8 @@ class _Loop:
                 self.tick()
                 failures = 0
                 delay = self.interval
+                # Test signal (River-style): tests wait for it instead of sleeping.
+                self.ticked.set()
             except Exception as e:
                 failures += 1
                 _, backoff_ms = compute_backoff(failures, factor=100, max_backoff=int(self.interval * 1000))

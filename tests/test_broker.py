@@ -16,6 +16,12 @@ from dramatiq_pg_outbox import PostgresBroker
 MANUAL = {"heartbeat_interval": 600_000, "rescue_interval": 600_000}
 
 
+def first_tick_done(broker: PostgresBroker) -> None:
+    """Wait until the background maintenance loop has run its start-up tick."""
+    maintenance = broker.runtime.maintenance
+    assert maintenance is not None and maintenance.ticked.wait(10)
+
+
 def history(db: Any) -> list[tuple[Any, ...]]:
     return db.execute(
         "SELECT actor_name, state, attempts, error_type, error FROM dramatiq.history ORDER BY finished_at, id"
@@ -232,6 +238,7 @@ def test_messages_of_a_dead_worker_are_released_and_quarantined_after_max_delive
         consumer = broker.consume("default", prefetch=1, timeout=2_000)
         message = next(consumer)
         assert message is not None and message.attempts == delivery
+        first_tick_done(broker)
         # The worker "dies": its heartbeat row is gone and nothing is acked.
         consumer._closed = True
         db.execute("DELETE FROM dramatiq.workers")
@@ -255,6 +262,7 @@ def test_a_live_workers_long_task_is_never_released(make_broker: Any, db: Any) -
     long.send()
     consumer = broker.consume("default", prefetch=1, timeout=2_000)
     assert next(consumer) is not None
+    first_tick_done(broker)
     # Claimed long ago by task-length standards, but the owner heartbeats.
     db.execute("UPDATE dramatiq.messages SET acquired_at = now() - interval '1 day'")
     maintenance = broker.runtime.maintenance
@@ -275,6 +283,7 @@ def test_orphaned_claims_of_a_live_process_are_released(make_broker: Any, db: An
     task.send()
     consumer = broker.consume("default", prefetch=1, timeout=2_000)
     assert next(consumer) is not None
+    first_tick_done(broker)
     # The claim's reply was "lost": this process no longer knows the row.
     broker.runtime.inflight.clear()
     db.execute("UPDATE dramatiq.messages SET acquired_at = now() - interval '1 minute'")
