@@ -14,31 +14,19 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
+
+from dramatiq_pg_outbox._queries import queries_for_schema
 
 from .bench_common import DEFAULT_CAP_S, OURS, Context, Series, fmt_rate, markdown_table
 from .bench_systems import ACTOR, QUEUE, WorkerGroup, install, make_message
 
 OTHER_QUEUES = ("dpo_bench_a", "dpo_bench_b", "dpo_bench_c")
 FILL_BATCH = 10_000
-
-CLAIM_SQL = """
-WITH candidates AS (
-    SELECT id FROM dramatiq.messages
-    WHERE queue_name = 'dpo_bench' AND state = 'pending' AND next_attempt_at <= now()
-    ORDER BY next_attempt_at, id
-    LIMIT 16
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE dramatiq.messages AS m
-SET state = 'processing', attempts = m.attempts + 1, lease = gen_random_uuid(),
-    owner = gen_random_uuid(), acquired_at = now()
-FROM candidates WHERE m.id = candidates.id
-RETURNING m.id, m.attempts, m.payload
-"""
 
 
 def fill(url: str, size: int, due: int) -> float:
@@ -70,9 +58,12 @@ def fill(url: str, size: int, due: int) -> float:
 
 
 def explain(url: str, analyze: bool) -> str:
+    """EXPLAIN of the broker's own claim statement (a claim of 64, as a 1 x 8 worker makes)."""
+    claim = queries_for_schema("dramatiq")["claim"]
+    params = {"queue_name": QUEUE, "limit": 64, "lease": uuid.uuid4(), "owner": uuid.uuid4()}
     with psycopg.connect(url) as conn:
         opts = "(ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)" if analyze else "(COSTS OFF)"
-        rows = conn.execute(f"EXPLAIN {opts} {CLAIM_SQL}").fetchall()
+        rows = conn.execute(f"EXPLAIN {opts} {claim}", params).fetchall()
         conn.rollback()  # EXPLAIN ANALYZE really claimed: undo it
     return "\n".join(r[0] for r in rows)
 

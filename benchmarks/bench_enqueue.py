@@ -37,8 +37,7 @@ BARE_TABLE = (
     "queue_name text NOT NULL, actor_name text NOT NULL, message_id text NOT NULL, payload bytea NOT NULL)"
 )
 BARE_INSERT = (
-    "INSERT INTO bench_rows (queue_name, actor_name, message_id, payload) "
-    "VALUES (%(q)s, %(a)s, %(m)s, %(p)s)"
+    "INSERT INTO bench_rows (queue_name, actor_name, message_id, payload) VALUES (%(q)s, %(a)s, %(m)s, %(p)s)"
 )
 
 
