@@ -33,23 +33,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from dramatiq.encoder import JSONEncoder
-from psycopg import sql
-from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dramatiq_pg_outbox import upgrade
-from dramatiq_pg_outbox.devserver import postgres_server
+from dramatiq_pg_outbox.devserver import postgres_server, scratch_database
 from dramatiq_pg_outbox.spark import (
     _Plan,
     _prepare_in_jvm,
@@ -58,20 +53,6 @@ from dramatiq_pg_outbox.spark import (
     jdbc_options,
     local_session,
 )
-
-
-@contextmanager
-def scratch_database(admin_url: str) -> Iterator[str]:
-    admin = make_url(admin_url).set(drivername="postgresql")
-    name = f"bench_spark_{secrets.token_hex(4)}"
-    admin_dsn = admin.render_as_string(hide_password=False)
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield admin.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 class PythonJSONEncoder(JSONEncoder):
@@ -114,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print("No PostgreSQL JDBC jar: apt-get install -y libpostgresql-jdbc-java", file=sys.stderr)
         return 2
 
-    with postgres_server() as admin_url, scratch_database(admin_url) as url:
+    with postgres_server() as admin_url, scratch_database(admin_url, "bench_spark") as url:
         upgrade(url)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("CREATE TABLE plain_customers (customer_id bigint, email text, segment text)")

@@ -26,6 +26,7 @@ import logging
 import os
 import pathlib
 import re
+import secrets
 import shutil
 import socket
 import stat
@@ -46,6 +47,7 @@ __all__ = [
     "find_postgres_bindir",
     "mask_password",
     "postgres_server",
+    "scratch_database",
     "server_is_reachable",
 ]
 
@@ -835,3 +837,29 @@ def postgres_server(
     with ThrowawayPostgres() as server:
         logger.info("Using a throwaway PostgreSQL server in %s: %s", server.tmp_dir, server.url)
         yield server.url
+
+
+@contextlib.contextmanager
+def scratch_database(admin_url: str, prefix: str = "scratch") -> Iterator[str]:
+    """A fresh database on the server of ``admin_url``, dropped (with its connections) at exit.
+
+    Parameters:
+      admin_url(str): URL of a role allowed to create databases (any PostgreSQL URL form).
+      prefix(str): Start of the database name, followed by ``_`` and 8 random hex digits.
+
+    Returns:
+      Iterator[str]: The new database's URL (``postgresql://``), with the admin's credentials.
+    """
+    from psycopg import sql
+    from sqlalchemy.engine import make_url
+
+    admin = make_url(admin_url).set(drivername="postgresql")
+    admin_dsn = admin.render_as_string(hide_password=False)
+    name = f"{prefix}_{secrets.token_hex(4)}"
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield admin.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))

@@ -23,19 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg import sql
 from sqlalchemy.engine import make_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -54,21 +49,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900, help="longest wait for the workers, seconds")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "spark_pipeline_report")
     return parser.parse_args(argv)
-
-
-@contextmanager
-def scratch_database(admin_url: str) -> Iterator[str]:
-    """A fresh database on the server of ``admin_url``, dropped at exit."""
-    admin = make_url(admin_url).set(drivername="postgresql")
-    name = f"spark_pipeline_{secrets.token_hex(4)}"
-    admin_dsn = admin.render_as_string(hide_password=False)
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield admin.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def create_tables(url: str, customers: int) -> None:
@@ -94,27 +74,6 @@ def create_tables(url: str, customers: int) -> None:
             );
             """.replace("%s", str(int(customers)))
         )
-
-
-@contextmanager
-def workers(url: str, processes: int, threads: int, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``dramatiq examples.spark_pipeline.tasks`` from the repository root; SIGTERM at exit."""
-    env = dict(os.environ, EXAMPLE_DATABASE_URL=url)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "dramatiq", TASKS_MODULE, "--processes", str(processes),
-               "--threads", str(threads)]  # fmt: skip
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def read_customers(spark: Any, url: str, partitions: int, customers: int) -> Any:
@@ -169,14 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from dramatiq_pg_outbox import upgrade
-    from dramatiq_pg_outbox.devserver import postgres_server
+    from dramatiq_pg_outbox.devserver import postgres_server, scratch_database
     from dramatiq_pg_outbox.spark import enqueue_dataframe, local_session
     from dramatiq_pg_outbox.spark_analytics import run as run_analytics
+
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    from examples._workers import dramatiq_workers
 
     print(f"spark pipeline: {args.customers:,} customers, {args.partitions} partitions, "
           f"{args.processes} worker processes x {args.threads} threads")  # fmt: skip
     problems: list[str] = []
-    with postgres_server() as admin_url, scratch_database(admin_url) as url:
+    with postgres_server() as admin_url, scratch_database(admin_url, "spark_pipeline") as url:
         print(f"  database   {make_url(url).render_as_string(hide_password=True)} (dropped at exit)")
         upgrade(url)
         create_tables(url, args.customers)
@@ -187,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         batch_id = f"newsletter-{time.strftime('%Y-%m-%d')}"
         log_path = Path(tempfile.gettempdir()) / f"spark_pipeline_workers_{os.getpid()}.log"
         try:
-            with workers(url, args.processes, args.threads, log_path) as worker:
+            with dramatiq_workers(
+                TASKS_MODULE, args.processes, args.threads, log_path, {"EXAMPLE_DATABASE_URL": url}
+            ) as worker:
                 customers = read_customers(spark, url, args.partitions, args.customers)
                 columns = {"args": ["customer_id", "email", "segment"], "key": "customer_id"}
                 first = enqueue_dataframe(customers, notify_customer, batch_id=batch_id, **columns)

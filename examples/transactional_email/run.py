@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import secrets
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +34,8 @@ if __package__ in (None, ""):  # run as a script: python examples/transactional_
     sys.path.insert(0, str(REPO_ROOT))
 
 from dramatiq_pg_outbox import upgrade  # noqa: E402
-from dramatiq_pg_outbox.devserver import postgres_server  # noqa: E402
+from dramatiq_pg_outbox.devserver import postgres_server, scratch_database  # noqa: E402
+from examples._workers import dramatiq_workers  # noqa: E402
 from examples.transactional_email.report import Outcomes, enqueued_user_ids, report  # noqa: E402
 from examples.transactional_email.smtp_server import MailStore, SmtpServer  # noqa: E402
 
@@ -58,42 +57,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=8, help="threads per worker process (default 8)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the emails")
     return parser.parse_args(argv)
-
-
-@contextmanager
-def scratch_database(admin_url: str) -> Iterator[str]:
-    """Create a fresh database on the server of ``admin_url``; yield its URL; drop it at exit."""
-    admin = make_url(admin_url).set(drivername="postgresql")
-    admin_dsn = admin.render_as_string(hide_password=False)
-    name = f"transactional_email_{secrets.token_hex(4)}"
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield admin.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
-@contextmanager
-def workers(processes: int, threads: int, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``dramatiq <tasks> --processes N --threads M`` from the repository root; SIGTERM it at exit."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "dramatiq", TASKS_MODULE]
-    command += ["--processes", str(processes), "--threads", str(threads)]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def plan(index: int) -> tuple[str, bool]:
@@ -200,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="transactional_email_")))
-        url = stack.enter_context(scratch_database(stack.enter_context(postgres_server())))
+        url = stack.enter_context(
+            scratch_database(stack.enter_context(postgres_server()), "transactional_email")
+        )
         print(f"  database   {make_url(url).render_as_string(hide_password=True)} (dropped at exit)")
         prepare_database(url)
         smtp = stack.enter_context(SmtpServer(tmp / "mailbox.sqlite3"))
@@ -212,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.enter_context(local_broker())
 
         log_path = tmp / "workers.log"
-        with workers(args.processes, args.threads, log_path) as worker:
+        with dramatiq_workers(TASKS_MODULE, args.processes, args.threads, log_path) as worker:
             started = time.time()
             outcomes = run_signups(url, args.signups, args.producers)
             print(f"  signups done in {time.time() - started:.1f} s; waiting for the emails")
