@@ -10,7 +10,6 @@ database ``dpo_test_<random>`` and drops it at the end.
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,11 +19,9 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
-from psycopg import sql
-from sqlalchemy.engine import make_url
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
-from dramatiq_pg_outbox.devserver import mask_password, postgres_server
+from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "dramatiq"
@@ -45,15 +42,10 @@ def admin_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def database_url(admin_url: str) -> Iterator[str]:
-    """URL of a fresh database for this test run, migrated to head."""
-    name = f"dpo_test_{secrets.token_hex(4)}"
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    upgrade(url, schema=SCHEMA)
-    yield url
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    """URL of a fresh database for this test run (``dpo_test_<random>``), migrated to head."""
+    with scratch_database(admin_url, "dpo_test") as url:
+        upgrade(url, schema=SCHEMA)
+        yield url
 
 
 @pytest.fixture
