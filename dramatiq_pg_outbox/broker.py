@@ -255,6 +255,52 @@ class PostgresBroker(Broker):
         self.emit_after("enqueue", message, delay)
         return message
 
+    def enqueue_many(
+        self, messages: Iterable[Message[Any]], *, delay: int | None = None, batch_size: int = 5_000
+    ) -> list[Message[Any]]:
+        """Store many messages with one multi-row INSERT per ``batch_size`` (a fan-out).
+
+        Inside :func:`outbox` they join the bound transaction like ``send()``;
+        otherwise each batch is one statement (and one commit) on the pool.
+        Middleware sees ``before_enqueue``/``after_enqueue`` for every message.
+
+        Parameters:
+          messages(Iterable[Message]): e.g. ``[actor.message(x) for x in xs]``.
+          delay(int): Minimum delay before delivery of each, in milliseconds.
+          batch_size(int): Messages per statement outside a binding.  Default 5000.
+
+        Raises:
+          ValueError: For an invalid queue name or a negative delay (before any write).
+
+        Returns:
+          list[Message]: The stored messages.
+        """
+        if delay is not None and delay < 0:
+            raise ValueError(f"delay must be a non-negative number of milliseconds, not {delay!r}")
+        prepared: list[Message[Any]] = []
+        for message in messages:
+            if isinstance(message, MessageProxy):
+                message = message._message
+            queue_name = q_name(validate_queue_name(message.queue_name))
+            if queue_name != message.queue_name or "eta" in message.options:
+                options = {k: v for k, v in message.options.items() if k != "eta"}
+                message = dataclasses.replace(message, queue_name=queue_name, options=options)
+            prepared.append(message)
+        delay_ms = int(delay or 0)
+        binding = current_outbox()
+        for start in range(0, len(prepared), batch_size):
+            batch = prepared[start : start + batch_size]
+            for message in batch:
+                self.emit_before("enqueue", message, delay)
+            if binding is not None and binding.broker is self:
+                for message in batch:
+                    binding.add(message, delay_ms)
+            else:
+                self.runtime.enqueue([(m, delay_ms) for m in batch], notify=self.notify != "off")
+            for message in batch:
+                self.emit_after("enqueue", message, delay)
+        return prepared
+
     def get_declared_queues(self) -> set[str]:
         return self.queues.copy()
 

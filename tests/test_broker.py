@@ -353,3 +353,20 @@ def test_acks_through_a_restarted_consumer_free_the_slots_of_the_one_that_claime
     assert (old._outstanding, new._outstanding) == (0, 0)
     old.close()
     new.close()
+
+
+def test_enqueue_many_stores_a_fan_out_in_batches(broker: PostgresBroker, start_worker: Any, db: Any) -> None:
+    seen: list[int] = []
+
+    @dramatiq.actor(broker=broker)
+    def fan(x: int) -> None:
+        seen.append(x)
+
+    stored = broker.enqueue_many([fan.message(i) for i in range(2_500)], batch_size=1_000)
+    assert len(stored) == 2_500
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 2_500
+    with pytest.raises(ValueError):
+        broker.enqueue_many([fan.message(1).copy(queue_name="bad name")])
+    start_worker(broker)
+    broker.join("default", timeout=30_000)
+    assert sorted(seen) == list(range(2_500))

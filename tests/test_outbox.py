@@ -284,3 +284,18 @@ def test_the_outbox_path_opens_no_broker_connection(db: Any, engine: Any, actor:
         session.commit()
     assert stored(db) == ["welcome"]
     assert broker._runtime is None
+
+
+def test_enqueue_many_inside_the_outbox_commits_and_rolls_back_with_the_transaction(
+    db: Any, engine: Any, broker: PostgresBroker, actor: Any
+) -> None:
+    with Session(engine) as session:
+        with outbox(session):
+            broker.enqueue_many([actor.message(i) for i in range(300)])
+        session.rollback()
+    assert stored(db) == []
+    with Session(engine) as session:
+        with outbox(session):
+            broker.enqueue_many([actor.message(i) for i in range(300)])
+        session.commit()
+    assert len(stored(db)) == 300
