@@ -42,7 +42,7 @@ from psycopg_pool import ConnectionPool
 
 from ._queries import queries_for_schema
 from .errors import SchemaNotReady, translate_errors
-from .migrations import SCHEMA_REVISION, parse_schema_revision
+from .migrations import SCHEMA_REVISION, parse_schema_revision, quote_ident
 
 if TYPE_CHECKING:
     from dramatiq import Message
@@ -147,7 +147,7 @@ class _Runtime:
             return cur.fetchall() if cur.description else []
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
-        table = f'"{self.broker.schema}".messages'
+        table = f"{quote_ident(self.broker.schema)}.messages"
         exists, comment = conn.execute(self.queries["schema_revision"], {"table": table}).fetchone() or (
             False,
             None,
@@ -363,6 +363,14 @@ class _Flusher:
         self._urgent.set()
         self._signal(len(self.requeues))
 
+    def requeue_now(self, rows: Sequence[tuple[int, uuid.UUID]]) -> None:
+        """Requeue and flush at once; if the database is unreachable, the flush loop retries."""
+        self.requeue(rows)
+        try:
+            self.flush_once()
+        except Exception as e:
+            self.logger.warning("Requeue of %d message(s) deferred to the flush loop: %s", len(rows), e)
+
     def notify_later(self, queue_names: Sequence[str]) -> None:
         self.notifications.extend(queue_names)
         self._urgent.set()
@@ -474,7 +482,10 @@ class _Flusher:
         leases = [item[1] for item in items]
         params: dict[str, Any] = {"ids": ids, "leases": leases}
         query = name
-        if name in ("nack", "ack_with_error"):
+        if name == "requeue":
+            params["notify"] = self.runtime.broker.notify != "off"
+            params["channel"] = self.runtime.channel
+        elif name in ("nack", "ack_with_error"):
             query = "archive"
             params["state"] = "failed" if name == "nack" else "completed"
             params["error_types"] = [item[2] for item in items]
@@ -484,12 +495,7 @@ class _Flusher:
             if name != "requeue":
                 return cur.rowcount, []
             rows = cur.fetchall()
-            queues = [str(q) for q, _ in rows]
-            if queues and self.runtime.broker.notify != "off":
-                conn.execute(
-                    self.runtime.queries["notify"], {"channel": self.runtime.channel, "queue_names": queues}
-                )
-            return sum(int(n) for _, n in rows), queues
+            return sum(int(n) for _, n, _ in rows), [str(q) for q, _, _ in rows]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Final flush (retried until ``timeout`` seconds), then stop the thread."""

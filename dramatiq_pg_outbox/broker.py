@@ -236,24 +236,7 @@ class PostgresBroker(Broker):
         Returns:
           Message: The stored message.
         """
-        queue_name = q_name(validate_queue_name(message.queue_name))
-        if delay is not None and delay < 0:
-            raise ValueError(f"delay must be a non-negative number of milliseconds, not {delay!r}")
-        if isinstance(message, MessageProxy):
-            message = message._message
-        if queue_name != message.queue_name or "eta" in message.options:
-            options = {k: v for k, v in message.options.items() if k != "eta"}
-            message = dataclasses.replace(message, queue_name=queue_name, options=options)
-        delay_ms = int(delay or 0)
-        self.logger.debug("Enqueueing message %r on queue %r.", message.message_id, queue_name)
-        self.emit_before("enqueue", message, delay)
-        binding = current_outbox()
-        if binding is not None and binding.broker is self:
-            binding.add(message, delay_ms)
-        else:
-            self.runtime.enqueue([(message, delay_ms)], notify=self.notify != "off")
-        self.emit_after("enqueue", message, delay)
-        return message
+        return self.enqueue_many([message], delay=delay)[0]
 
     def enqueue_many(
         self, messages: Iterable[Message[Any]], *, delay: int | None = None, batch_size: int = 5_000
@@ -277,19 +260,12 @@ class PostgresBroker(Broker):
         """
         if delay is not None and delay < 0:
             raise ValueError(f"delay must be a non-negative number of milliseconds, not {delay!r}")
-        prepared: list[Message[Any]] = []
-        for message in messages:
-            if isinstance(message, MessageProxy):
-                message = message._message
-            queue_name = q_name(validate_queue_name(message.queue_name))
-            if queue_name != message.queue_name or "eta" in message.options:
-                options = {k: v for k, v in message.options.items() if k != "eta"}
-                message = dataclasses.replace(message, queue_name=queue_name, options=options)
-            prepared.append(message)
+        prepared = [_stored_form(message) for message in messages]
         delay_ms = int(delay or 0)
         binding = current_outbox()
         for start in range(0, len(prepared), batch_size):
             batch = prepared[start : start + batch_size]
+            self.logger.debug("Enqueueing %d message(s), first %r.", len(batch), batch[0].message_id)
             for message in batch:
                 self.emit_before("enqueue", message, delay)
             if binding is not None and binding.broker is self:
@@ -339,6 +315,21 @@ class PostgresBroker(Broker):
         queue_name = q_name(validate_queue_name(queue_name))
         rows = self.runtime.execute("queue_size", {"queue_names": [queue_name, dq_name(queue_name)]})
         return int(rows[0][0])
+
+
+def _stored_form(message: Message[Any] | MessageProxy) -> Message[Any]:
+    """The message as stored: unwrapped, on its canonical queue, without Dramatiq's ``eta``.
+
+    Raises:
+      ValueError: If the queue name is invalid.
+    """
+    if isinstance(message, MessageProxy):
+        message = message._message
+    queue_name = q_name(validate_queue_name(message.queue_name))
+    if queue_name != message.queue_name or "eta" in message.options:
+        options = {k: v for k, v in message.options.items() if k != "eta"}
+        message = dataclasses.replace(message, queue_name=queue_name, options=options)
+    return message
 
 
 class _PostgresMessage(MessageProxy):
@@ -468,11 +459,7 @@ class _PostgresConsumer(Consumer):
         protection.)
         """
         if others:
-            self.runtime.flusher.requeue([(row[0], lease) for row in others])
-            try:
-                self.runtime.flusher.flush_once()
-            except Exception as e:
-                self.logger.warning("Requeue of %d message(s) deferred to the flush loop: %s", len(others), e)
+            self.runtime.flusher.requeue_now([(row[0], lease) for row in others])
         self.logger.info(
             "Message %d of queue %r is on delivery %d: running it alone",
             suspect[0],
@@ -482,15 +469,15 @@ class _PostgresConsumer(Consumer):
         self._isolated = suspect[0]
         return [suspect]
 
-    def _release(self, count: int = 1, row_id: int | None = None) -> None:
+    def _release(self, row_id: int) -> None:
+        """Free the buffer slot of a message this consumer claimed (ack, nack or requeue)."""
         with self._lock:
-            self._outstanding -= count
+            self._outstanding -= 1
             free = self.limit - self._outstanding
-        threshold = self._threshold()
-        if row_id is not None and row_id == self._isolated:
+        if row_id == self._isolated:
             self._isolated = None
             self._wakeup.set()
-        elif threshold <= free < threshold + count:
+        elif free == self._threshold():
             # Just crossed the refill threshold: let __next__ claim now.
             self._wakeup.set()
 
@@ -503,30 +490,22 @@ class _PostgresConsumer(Consumer):
             # The actor raised but Dramatiq acks: Retries enqueued a retry (or
             # the exception is in `throws`).  Keep the error in history.
             self.runtime.flusher.ack_with_error(message.row_id, message.lease, *format_error(exception))
-        message.consumer._release(row_id=message.row_id)
+        message.consumer._release(message.row_id)
 
     def nack(self, message: MessageProxy) -> None:
         assert isinstance(message, _PostgresMessage)
         error_type, error = format_error(getattr(message, "_exception", None))
         self.runtime.flusher.nack(message.row_id, message.lease, error_type, error)
-        message.consumer._release(row_id=message.row_id)
+        message.consumer._release(message.row_id)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Hand unstarted messages back at once, without charging them an attempt."""
         claimed = [m for m in messages if isinstance(m, _PostgresMessage)]
         if not claimed:
             return
-        rows = [(m.row_id, m.lease) for m in claimed]
-        self.runtime.flusher.requeue(rows)
         for message in claimed:
-            consumer = message.consumer
-            if message.row_id == consumer._isolated:
-                consumer._isolated = None
-            consumer._release()
-        try:
-            self.runtime.flusher.flush_once()
-        except Exception as e:
-            self.logger.warning("Requeue of %d message(s) deferred to the flush loop: %s", len(rows), e)
+            message.consumer._release(message.row_id)
+        self.runtime.flusher.requeue_now([(m.row_id, m.lease) for m in claimed])
 
     def close(self) -> None:
         if self._closed:

@@ -167,22 +167,7 @@ def upgrade(
     """
     from alembic import command
 
-    validate_schema_name(schema)
-    if isinstance(connection_or_url, Connection):
-        cfg = _config(schema)
-        cfg.attributes["connection"] = connection_or_url
-        command.upgrade(cfg, revision)
-        return
-    if isinstance(connection_or_url, Engine):
-        with connection_or_url.begin() as conn:
-            upgrade(conn, schema=schema, revision=revision)
-        return
-    engine = create_engine(normalize_sqlalchemy_url(connection_or_url), poolclass=pool.NullPool)
-    try:
-        with engine.begin() as conn:
-            upgrade(conn, schema=schema, revision=revision)
-    finally:
-        engine.dispose()
+    _run_alembic(command.upgrade, connection_or_url, schema, revision)
 
 
 def downgrade(
@@ -191,19 +176,32 @@ def downgrade(
     """Downgrade to ``revision`` (``base`` drops the tables).  Arguments as for :func:`upgrade`."""
     from alembic import command
 
+    _run_alembic(command.downgrade, connection_or_url, schema, revision)
+
+
+def _run_alembic(
+    run: Callable[[Any, str], None],
+    connection_or_url: str | URL | Engine | Connection,
+    schema: str,
+    revision: str,
+) -> None:
+    """Run an alembic command on a Connection (caller commits), an Engine or a URL (committed here)."""
     validate_schema_name(schema)
     if isinstance(connection_or_url, Connection):
         cfg = _config(schema)
         cfg.attributes["connection"] = connection_or_url
-        command.downgrade(cfg, revision)
+        run(cfg, revision)
         return
-    engine = (
-        connection_or_url
-        if isinstance(connection_or_url, Engine)
-        else create_engine(normalize_sqlalchemy_url(connection_or_url), poolclass=pool.NullPool)
-    )
-    with engine.begin() as conn:
-        downgrade(conn, schema=schema, revision=revision)
+    if isinstance(connection_or_url, Engine):
+        with connection_or_url.begin() as conn:
+            _run_alembic(run, conn, schema, revision)
+        return
+    engine = create_engine(normalize_sqlalchemy_url(connection_or_url), poolclass=pool.NullPool)
+    try:
+        with engine.begin() as conn:
+            _run_alembic(run, conn, schema, revision)
+    finally:
+        engine.dispose()
 
 
 def upgrade_sql(schema: str = DEFAULT_SCHEMA, revision: str = "head") -> None:

@@ -38,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from ._queries import queries_for_schema
+from ._runtime import enqueue_statement
 from .errors import OutboxError
 
 if TYPE_CHECKING:
@@ -93,8 +94,6 @@ class _Pending:
     def write(self, conn: Connection) -> None:
         if not self.items:
             return
-        from ._runtime import enqueue_statement
-
         items, self.items = self.items, []
         notify_in_txn = self.broker.notify == "transaction"
         name, params = enqueue_statement(items, self.broker.channel, notify_in_txn)
@@ -145,9 +144,7 @@ def _pending_for_connection(conn: Connection, broker: PostgresBroker) -> _Pendin
 class Outbox:
     """A transactional-enqueue binding; create it with :func:`outbox`."""
 
-    def __init__(
-        self, bind: Session | Connection | AsyncSession | AsyncConnection, broker: PostgresBroker
-    ) -> None:
+    def __init__(self, bind: Bind, broker: PostgresBroker) -> None:
         if not isinstance(bind, (Session, Connection, AsyncSession, AsyncConnection)):
             raise OutboxError(
                 f"outbox() binds a SQLAlchemy Session, Connection or their async forms, not {bind!r}"
@@ -234,8 +231,5 @@ class Outbox:
         if exc_type is not None:
             self._keep_or_discard(self._sync_bind())
             return
-        bind = self.bind
-        if isinstance(bind, AsyncSession):
-            await bind.run_sync(self._write_sync)
-        elif isinstance(bind, AsyncConnection):
-            await bind.run_sync(self._write_sync)
+        assert isinstance(self.bind, (AsyncSession, AsyncConnection))
+        await self.bind.run_sync(self._write_sync)

@@ -136,15 +136,21 @@ FROM failed;
 
 -- name: requeue --
 -- Hands claimed but unstarted messages back at once, without charging them
--- the attempt their claim took.  Fenced like ack.  Returns the queues to wake.
+-- the attempt their claim took.  Fenced like ack.  Wakes the listeners of
+-- those queues in the same statement (unless %(notify)s is false) and returns
+-- the released count per queue.
 WITH released AS (
     UPDATE {schema}.messages AS m
     SET state = 'pending', attempts = greatest(m.attempts - 1, 0), lease = NULL, owner = NULL
     FROM unnest(%(ids)s::bigint[], %(leases)s::uuid[]) AS a(id, lease)
     WHERE m.id = a.id AND m.lease = a.lease AND m.state = 'processing'
     RETURNING m.queue_name
+),
+per_queue AS (
+    SELECT queue_name, count(*) AS n FROM released GROUP BY queue_name
 )
-SELECT queue_name, count(*) FROM released GROUP BY queue_name;
+SELECT queue_name, n, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, queue_name) END
+FROM per_queue;
 
 -- name: heartbeat --
 INSERT INTO {schema}.workers (id, hostname, pid, queues)

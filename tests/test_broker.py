@@ -252,28 +252,8 @@ def test_messages_of_a_dead_worker_are_released_and_quarantined_after_max_delive
     assert "max_deliveries=2" in error
 
 
-def test_a_live_workers_long_task_is_never_released(make_broker: Any, db: Any) -> None:
-    broker = make_broker(**MANUAL)
-
-    @dramatiq.actor(broker=broker)
-    def long() -> None:
-        pass
-
-    long.send()
-    consumer = broker.consume("default", prefetch=1, timeout=2_000)
-    assert next(consumer) is not None
-    first_tick_done(broker)
-    # Claimed long ago by task-length standards, but the owner heartbeats.
-    db.execute("UPDATE dramatiq.messages SET acquired_at = now() - interval '1 day'")
-    maintenance = broker.runtime.maintenance
-    assert maintenance is not None
-    maintenance.heartbeat()
-    assert maintenance.rescue().released == 0
-    assert db.execute("SELECT state FROM dramatiq.messages").fetchone() == ("processing",)
-    consumer.close()
-
-
-def test_orphaned_claims_of_a_live_process_are_released(make_broker: Any, db: Any) -> None:
+def claim_one_by_hand(make_broker: Any) -> tuple[PostgresBroker, Any, Any]:
+    """Hand-driven maintenance, one message sent and claimed: (broker, consumer, maintenance)."""
     broker = make_broker(**MANUAL)
 
     @dramatiq.actor(broker=broker)
@@ -284,11 +264,24 @@ def test_orphaned_claims_of_a_live_process_are_released(make_broker: Any, db: An
     consumer = broker.consume("default", prefetch=1, timeout=2_000)
     assert next(consumer) is not None
     first_tick_done(broker)
+    return broker, consumer, broker.runtime.maintenance
+
+
+def test_a_live_workers_long_task_is_never_released(make_broker: Any, db: Any) -> None:
+    _, consumer, maintenance = claim_one_by_hand(make_broker)
+    # Claimed long ago by task-length standards, but the owner heartbeats.
+    db.execute("UPDATE dramatiq.messages SET acquired_at = now() - interval '1 day'")
+    maintenance.heartbeat()
+    assert maintenance.rescue().released == 0
+    assert db.execute("SELECT state FROM dramatiq.messages").fetchone() == ("processing",)
+    consumer.close()
+
+
+def test_orphaned_claims_of_a_live_process_are_released(make_broker: Any, db: Any) -> None:
+    broker, consumer, maintenance = claim_one_by_hand(make_broker)
     # The claim's reply was "lost": this process no longer knows the row.
     broker.runtime.inflight.clear()
     db.execute("UPDATE dramatiq.messages SET acquired_at = now() - interval '1 minute'")
-    maintenance = broker.runtime.maintenance
-    assert maintenance is not None
     assert maintenance.release_orphans() == 1
     assert db.execute("SELECT state, attempts FROM dramatiq.messages").fetchall() == [("pending", 0)]
     consumer._closed = True
