@@ -20,8 +20,8 @@ from alembic import context
 from dramatiq_pg_outbox.migrations import (
     MIGRATION_LOCK_KEY,
     VERSION_TABLE,
+    create_schema_sql,
     normalize_sqlalchemy_url,
-    quote_ident,
     schema_for_migration,
 )
 
@@ -38,14 +38,14 @@ def run_offline() -> None:
         dialect_opts={"paramstyle": "named"},
     )
     with context.begin_transaction():
-        context.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
+        context.execute(create_schema_sql(schema))
         context.run_migrations()
 
 
 def _run(connection: Connection) -> None:
     # Serialise concurrent upgrades (several processes migrating at start).
     connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
-    connection.execute(text(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}"))
+    connection.execute(text(create_schema_sql(schema)))
     context.configure(
         connection=connection,
         version_table=VERSION_TABLE,

@@ -53,6 +53,7 @@ def _ours_cases(url: str, n_single: int, n_batch: int) -> dict[str, float]:
     from sqlalchemy.orm import Session
 
     from dramatiq_pg_outbox import PostgresBroker, outbox
+    from dramatiq_pg_outbox._runtime import StoredMessage
 
     sa_url = url.replace("postgresql://", "postgresql+psycopg://", 1)
     engine = create_engine(sa_url, pool_size=2)
@@ -72,7 +73,7 @@ def _ours_cases(url: str, n_single: int, n_batch: int) -> dict[str, float]:
         s.commit()
     with Session(engine) as s, outbox(s, broker):
         actor.send(-1)
-    broker.runtime.enqueue([(make_message(-1), 0)], notify=True)
+    broker.runtime.enqueue([StoredMessage.of(make_message(-1))], notify=True)
 
     def bare_session() -> None:
         for _ in range(n_single):
@@ -109,18 +110,18 @@ def _ours_cases(url: str, n_single: int, n_batch: int) -> dict[str, float]:
 
     # (c) measures the write path: the Message objects exist before the clock starts
     # (encoding them is timed), as they would for a fan-out built by the application.
-    prebuilt = [(make_message(i), 0) for i in range(n_batch)]
+    prebuilt = [make_message(i) for i in range(n_batch)]
 
     def bulk() -> None:
         for lo in range(0, n_batch, 5_000):
-            broker.runtime.enqueue(prebuilt[lo : lo + 5_000], notify=True)
+            broker.runtime.enqueue([StoredMessage.of(m) for m in prebuilt[lo : lo + 5_000]], notify=True)
 
     def copy() -> None:
         with psycopg.connect(url, autocommit=True) as conn, conn.cursor() as cur:
             with cur.copy(
                 "COPY dramatiq.messages (queue_name, actor_name, message_id, payload) FROM STDIN"
             ) as cp:
-                for m, _ in prebuilt:
+                for m in prebuilt:
                     cp.write_row((QUEUE, ACTOR, m.message_id, m.encode()))
 
     # Alternate the two (a) cases so that drift hits both alike.

@@ -49,6 +49,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
     def produce() -> None:
         from dramatiq_pg_outbox import PostgresBroker
+        from dramatiq_pg_outbox._runtime import StoredMessage
 
         broker = PostgresBroker(url=url)
         per_tick = max(1, round(rate * TICK_S))
@@ -57,7 +58,7 @@ def run(ctx: Context) -> dict[str, Any]:
             while sent[0] < total and not stop.is_set():
                 n = min(per_tick, total - sent[0])
                 broker.runtime.enqueue(
-                    [(make_message(i), 0) for i in range(sent[0], sent[0] + n)], notify=True
+                    [StoredMessage.of(make_message(i)) for i in range(sent[0], sent[0] + n)], notify=True
                 )
                 sent[0] += n
                 t_next += TICK_S

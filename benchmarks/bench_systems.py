@@ -124,12 +124,13 @@ def prefill(system: str, url: str, n: int, *, start: int = 0, broker: Any = None
     """
     if system == OURS:
         from dramatiq_pg_outbox import PostgresBroker
+        from dramatiq_pg_outbox._runtime import StoredMessage
 
         own = PostgresBroker(url=url)
         try:
             for lo in range(start, start + n, PREFILL_BATCH):
                 hi = min(start + n, lo + PREFILL_BATCH)
-                own.runtime.enqueue([(make_message(i), 0) for i in range(lo, hi)], notify=False)
+                own.runtime.enqueue([StoredMessage.of(make_message(i)) for i in range(lo, hi)], notify=False)
         finally:
             own.close()
     elif system in (DRAMATIQ_PG, DRAMATIQ_POSTGRES):

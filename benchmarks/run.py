@@ -1,6 +1,7 @@
 """Run the benchmark suite: ``python -m benchmarks.run [--quick] [--scenarios drain,enqueue,...]``.
 
-Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained.
+Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained;
+(issue 8): delay (due time -> actor start of delayed messages and retries).
 Every system of a scenario is measured in the same run, on the same machine,
 against a durable PostgreSQL (fsync and synchronous_commit on).  By default a
 private server is started (``ThrowawayPostgres`` with pg_stat_statements);
@@ -18,7 +19,7 @@ import time
 
 from .bench_common import ALL_SYSTEMS, Context, machine_notes, postgres_for_benchmarks, save_json
 
-SCENARIOS = ("drain", "enqueue", "latency", "backlog", "sustained")
+SCENARIOS = ("drain", "enqueue", "latency", "backlog", "sustained", "delay")
 
 
 def main(argv: list[str] | None = None) -> int:

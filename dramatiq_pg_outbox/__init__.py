@@ -6,10 +6,12 @@ from .broker import PostgresBroker
 from .errors import OutboxError, SchemaNotReady
 from .migrations import downgrade, upgrade, versions_path
 from .outbox import Outbox, outbox
+from .results import PostgresBackend
 
 __all__ = [
     "Outbox",
     "OutboxError",
+    "PostgresBackend",
     "PostgresBroker",
     "SchemaNotReady",
     "downgrade",

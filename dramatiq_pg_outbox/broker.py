@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 from dramatiq import Message
 from dramatiq.broker import Broker, Consumer, MessageProxy
@@ -26,7 +26,9 @@ from dramatiq.logging import get_logger
 from dramatiq.middleware import Middleware
 from sqlalchemy.engine import URL, Engine, make_url
 
-from ._runtime import _Runtime, format_error
+from ._config import BrokerOptions, NotifyMode, channel_for
+from ._runtime import StoredMessage, _Runtime, format_error
+from ._urls import safe_url
 from .migrations import DEFAULT_SCHEMA, libpq_url, validate_schema_name
 from .outbox import current_outbox
 
@@ -37,8 +39,8 @@ MAX_QUEUE_NAME = 200
 
 #: Delivery number from which a message runs alone in its consumer (or at its last allowed delivery).
 SUSPECT_AT_DELIVERY = 3
-
-NotifyMode = Literal["transaction", "after_commit", "off"]
+#: Upcoming delayed rows a claim reads to find the next due time of its consumer (see _mine).
+LOOK_AHEAD = 64
 
 
 def validate_queue_name(queue_name: str) -> str:
@@ -70,27 +72,34 @@ class PostgresBroker(Broker):
     Parameters:
       url(str): PostgreSQL URL (``postgresql://`` or a SQLAlchemy URL such as
         ``postgresql+psycopg://``).  Exactly one of ``url`` and ``engine``.
+        Its password (also a ``?password=`` parameter) is masked in ``repr``,
+        logs and errors.
       engine(sqlalchemy.engine.Engine): Take the URL of this engine.
-      schema(str): Schema of the tables.  Default ``dramatiq``.
+      schema(str): Schema of the tables.  Default ``dramatiq``.  The NOTIFY
+        channel is ``dramatiq_pg_outbox.<schema>``; for schema names over 44
+        characters it is ``dramatiq_pg_outbox.<first 27 characters>.<16 hex digits
+        of the name's SHA-256>``, to fit PostgreSQL's 63-byte limit.
       middleware(list[Middleware]): As for :class:`dramatiq.Broker`.
-      pool_size(int): Most pooled connections per process.  Default 4.
-      pool_timeout(int): Longest wait for a pooled connection, in milliseconds.  Default 10000.
+      pool_size(int): Most pooled connections per process, >= 1.  Default 4.
+      pool_timeout(int): Longest wait for a pooled connection, in milliseconds, >= 1.  Default 10000.
       max_deliveries(int): Claims of one stored message before it is quarantined
-        (moved to history as failed and never run again).  Default 5.
+        (moved to history as failed and never run again), >= 1.  Default 5.
       overfetch_factor(float): A consumer holds at most ``prefetch x overfetch_factor``
-        claimed, unacknowledged messages.  Default 4.0: with Dramatiq's prefetch
-        (2 x threads) a claim then covers the next claim's round trip, so worker
-        threads do not starve on no-op-sized tasks; use 1.0 for long tasks to
-        hoard less.
-      min_fetch_interval(int): Pause after a fetch that filled the buffer, in milliseconds.  Default 0.
-      max_fetch_interval(int): Poll interval of an idle consumer, in milliseconds.  Default 1000.
-      flush_interval(int): How long acks are gathered before one write, in milliseconds.  Default 5.
-      flush_batch_size(int): Buffered decisions that trigger an immediate flush.  Default 1000.
-      heartbeat_interval(int): Worker heartbeat period, in milliseconds.  Default 5000.
+        claimed, unacknowledged messages; a finite number > 0.  Default 4.0: with
+        Dramatiq's prefetch (2 x threads) a claim then covers the next claim's
+        round trip, so worker threads do not starve on no-op-sized tasks; use
+        1.0 for long tasks to hoard less.
+      min_fetch_interval(int): Pause after a fetch that filled the buffer, in milliseconds, >= 0.  Default 0.
+      max_fetch_interval(int): Poll interval of an idle consumer, in milliseconds, >= 1.  Default 1000.
+      flush_interval(int): How long acks are gathered before one write, in milliseconds, >= 0.  Default 5.
+      flush_batch_size(int): Buffered decisions that trigger an immediate flush, >= 1.  Default 1000.
+      heartbeat_interval(int): Worker heartbeat period, in milliseconds, >= 1.  Default 5000.
       heartbeat_timeout(int): Silence after which a worker counts as dead and its
-        messages are released, in milliseconds.  Default 20000.
-      rescue_interval(int): Period of the release-stuck pass, in milliseconds.  Default 5000.
-      max_lease(int|None): Optional hard bound on one delivery, in milliseconds;
+        messages are released, in milliseconds; at least 2 x ``heartbeat_interval``
+        so that one late heartbeat never makes a live worker look dead.  Default 20000.
+      rescue_interval(int): Period of the release-stuck pass, in milliseconds, >= 0
+        (0: at every heartbeat).  Default 5000.
+      max_lease(int|None): Optional hard bound on one delivery, in milliseconds, >= 1;
         a message claimed longer ago is released even if its worker is alive.  Default None.
       notify(str): ``"transaction"`` (NOTIFY in the enqueueing transaction, delivered
         at commit), ``"after_commit"`` (from the broker's own connection after the
@@ -99,8 +108,13 @@ class PostgresBroker(Broker):
         delivers everything.  Default True.
       check_schema(bool): Check the schema revision on first use.  Default True.
 
+    Times are integers (``int``, not ``float`` or ``bool``), as everywhere in
+    Dramatiq.  All options are checked at construction, before any connection.
+
     Raises:
-      ValueError: For a bad schema name, a non-PostgreSQL URL or bad option values.
+      ValueError: For a bad schema name, a non-PostgreSQL URL, or an option of
+        the wrong type or out of its range; the message names the option, the
+        value and the rule.
     """
 
     def __init__(
@@ -132,31 +146,43 @@ class PostgresBroker(Broker):
         parsed = engine.url if engine is not None else (make_url(url) if isinstance(url, str) else url)
         assert parsed is not None
         self.conninfo = libpq_url(parsed)
-        self.safe_url = parsed.render_as_string(hide_password=True)
+        #: The URL with its password masked (also a ``?password=`` query parameter): for logs and errors.
+        self.safe_url = safe_url(parsed)
         self.schema = validate_schema_name(schema)
-        self.channel = f"dramatiq_pg_outbox.{schema}"
-        if notify not in ("transaction", "after_commit", "off"):
-            raise ValueError(f"notify must be 'transaction', 'after_commit' or 'off', not {notify!r}")
-        for name, value in (("pool_size", pool_size), ("max_deliveries", max_deliveries)):
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, not {value!r}")
-        if overfetch_factor <= 0:
-            raise ValueError(f"overfetch_factor must be positive, not {overfetch_factor!r}")
-        self.pool_size = pool_size
-        self.pool_timeout = pool_timeout
-        self.max_deliveries = max_deliveries
-        self.overfetch_factor = overfetch_factor
-        self.min_fetch_interval = min_fetch_interval
-        self.max_fetch_interval = max_fetch_interval
-        self.flush_interval = flush_interval
-        self.flush_batch_size = flush_batch_size
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
-        self.rescue_interval = rescue_interval
-        self.max_lease = max_lease
-        self.notify: NotifyMode = notify
-        self.listen = listen
-        self.check_schema = check_schema
+        #: LISTEN/NOTIFY channel: ``dramatiq_pg_outbox.<schema>``, shortened for long schemas.
+        self.channel = channel_for(schema)
+        options = BrokerOptions(
+            pool_size=pool_size,
+            pool_timeout=pool_timeout,
+            max_deliveries=max_deliveries,
+            overfetch_factor=overfetch_factor,
+            min_fetch_interval=min_fetch_interval,
+            max_fetch_interval=max_fetch_interval,
+            flush_interval=flush_interval,
+            flush_batch_size=flush_batch_size,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            rescue_interval=rescue_interval,
+            max_lease=max_lease,
+            notify=notify,
+            listen=listen,
+            check_schema=check_schema,
+        )
+        self.pool_size = options.pool_size
+        self.pool_timeout = options.pool_timeout
+        self.max_deliveries = options.max_deliveries
+        self.overfetch_factor = options.overfetch_factor
+        self.min_fetch_interval = options.min_fetch_interval
+        self.max_fetch_interval = options.max_fetch_interval
+        self.flush_interval = options.flush_interval
+        self.flush_batch_size = options.flush_batch_size
+        self.heartbeat_interval = options.heartbeat_interval
+        self.heartbeat_timeout = options.heartbeat_timeout
+        self.rescue_interval = options.rescue_interval
+        self.max_lease = options.max_lease
+        self.notify: NotifyMode = options.notify
+        self.listen = options.listen
+        self.check_schema = options.check_schema
         self.queues: set[str] = set()
         self._runtime: _Runtime | None = None
         self._runtime_lock = threading.Lock()
@@ -243,9 +269,14 @@ class PostgresBroker(Broker):
     ) -> list[Message[Any]]:
         """Store many messages with one multi-row INSERT per ``batch_size`` (a fan-out).
 
-        Inside :func:`outbox` they join the bound transaction like ``send()``;
-        otherwise each batch is one statement (and one commit) on the pool.
-        Middleware sees ``before_enqueue``/``after_enqueue`` for every message.
+        Each message is encoded here, at send time: an encoding error is raised
+        by this call and nothing of it is stored.  Inside :func:`outbox` the
+        messages join the bound transaction like ``send()`` (written as one
+        statement just before it commits, whatever ``batch_size``); otherwise
+        each batch is one statement (and one commit) on the pool.  Middleware
+        sees ``before_enqueue`` for every message now, and ``after_enqueue``
+        for every message actually stored (not for idempotency duplicates):
+        at once on the pool, after the commit inside :func:`outbox`.
 
         Parameters:
           messages(Iterable[Message]): e.g. ``[actor.message(x) for x in xs]``.
@@ -253,28 +284,33 @@ class PostgresBroker(Broker):
           batch_size(int): Messages per statement outside a binding.  Default 5000.
 
         Raises:
-          ValueError: For an invalid queue name or a negative delay (before any write).
+          ValueError: For an invalid queue name, a negative delay or a batch_size below 1
+            (before any write).
+          ConnectionClosed/ConnectionFailed: If the database cannot be reached (outside a binding).
+          SchemaNotReady: If the tables are missing or old (outside a binding).
 
         Returns:
-          list[Message]: The stored messages.
+          list[Message]: The messages, in their stored form.
         """
         if delay is not None and delay < 0:
             raise ValueError(f"delay must be a non-negative number of milliseconds, not {delay!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size!r}")
         prepared = [_stored_form(message) for message in messages]
         delay_ms = int(delay or 0)
-        binding = current_outbox()
+        binding = current_outbox(self)
         for start in range(0, len(prepared), batch_size):
             batch = prepared[start : start + batch_size]
             self.logger.debug("Enqueueing %d message(s), first %r.", len(batch), batch[0].message_id)
+            stored = []
             for message in batch:
                 self.emit_before("enqueue", message, delay)
-            if binding is not None and binding.broker is self:
-                for message in batch:
-                    binding.add(message, delay_ms)
+                stored.append(StoredMessage.of(message, delay_ms))
+            if binding is not None:
+                binding.add(self, stored)
             else:
-                self.runtime.enqueue([(m, delay_ms) for m in batch], notify=self.notify != "off")
-            for message in batch:
-                self.emit_after("enqueue", message, delay)
+                for item in self.runtime.enqueue(stored, notify=self.notify != "off"):
+                    self.emit_after("enqueue", item.message, item.delay or None)
         return prepared
 
     def get_declared_queues(self) -> set[str]:
@@ -350,7 +386,15 @@ class _PostgresMessage(MessageProxy):
 
 class _PostgresConsumer(Consumer):
     """Fetch loop + hand-off.  ``__next__`` runs on Dramatiq's consumer thread
-    and claims in batches; ack/nack may come from any thread."""
+    and claims in batches; ack/nack may come from any thread.
+
+    An idle consumer claims again at the earliest of: its poll deadline
+    (``max_fetch_interval`` after the last claim); the due time of the
+    queue's earliest delayed row, which every claim returns, or of a
+    ``"<queue>@<due>"`` notification, if that due time is this consumer's
+    (see ``_mine``); at once on a ``"<queue>"`` notification or when a slot
+    frees up.
+    """
 
     def __init__(self, broker: PostgresBroker, queue_name: str, prefetch: int, timeout: int) -> None:
         self.logger = get_logger(__name__, type(self))
@@ -365,7 +409,23 @@ class _PostgresConsumer(Consumer):
         self._wakeup = threading.Event()
         self._notified = False
         self._more = False
-        self._next_fetch_at = 0.0
+        #: time.monotonic() of the next poll (or refill, with a backlog).  Consumer thread only.
+        self._poll_at = 0.0
+        #: time.monotonic() at which the earliest delayed row that the last claim
+        #: reported falls due, if that due time is ours (inf: none).  Consumer thread only.
+        self._due_at = math.inf
+        #: time.monotonic() of the earliest due time of ours announced by a
+        #: "<queue>@<due>" notification since the last claim began (inf: none).
+        #: Lowered by the listener thread, reset by the consumer thread, under _lock.
+        self._due_hint = math.inf
+        #: Live worker processes consuming this queue, and this one's rank among
+        #: them (see _mine); refreshed every heartbeat_interval, after a claim.
+        self._consumers = 1
+        self._rank = 0
+        self._rank_at = 0.0
+        #: Claims made, and claims that returned no message (see docs/design.md, "Delays").
+        self.claims = 0
+        self.empty_claims = 0
         #: Deliveries from which a message runs alone (see _isolate).
         self._suspect_at = min(SUSPECT_AT_DELIVERY, broker.max_deliveries)
         #: Row id of a redelivered message running alone (see _isolate).
@@ -374,9 +434,38 @@ class _PostgresConsumer(Consumer):
         self.runtime.register(self)
 
     def notify(self) -> None:
-        """Called by the listener: something may be ready."""
+        """Called by the listener: something may be ready now."""
         self._notified = True
         self._wakeup.set()
+
+    def notify_due(self, due_ms: int, at: float) -> None:
+        """Called by the listener: a delayed message falls due.
+
+        Moves the next claim earlier, never later, and claims nothing before
+        then; ignored if the due time is another consumer's (see ``_mine``).
+
+        Parameters:
+          due_ms(int): The due time, epoch milliseconds on the database clock.
+          at(float): The same instant on this process's ``time.monotonic()``, in seconds.
+        """
+        if not self._mine(due_ms):
+            return
+        with self._lock:
+            if at >= self._due_hint:
+                return
+            self._due_hint = at
+        self._wakeup.set()
+
+    def _mine(self, due_ms: int) -> bool:
+        """Whether this consumer wakes for a due time: one of the queue's consumers does.
+
+        Every consumer waking at every due time would make each delayed
+        message cost one claim per worker process, all but one of them empty
+        (a thundering herd).  Due times are dealt out by ``due_ms mod n ==
+        rank`` among the n live processes of the queue; the others find the
+        message at their next poll if the one dealt it cannot claim it.
+        """
+        return self._consumers <= 1 or due_ms % self._consumers == self._rank
 
     def __next__(self) -> MessageProxy | None:
         deadline = time.monotonic() + self.timeout / 1000
@@ -385,21 +474,23 @@ class _PostgresConsumer(Consumer):
                 return self._buffer.popleft()
             if self._closed:
                 return None
-            now = time.monotonic()
+            # Cleared before the conditions are read: a notify, notify_due or
+            # release that lands after this line interrupts the wait below.
+            self._wakeup.clear()
             free = self.limit - self._outstanding
-            threshold = self._threshold()
-            can_fetch = free >= threshold and self._isolated is None
-            if can_fetch and (now >= self._next_fetch_at or self._notified):
-                self._wakeup.clear()
+            can_fetch = free >= self._threshold() and self._isolated is None
+            due_at = min(self._due_at, self._due_hint)
+            fetch_at = min(self._poll_at, due_at)
+            now = time.monotonic()
+            if can_fetch and (self._notified or now >= fetch_at):
+                on_time = not self._notified and now >= due_at
                 self._notified = False
-                claimed = self._fetch(free)
-                self._more = claimed >= free
-                interval = self.broker.min_fetch_interval if self._more else self.broker.max_fetch_interval
-                self._next_fetch_at = time.monotonic() + interval / 1000
-                if self._buffer:
-                    continue
-                can_fetch = self._isolated is None
-            wait_until = min(deadline, self._next_fetch_at) if can_fetch else deadline
+                # Whatever was announced so far is committed, so this claim sees it.
+                with self._lock:
+                    self._due_hint = math.inf
+                self._fetch(free, on_time)
+                continue
+            wait_until = min(deadline, fetch_at) if can_fetch else deadline
             remaining = wait_until - time.monotonic()
             if remaining <= 0:
                 if time.monotonic() >= deadline:
@@ -412,15 +503,50 @@ class _PostgresConsumer(Consumer):
         # when idle, fetch as soon as one slot is free (latency).
         return max(1, self.limit // 2) if self._more else 1
 
-    def _fetch(self, limit: int) -> int:
+    def _fetch(self, limit: int, on_time: bool = False) -> int:
+        """Claim up to ``limit`` messages into the buffer and plan the next claim.
+
+        Parameters:
+          limit(int): Most messages to claim.
+          on_time(bool): Whether a due time of ours, not a poll or a notification, started this claim.
+
+        Returns:
+          int: Messages claimed (including any handed back by ``_isolate``).
+        """
         lease = uuid.uuid4()
+        sent = time.monotonic()
         rows = self.runtime.execute(
             "claim",
-            {"queue_name": self.queue_name, "limit": limit, "lease": lease, "owner": self.runtime.worker_id},
+            {
+                "queue_name": self.queue_name,
+                "limit": limit,
+                "lease": lease,
+                "owner": self.runtime.worker_id,
+                "consumers": self._consumers,
+                "rank": self._rank,
+                "look_ahead": LOOK_AHEAD,
+            },
         )
-        rows.sort(key=lambda row: row[0])
-        for row_id, _, _ in rows:
-            self.runtime.inflight[row_id] = lease
+        # Every row carries the clock columns; a claim of nothing is one row with a NULL id.
+        next_due_in_ms, db_now_ms = rows[0][3:5]
+        self.runtime.observe_clock(db_now_ms, sent)
+        rows = sorted((row[:3] for row in rows if row[0] is not None), key=lambda row: row[0])
+        self.claims += 1
+        self.empty_claims += not rows
+        self._more = len(rows) >= limit
+        now = time.monotonic()
+        interval = self.broker.min_fetch_interval if self._more else self.broker.max_fetch_interval
+        self._poll_at = now + interval / 1000
+        if not self._more and now >= self._rank_at:
+            self._refresh_rank()
+        # The claim returned our next due time (see _mine), relative to its now(),
+        # which is ~one-way latency after `sent`: sent at sent + next_due_in, the
+        # next claim reaches the server when the row is due.
+        self._due_at = math.inf if next_due_in_ms is None else sent + next_due_in_ms / 1000
+        if on_time and self._more and self._consumers > 1 and self.broker.notify != "off":
+            # More became due at once than this consumer can take: wake the others.
+            self.runtime.flusher.notify_later([self.queue_name])
+        self.runtime.track(rows, lease)
         suspects = [row for row in rows if row[1] >= self._suspect_at]
         if suspects:
             rows = self._isolate(suspects[0], [row for row in rows if row is not suspects[0]], lease)
@@ -442,6 +568,20 @@ class _PostgresConsumer(Consumer):
                 self._outstanding += 1
             self._buffer.append(_PostgresMessage(message, row_id, lease, attempts, self))
         return len(rows)
+
+    def _refresh_rank(self) -> None:
+        """Learn how many live processes consume this queue and this one's rank (see ``_mine``)."""
+        self._rank_at = time.monotonic() + self.broker.heartbeat_interval / 1000
+        ((consumers, rank, listed),) = self.runtime.execute(
+            "consumer_rank",
+            {
+                "queue_name": self.queue_name,
+                "worker_id": self.runtime.worker_id,
+                "heartbeat_timeout_ms": self.broker.heartbeat_timeout,
+            },
+        )
+        # Not listed yet (the heartbeat that names this queue is still to come): wake for all.
+        self._consumers, self._rank = (int(consumers), int(rank)) if listed else (1, 0)
 
     def _isolate(
         self, suspect: tuple[Any, ...], others: list[tuple[Any, ...]], lease: uuid.UUID

@@ -2,131 +2,730 @@
 
 Subcommands::
 
-    migrate       create or upgrade the tables (alembic); --sql prints the SQL instead
-    status        messages per queue and state, live workers
-    failed        the newest dead letters with their errors
+    migrate       create or upgrade the tables (alembic), print the revision reached;
+                  --sql prints the SQL instead
+    status        messages per queue and state, dead letters per queue, workers
+    failed        the newest dead letters with their exception lines
     retry-failed  put dead letters back on their queue (fresh attempts)
     prune         delete history rows older than a given age
+    dashboard     serve the web dashboard (extra: dashboard)
 
 The database URL comes from ``--url`` or ``$DATABASE_URL``; the schema from
 ``--schema`` (default ``dramatiq``).
+
+Errors.  An expected failure (server unreachable, credentials refused, unknown
+database, bad URL or argument, schema missing or older than this package needs)
+is reported as one line on standard error that says what went wrong and what
+to do, never as a traceback; no password is ever printed.  ``--debug`` (on the
+command or on any subcommand) or ``DRAMATIQ_PG_OUTBOX_DEBUG=1`` prints the
+traceback as well.
+
+Exit codes::
+
+    0    success
+    1    runtime failure: the server, the credentials, the database or its schema
+    2    usage error: a bad or missing argument or URL (argparse's code)
+    130  interrupted (Ctrl-C)
+
+A subcommand defined in another module registers with one line in
+:func:`_parser`: ``module.add_parser(sub)`` adds a parser with
+``parents=[common_options()]`` and ``set_defaults(run=module.run)``, where
+``run(args) -> int`` returns the exit code; its errors are reported like the
+built-in ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import getpass
 import os
+import re
+import shlex
+import shutil
 import sys
-from collections.abc import Sequence
-from typing import Any
+import traceback
+import urllib.parse
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import psycopg
+from dramatiq.common import q_name
+from psycopg.conninfo import conninfo_to_dict
 
-from .migrations import DEFAULT_SCHEMA, libpq_url, quote_ident, upgrade, upgrade_sql
+from . import dashboard, periodic
+from ._urls import mask_password
+from .errors import SchemaNotReady
+from .migrations import (
+    DEFAULT_SCHEMA,
+    VERSION_TABLE,
+    check_schema,
+    libpq_url,
+    quote_ident,
+    script_location,
+    upgrade,
+    upgrade_sql,
+    validate_schema_name,
+)
+
+#: Name of the program in messages.
+PROG = "dramatiq-pg-outbox"
+#: Environment variable that turns ``--debug`` on for every subcommand (any value but ``0`` or empty).
+DEBUG_ENV_VAR = "DRAMATIQ_PG_OUTBOX_DEBUG"
+#: Environment variable read when ``--url`` is not given.
+URL_ENV_VAR = "DATABASE_URL"
+#: Seconds to wait for the server to answer, unless the URL sets ``connect_timeout``.
+CONNECT_TIMEOUT = 10
+#: Exit code of a runtime failure.
+EXIT_FAILURE = 1
+#: Exit code of a usage error (argparse's).
+EXIT_USAGE = 2
+#: Exit code after Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+#: Narrowest the error column of ``failed`` gets, in characters.
+MIN_ERROR_WIDTH = 40
+
+_URL_SHAPE = "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+_SECRET_PARAMETERS = ("password", "sslpassword")
+_AGE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([smhd]?)\s*$")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3_600, "d": 86_400, "": 86_400}
+
+
+class CliError(Exception):
+    """An expected failure, reported as one line on standard error.
+
+    Parameters:
+      message(str): What went wrong and what to do, one line.
+      exit_code(int): :data:`EXIT_FAILURE` (default) or :data:`EXIT_USAGE`.
+      prog(str|None): The (sub)command to name in the report; default: the one that ran.
+    """
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE, prog: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors reported on one line (no usage block) by :func:`main`."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{message}; see '{self.prog} --help'", EXIT_USAGE, self.prog)
+
+
+# -- argument types (argparse ``type=``) --------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _age(text: str) -> datetime.timedelta:
+    """``30`` (days), ``30d``, ``12h``, ``90m`` or ``45s``: a positive age."""
+    found = _AGE.match(text)
+    if not found:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of days, or a number with a unit s, m, h or d (30, 12h), got {text!r}"
+        )
+    seconds = float(found.group(1)) * _AGE_UNITS[found.group(2)]
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+    try:
+        return datetime.timedelta(seconds=seconds)
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"too large: {text!r}") from None
+
+
+def _schema(text: str) -> str:
+    try:
+        return validate_schema_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
+
+
+# -- the parser -----------------------------------------------------------------
+
+
+def common_options() -> argparse.ArgumentParser:
+    """The options of every subcommand (``--url``, ``--schema``, ``--debug``), as an argparse parent."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url", help=f"PostgreSQL URL, {_URL_SHAPE} (default: ${URL_ENV_VAR})", metavar="URL"
+    )
+    common.add_argument(
+        "--schema", type=_schema, default=DEFAULT_SCHEMA, help="schema of the tables (default: dramatiq)"
+    )
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=f"on errors, print the traceback too (also: {DEBUG_ENV_VAR}=1)",
+    )
+    return common
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dramatiq-pg-outbox", description=__doc__.split("\n\n")[0])
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--url", default=os.environ.get("DATABASE_URL"), help="PostgreSQL URL ($DATABASE_URL)"
+    parser = _Parser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        epilog="exit codes: 0 success, 1 runtime failure (server, credentials, database, schema), "
+        "2 usage error, 130 interrupted",
     )
-    common.add_argument("--schema", default=DEFAULT_SCHEMA, help="schema of the tables (default: dramatiq)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--debug", action="store_true", help="on errors, print the traceback too")
+    common: Any = common_options()  # argparse's stubs want the subparsers' own class here
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     migrate = sub.add_parser("migrate", parents=[common], help="create or upgrade the tables")
     migrate.add_argument("--revision", default="head", help="target revision (default: head)")
     migrate.add_argument("--sql", action="store_true", help="print the SQL instead of running it")
-    sub.add_parser("status", parents=[common], help="messages per queue and state, live workers")
+    migrate.set_defaults(run=_migrate)
+
+    status = sub.add_parser("status", parents=[common], help="messages, dead letters and workers")
+    status.set_defaults(run=_status)
+
     failed = sub.add_parser("failed", parents=[common], help="newest dead letters")
     failed.add_argument("--queue", help="only this queue")
-    failed.add_argument("--limit", type=int, default=20, help="rows to show (default: 20)")
+    failed.add_argument("--limit", type=_positive_int, default=20, help="rows to show (default: 20)")
+    failed.set_defaults(run=_failed)
+
     retry = sub.add_parser("retry-failed", parents=[common], help="re-enqueue dead letters")
     retry.add_argument("--queue", help="only this queue")
     retry.add_argument(
-        "--id", type=int, action="append", dest="ids", help="only this history id (repeatable)"
+        "--id",
+        type=_positive_int,
+        action="append",
+        dest="ids",
+        metavar="ID",
+        help="only this history id (repeatable)",
     )
+    retry.set_defaults(run=_retry_failed)
+
     prune = sub.add_parser("prune", parents=[common], help="delete old history rows")
-    prune.add_argument("--older-than", type=float, required=True, metavar="DAYS", help="age in days")
+    prune.add_argument(
+        "--older-than",
+        type=_age,
+        required=True,
+        metavar="AGE",
+        help="age in days (30), or with a unit: 12h, 90m, 45s",
+    )
+    prune.set_defaults(run=_prune)
+    dashboard.add_parser(sub, parents=[common])
+    periodic.add_parser(sub)
     return parser
 
 
+# -- the entry point --------------------------------------------------------------
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``dramatiq-pg-outbox`` console script.  Returns the exit code."""
-    args = _parser().parse_args(argv)
-    if args.command == "migrate" and args.sql:
-        upgrade_sql(args.schema, args.revision)
-        return 0
-    if not args.url:
-        print("error: no database URL: pass --url or set DATABASE_URL", file=sys.stderr)
-        return 2
-    if args.command == "migrate":
-        upgrade(args.url, schema=args.schema, revision=args.revision)
-        print(f"schema {args.schema!r} is at revision {args.revision}")
-        return 0
-    s = quote_ident(args.schema)
-    with psycopg.connect(libpq_url(args.url), autocommit=True) as conn:
-        handler = {"status": _status, "failed": _failed, "retry-failed": _retry_failed, "prune": _prune}
-        return handler[args.command](conn, s, args)
+    """Entry point of the ``dramatiq-pg-outbox`` console script.
+
+    Parameters:
+      argv(Sequence[str]|None): The arguments; default ``sys.argv[1:]``.
+
+    Returns:
+      int: The exit code: 0, 1 (runtime failure), 2 (usage error) or 130 (interrupted).
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    secrets = _secrets_in(argv, os.environ.get(URL_ENV_VAR))
+    debug = os.environ.get(DEBUG_ENV_VAR, "") not in ("", "0") or "--debug" in argv
+    prog = PROG
+    try:
+        args = _parser().parse_args(argv)
+        prog = f"{PROG} {args.command}"
+        debug = debug or bool(getattr(args, "debug", False))
+        run: Callable[[argparse.Namespace], int] = args.run
+        return run(args)
+    except KeyboardInterrupt:
+        _report(prog, "interrupted", secrets)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        error = _explain(e)
+        if debug and not (isinstance(e, CliError) and e.exit_code == EXIT_USAGE):
+            text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            print(_scrub(text, secrets), end="", file=sys.stderr)
+        _report(error.prog or prog, error.message, secrets)
+        return error.exit_code
 
 
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
-    cells = [[str(h) for h in header]] + [["" if v is None else str(v) for v in row] for row in rows]
+def _report(prog: str, message: str, secrets: Sequence[str]) -> None:
+    line = " ".join(_scrub(message, secrets).split())
+    print(f"{prog}: error: {line}", file=sys.stderr)
+
+
+def _explain(e: BaseException) -> CliError:
+    """The one line (and exit code) that reports ``e``."""
+    import sqlalchemy.exc
+    from alembic.util import CommandError
+
+    if isinstance(e, CliError):
+        return e
+    if isinstance(e, sqlalchemy.exc.DBAPIError) and isinstance(e.orig, BaseException):
+        e = e.orig
+    if isinstance(e, SchemaNotReady):
+        return CliError(str(e))
+    if isinstance(e, CommandError):
+        return CliError(f"alembic: {_one_line(e)}", EXIT_USAGE)
+    if isinstance(e, psycopg.errors.InsufficientPrivilege):
+        return CliError(
+            f"permission denied: {_one_line(e)}. Use a role with the privileges this command needs "
+            "(see docs/security.md)"
+        )
+    if isinstance(e, psycopg.OperationalError) and (e.sqlstate or "08").startswith(("08", "57P")):
+        return CliError(f"lost the connection to PostgreSQL: {_libpq_detail(e)}. Run the command again")
+    if isinstance(e, psycopg.Error):
+        state = f" (SQLSTATE {e.sqlstate})" if e.sqlstate else ""
+        return CliError(f"database error{state}: {_one_line(e)}. Run with --debug for the traceback")
+    return CliError(
+        f"unexpected error: {type(e).__name__}: {_one_line(e)}. "
+        "Run with --debug for the traceback, and please report it"
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+# -- passwords --------------------------------------------------------------------
+
+
+def _secrets_in(argv: Sequence[str], env_url: str | None) -> list[str]:
+    """Every password of the URLs in ``argv`` and ``$DATABASE_URL``, to scrub them from any output."""
+    urls = [env_url] if env_url else []
+    for i, arg in enumerate(argv):
+        if arg == "--url" and i + 1 < len(argv):
+            urls.append(argv[i + 1])
+        elif arg.startswith("--url="):
+            urls.append(arg.removeprefix("--url="))
+    found: set[str] = set()
+    for url in urls:
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError:
+            continue
+        userinfo, at, _ = parts.netloc.rpartition("@")
+        if at and ":" in userinfo:
+            found.add(userinfo.split(":", 1)[1])
+        found.update(v for k, v in urllib.parse.parse_qsl(parts.query) if k in _SECRET_PARAMETERS)
+        for piece in parts.query.split("&"):
+            key, _, value = piece.partition("=")
+            if key in _SECRET_PARAMETERS:
+                found.add(value)
+    found |= {urllib.parse.unquote(s) for s in found}
+    # Longest first, so that a password containing another is replaced whole.
+    return sorted((s for s in found if len(s) >= 3), key=len, reverse=True)
+
+
+def _scrub(text: str, secrets: Sequence[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def _shown(url: str) -> str:
+    try:
+        return mask_password(url)
+    except ValueError:
+        return "(not shown: it cannot be parsed)"
+
+
+# -- the database ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Database:
+    """Where a subcommand connects, and how to name it without the password."""
+
+    #: libpq URL (holds the password).
+    conninfo: str
+    #: The URL as it may be printed.
+    shown: str
+    #: What to pass to ``--url`` in a suggested command.
+    fix_url: str
+    #: libpq parameters (``host``, ``port``, ``user``, ``dbname``...).
+    params: dict[str, Any]
+
+    @property
+    def server(self) -> str:
+        host = self.params.get("host") or self.params.get("hostaddr") or "the local socket"
+        return f"{host}:{self.params.get('port') or 5432}"
+
+
+def _database(args: argparse.Namespace) -> _Database:
+    """The validated URL of ``--url`` or ``$DATABASE_URL``.
+
+    Raises:
+      CliError: (usage) If there is none, or it is not a PostgreSQL URL psycopg accepts.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    url: str | None = args.url
+    from_env = url is None
+    if url is None:
+        url = os.environ.get(URL_ENV_VAR)
+    if not url:
+        raise CliError(f"no database URL: pass --url {_URL_SHAPE} or set {URL_ENV_VAR}", EXIT_USAGE)
+    source = f"${URL_ENV_VAR}" if from_env else "--url"
+    shown = _shown(url)
+    netloc = urllib.parse.urlsplit(url).netloc if "://" in url and "[" not in url else ""
+    if netloc.count("@") > 1:
+        raise CliError(
+            f"cannot parse the database URL of {source} ({shown}): it has more than one '@'; "
+            f"expected {_URL_SHAPE}, with an '@' in the user name or password written as %40",
+            EXIT_USAGE,
+        )
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        raise CliError(
+            f"cannot parse the database URL of {source} ({shown}): expected {_URL_SHAPE}", EXIT_USAGE
+        ) from None
+    if parsed.get_backend_name() not in ("postgresql", "postgres"):
+        raise CliError(
+            f"the database URL of {source} is not a PostgreSQL URL ({shown}): expected {_URL_SHAPE}",
+            EXIT_USAGE,
+        )
+    conninfo = libpq_url(parsed)
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError as e:
+        raise CliError(
+            f"cannot use the database URL of {source} ({shown}): {_one_line(e)}; expected {_URL_SHAPE}",
+            EXIT_USAGE,
+        ) from None
+    fix_url = f'"${URL_ENV_VAR}"' if from_env else shlex.quote(shown)
+    return _Database(conninfo, shown, fix_url, params)
+
+
+def _connect(db: _Database) -> psycopg.Connection[Any]:
+    """An autocommit connection.
+
+    Raises:
+      CliError: If the server cannot be reached or refuses the connection.
+    """
+    try:
+        if db.params.get("connect_timeout"):  # the URL's own, checked by libpq
+            return psycopg.connect(db.conninfo, autocommit=True)
+        return psycopg.connect(db.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT)
+    except psycopg.OperationalError as e:
+        raise _connection_error(e, db) from e
+
+
+def _connection_error(e: psycopg.OperationalError, db: _Database) -> CliError:
+    detail = _libpq_detail(e)
+    text = str(e)
+    user = db.params.get("user") or _login_name()
+    dbname = db.params.get("dbname") or user
+    where = f"PostgreSQL at {db.server}"
+    if "password authentication failed" in text:
+        return CliError(
+            f"{where} refused user {user!r}: password authentication failed. "
+            "Check the user name and password in the URL"
+        )
+    if "no password supplied" in text:
+        return CliError(
+            f"{where} wants a password for user {user!r} and the URL has none. "
+            f"Add it to the URL: {_URL_SHAPE}"
+        )
+    if re.search(r'role ".*" does not exist', text):
+        return CliError(
+            f"{where} refused user {user!r}: the role does not exist. Check the user name in the URL, "
+            "or create the role (CREATE ROLE ... LOGIN PASSWORD ...)"
+        )
+    if re.search(r'database ".*" does not exist', text):
+        return CliError(
+            f"{where} has no database {dbname!r}. Check the database name in the URL, "
+            f"or create it (createdb {shlex.quote(str(dbname))})"
+        )
+    if "no pg_hba.conf entry" in text:
+        return CliError(
+            f"{where} does not let user {user!r} connect to database {dbname!r} from this host "
+            f"({detail}). Check the URL, or ask the DBA to allow it in pg_hba.conf"
+        )
+    if "Connection refused" in text or "No such file or directory" in text:
+        return CliError(
+            f"cannot connect to {where}: connection refused. "
+            "Check that PostgreSQL is running and that the host and port in the URL are right"
+        )
+    if "resolve host" in text or "translate host name" in text:
+        return CliError(f"cannot connect to {where}: unknown host ({detail}). Check the host in the URL")
+    if "timeout expired" in text:
+        return CliError(
+            f"cannot connect to {where}: no answer within the connect timeout. "
+            "Check the host and port in the URL and any firewall between"
+        )
+    return CliError(f"cannot connect to {where}: {detail}. Check the URL and that the server runs")
+
+
+def _login_name() -> str:
+    """libpq's default user name."""
+    try:
+        return getpass.getuser()
+    except Exception:
+        return "(your login name)"
+
+
+def _libpq_detail(e: psycopg.Error) -> str:
+    """libpq's message on one line, without its ``connection to server at ... failed:`` prefixes."""
+    text = str(e).removeprefix("connection failed: ")
+    text = re.sub(r'connection to server (at "[^"]*"(, port \d+)?|on socket "[^"]*") failed: ', "", text)
+    text = text.replace("FATAL:  ", "")
+    return " ".join(text.split()).rstrip(".")
+
+
+@contextmanager
+def _checked_connection(
+    args: argparse.Namespace,
+) -> Iterator[tuple[psycopg.Connection[Any], str, _Database]]:
+    """(connection, quoted schema, database) once the schema is known to be current."""
+    db = _database(args)
+    with _connect(db) as conn:
+        check_schema(conn, args.schema, url=db.shown, fix_url=db.fix_url)
+        yield conn, quote_ident(args.schema), db
+
+
+# -- output helpers ---------------------------------------------------------------------
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], numeric: Sequence[int] = ()) -> None:
+    """Print ``rows`` under ``header`` in aligned columns; the ``numeric`` columns right-aligned."""
+    cells = [list(header)] + [["" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+        line = "  ".join(
+            v.rjust(w) if i in numeric else v.ljust(w)
+            for i, (v, w) in enumerate(zip(row, widths, strict=True))
+        )
+        print(line.rstrip())
 
 
-def _status(conn: psycopg.Connection[Any], s: str, args: argparse.Namespace) -> int:
-    rows = conn.execute(
-        f"SELECT queue_name, state, count(*), count(*) FILTER (WHERE next_attempt_at > now()) AS delayed, "  # noqa: S608
-        f"min(enqueued_at) FROM {s}.messages GROUP BY 1, 2 ORDER BY 1, 2"
-    ).fetchall()
-    _table(rows, ["queue", "state", "messages", "delayed", "oldest"])
-    workers = conn.execute(
-        f"SELECT hostname, pid, queues, now() - heartbeat_at FROM {s}.workers ORDER BY hostname, pid"  # noqa: S608
-    ).fetchall()
+def _duration(seconds: float | None) -> str:
+    """``0.4s``, ``42s``, ``5m03s``, ``2h05m``, ``3d04h``."""
+    if seconds is None:
+        return ""
+    seconds = max(0.0, float(seconds))
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3_600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86_400:
+        return f"{whole // 3_600}h{whole % 3_600 // 60:02d}m"
+    return f"{whole // 86_400}d{whole % 86_400 // 3_600:02d}h"
+
+
+def _queue_list(queues: Sequence[str]) -> str:
+    """``default, emails``: Dramatiq's delay queues (``emails.DQ``) are the same rows as their queue."""
+    return ", ".join(dict.fromkeys(q_name(q) for q in queues))
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 3)].rstrip() + "..."
+
+
+def exception_line(error_type: str | None, error: str | None) -> str:
+    """The line that says what failed: ``KeyError: 'no such customer'``.
+
+    For a stored traceback, its exception line (the last line naming
+    ``error_type``, else its last unindented line); for any other error text
+    (``MaxDeliveriesExceeded``, ``DecodeError``), the type and the text's first
+    line.
+
+    Parameters:
+      error_type(str|None): ``history.error_type``, the exception's class name.
+      error(str|None): ``history.error``, a traceback or a message.
+
+    Returns:
+      str: One line.
+    """
+    lines = [line.rstrip() for line in (error or "").splitlines() if line.strip()]
+    kind = error_type or ""
+    named = re.compile(rf"^(?:[\w.]+\.)?{re.escape(kind)}(?::|$)") if kind else None
+    if any(line.startswith("Traceback (most recent call last):") for line in lines):
+        if named is not None:
+            for line in reversed(lines):
+                if named.match(line):
+                    return line
+        for line in reversed(lines):
+            if not line[:1].isspace() and line != "[...]":
+                return f"{kind}: {line}" if kind and not line.startswith(kind) else line
+    if not lines:
+        return kind
+    first = lines[0].strip()
+    if not kind or (named is not None and named.match(first)):
+        return first
+    return f"{kind}: {first}"
+
+
+# -- subcommands ------------------------------------------------------------------------------
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    if args.sql:
+        upgrade_sql(args.schema, args.revision)
+        return 0
+    db = _database(args)
+    with _connect(db) as conn:
+        before = _applied_revisions(conn, args.schema)
+        if before is None:
+            row = conn.execute(
+                "SELECT to_regclass(%s) IS NOT NULL", (f"{quote_ident(args.schema)}.messages",)
+            ).fetchone()
+            if row is not None and row[0]:
+                raise CliError(
+                    f"schema {args.schema!r} already holds the tables, but not our version table "
+                    f"{VERSION_TABLE}: your application's alembic history manages them; "
+                    "run `alembic upgrade heads` there instead"
+                )
+        upgrade(db.conninfo, schema=args.schema, revision=args.revision)
+        after = _applied_revisions(conn, args.schema) or []
+    from alembic.script import ScriptDirectory
+
+    heads = set(ScriptDirectory(script_location()).get_heads())
+    reached = ", ".join(after) or "base"
+    head = " (head)" if after and set(after) == heads else ""
+    if not before:
+        change = "created" if after else "nothing to do"
+    elif before == after:
+        change = "already current" if args.revision == "head" else f"already at or past {args.revision}"
+    else:
+        change = f"upgraded from {', '.join(before)}"
+    print(f"schema {args.schema!r} is at revision {reached}{head}, {change}")
+    return 0
+
+
+def _applied_revisions(conn: psycopg.Connection[Any], schema: str) -> list[str] | None:
+    """Revisions recorded in our version table, or ``None`` if it does not exist."""
+    table = f"{quote_ident(schema)}.{VERSION_TABLE}"
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+    if row is None or not row[0]:
+        return None
+    return [str(r[0]) for r in conn.execute(f"SELECT version_num FROM {table} ORDER BY 1").fetchall()]  # noqa: S608
+
+
+def _status(args: argparse.Namespace) -> int:
+    with _checked_connection(args) as (conn, s, _):
+        messages = conn.execute(
+            f"SELECT queue_name, state, count(*), count(*) FILTER (WHERE next_attempt_at > now()), "  # noqa: S608
+            f"extract(epoch FROM now() - min(enqueued_at)) FROM {s}.messages GROUP BY 1, 2 ORDER BY 1, 2"
+        ).fetchall()
+        failed = conn.execute(
+            f"SELECT queue_name, count(*) FILTER (WHERE finished_at > now() - interval '1 hour'), "  # noqa: S608
+            f"count(*) FROM {s}.history WHERE state = 'failed' GROUP BY 1 ORDER BY 1"
+        ).fetchall()
+        workers = conn.execute(
+            f"SELECT hostname, pid, queues, extract(epoch FROM now() - heartbeat_at) "  # noqa: S608
+            f"FROM {s}.workers ORDER BY hostname, pid"
+        ).fetchall()
+    if messages:
+        _table(
+            [(q, state, n, delayed, _duration(age)) for q, state, n, delayed, age in messages],
+            ["queue", "state", "messages", "delayed", "oldest"],
+            numeric=(2, 3, 4),
+        )
+    else:
+        print(f"no messages waiting or running in schema {args.schema!r}")
     print()
-    _table(workers, ["host", "pid", "queues", "since heartbeat"])
+    if failed:
+        _table(failed, ["queue", "failed last hour", "failed in history"], numeric=(1, 2))
+    else:
+        print("no dead letters")
+    print()
+    if workers:
+        _table(
+            [(host, pid, _queue_list(queues), f"{_duration(age)} ago") for host, pid, queues, age in workers],
+            ["host", "pid", "queues", "last heartbeat"],
+            numeric=(1, 3),
+        )
+    else:
+        print("no workers")
     return 0
 
 
-def _failed(conn: psycopg.Connection[Any], s: str, args: argparse.Namespace) -> int:
-    rows = conn.execute(
-        f"SELECT id, queue_name, actor_name, message_id, attempts, finished_at, error_type, "  # noqa: S608
-        f"split_part(error, E'\\n', 1) FROM {s}.history WHERE state = 'failed' "
-        f"AND (%(queue)s::text IS NULL OR queue_name = %(queue)s) ORDER BY finished_at DESC LIMIT %(limit)s",
-        {"queue": args.queue, "limit": args.limit},
-    ).fetchall()
-    _table(rows, ["id", "queue", "actor", "message_id", "attempts", "finished", "error", "first line"])
+def _failed(args: argparse.Namespace) -> int:
+    with _checked_connection(args) as (conn, s, _):
+        rows = conn.execute(
+            f"SELECT id, queue_name, actor_name, attempts, finished_at, error_type, error "  # noqa: S608
+            f"FROM {s}.history WHERE state = 'failed' "
+            f"AND (%(queue)s::text IS NULL OR queue_name = %(queue)s) "
+            f"ORDER BY finished_at DESC, id DESC LIMIT %(limit)s",
+            {"queue": args.queue, "limit": args.limit},
+        ).fetchall()
+    if not rows:
+        only = f" of queue {args.queue!r}" if args.queue else ""
+        print(f"no dead letters{only} in schema {args.schema!r}")
+        return 0
+    utc = datetime.timezone.utc
+    table = [
+        (
+            row_id,
+            queue,
+            actor,
+            attempts,
+            f"{finished.astimezone(utc):%Y-%m-%d %H:%M:%S}",
+            exception_line(kind, error),
+        )
+        for row_id, queue, actor, attempts, finished, kind, error in rows
+    ]
+    header = ["id", "queue", "actor", "attempts", "finished (UTC)", "error"]
+    used = sum(max(len(str(r[i])) for r in [header, *table]) + 2 for i in range(len(header) - 1))
+    width = max(MIN_ERROR_WIDTH, shutil.get_terminal_size((120, 24)).columns - used)
+    _table([(*row[:-1], _clip(row[-1], width)) for row in table], header, numeric=(0, 3))
     return 0
 
 
-def _retry_failed(conn: psycopg.Connection[Any], s: str, args: argparse.Namespace) -> int:
-    row = conn.execute(
-        f"""WITH moved AS (
-                DELETE FROM {s}.history
-                WHERE state = 'failed'
-                  AND (%(queue)s::text IS NULL OR queue_name = %(queue)s)
-                  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-                RETURNING queue_name, actor_name, message_id, payload, idempotency_key
-            ), inserted AS (
-                INSERT INTO {s}.messages (queue_name, actor_name, message_id, payload, idempotency_key)
-                SELECT queue_name, actor_name, message_id, payload, idempotency_key FROM moved RETURNING 1
-            ) SELECT count(*) FROM inserted""",  # noqa: S608
-        {"queue": args.queue, "ids": args.ids},
-    ).fetchone()
-    print(f"re-enqueued {row[0] if row else 0} failed message(s)")
+def _retry_failed(args: argparse.Namespace) -> int:
+    with _checked_connection(args) as (conn, s, db):
+        row = conn.execute(
+            f"""WITH moved AS (
+                    DELETE FROM {s}.history
+                    WHERE state = 'failed'
+                      AND (%(queue)s::text IS NULL OR queue_name = %(queue)s)
+                      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+                    RETURNING id, queue_name, actor_name, message_id, payload, idempotency_key
+                ), inserted AS (
+                    INSERT INTO {s}.messages (queue_name, actor_name, message_id, payload, idempotency_key)
+                    SELECT queue_name, actor_name, message_id, payload, idempotency_key FROM moved RETURNING 1
+                ) SELECT (SELECT count(*) FROM inserted), (SELECT array_agg(id) FROM moved)""",  # noqa: S608
+            {"queue": args.queue, "ids": args.ids},
+        ).fetchone()
+    count, moved = (int(row[0]), set(row[1] or ())) if row else (0, set())
+    print(f"re-enqueued {count} failed message(s)")
+    missing = sorted(set(args.ids or ()) - moved)
+    if missing:
+        only = f" of queue {args.queue!r}" if args.queue else ""
+        raise CliError(
+            f"no dead letter{only} with id {', '.join(map(str, missing))} in schema {args.schema!r}. "
+            f"List them with: {PROG} failed --url {db.fix_url} --schema {args.schema}"
+        )
     return 0
 
 
-def _prune(conn: psycopg.Connection[Any], s: str, args: argparse.Namespace) -> int:
-    cur = conn.execute(
-        f"DELETE FROM {s}.history WHERE finished_at < now() - %(days)s * interval '1 day'",  # noqa: S608
-        {"days": args.older_than},
-    )
-    print(f"deleted {cur.rowcount} history row(s)")
+def _prune(args: argparse.Namespace) -> int:
+    with _checked_connection(args) as (conn, s, _):
+        cur = conn.execute(
+            f"DELETE FROM {s}.history WHERE finished_at < now() - %(age)s",  # noqa: S608
+            {"age": args.older_than},
+        )
+    print(f"deleted {cur.rowcount} history row(s) older than {_duration(args.older_than.total_seconds())}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # `python -m dramatiq_pg_outbox.cli` runs this file as __main__: call the main() of the
+    # imported module, whose CliError is the one that feature modules raise.
+    from dramatiq_pg_outbox.cli import main as _main
+
+    raise SystemExit(_main())

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from ._urls import mask_password
 
 __all__ = [
     "ThrowawayPostgres",
@@ -662,52 +663,6 @@ class ThrowawayPostgres:
 # --------------------------------------------------------------------------
 # Picking a server
 # --------------------------------------------------------------------------
-
-
-def mask_password(url: str) -> str:
-    """Hide the password of a database URL, for logging.
-
-    ``postgresql://u:secret@h/db`` becomes ``postgresql://u:***@h/db``;
-    a ``password`` query parameter is masked too, and libpq
-    ``key=value`` strings are handled as well.  Everything else is kept
-    verbatim; strings without a password are returned unchanged.
-
-    Parameters:
-      url(str): A URL such as ``postgresql+psycopg://user:pw@host:5432/db``.
-
-    Returns:
-      str: The URL with its password replaced by ``***``.
-    """
-    if "://" not in url:
-        try:
-            params = conninfo_to_dict(url)
-        except psycopg.Error:
-            return url
-        if params.get("password") is None:
-            return url
-        params["password"] = "***"
-        return make_conninfo("", **params)
-
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc
-    userinfo, at, hostinfo = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        username = userinfo.split(":", 1)[0]
-        netloc = f"{username}:***@{hostinfo}"
-
-    query = parts.query
-    if query:
-        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-        if any(key == "password" for key, _ in pairs):
-            pieces = []
-            for piece in query.split("&"):
-                key = urllib.parse.unquote_plus(piece.split("=", 1)[0])
-                pieces.append("password=***" if key == "password" else piece)
-            query = "&".join(pieces)
-
-    if netloc == parts.netloc and query == parts.query:
-        return url
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def server_is_reachable(url: str, timeout: float = 2.0) -> bool:

@@ -11,26 +11,32 @@ Two ways to run them (both documented in the README):
 
 Each revision also records its number in the comment of the ``messages``
 table, so the broker can check the schema whichever route created it
-(:func:`schema_revision`).
+(:func:`check_schema`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import create_engine, pool
 from sqlalchemy.engine import URL, Connection, Engine, make_url
+
+from ._urls import safe_url
+from .errors import SchemaNotReady
+
+if TYPE_CHECKING:
+    import psycopg
 
 #: Name of the alembic version table of our own environment.
 VERSION_TABLE = "dramatiq_pg_outbox_version"
 #: Schema used when none is configured.
 DEFAULT_SCHEMA = "dramatiq"
 #: Revision number of the newest migration; the broker requires it.
-SCHEMA_REVISION = 3
+SCHEMA_REVISION = 6
 #: Key of the advisory lock that serialises concurrent upgrades.
 MIGRATION_LOCK_KEY = 7_261_533_180_214_001
 #: Environment variable naming the schema for alembic runs.
@@ -66,6 +72,19 @@ def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def create_schema_sql(schema: str) -> str:
+    """SQL that creates ``schema`` only if it does not exist yet.
+
+    ``CREATE SCHEMA IF NOT EXISTS`` checks the CREATE privilege on the
+    database even when the schema exists; this statement does not, so a
+    migration role may run in a schema that a DBA created for it
+    (``CREATE SCHEMA dramatiq AUTHORIZATION ...``, see docs/security.md)
+    without any privilege on the database.
+    """
+    quoted = quote_ident(schema)
+    return f"DO $$ BEGIN IF to_regnamespace('{quoted}') IS NULL THEN CREATE SCHEMA {quoted}; END IF; END $$"
+
+
 def script_location() -> str:
     """Path of the alembic environment: inside the installed wheel, else the source tree's ``alembic/``."""
     here = Path(__file__).resolve().parent
@@ -91,7 +110,7 @@ def normalize_sqlalchemy_url(url: str | URL) -> URL:
     parsed = make_url(url) if isinstance(url, str) else url
     backend = parsed.get_backend_name()
     if backend not in ("postgresql", "postgres"):
-        raise ValueError(f"Not a PostgreSQL URL: {parsed.render_as_string(hide_password=True)}")
+        raise ValueError(f"Not a PostgreSQL URL: {safe_url(parsed)}")
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed
@@ -101,7 +120,7 @@ def libpq_url(url: str | URL) -> str:
     """Return a libpq connection URL (``postgresql://...``) for psycopg from any PostgreSQL URL."""
     parsed = make_url(url) if isinstance(url, str) else url
     if parsed.get_backend_name() not in ("postgresql", "postgres"):
-        raise ValueError(f"Not a PostgreSQL URL: {parsed.render_as_string(hide_password=True)}")
+        raise ValueError(f"Not a PostgreSQL URL: {safe_url(parsed)}")
     return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
@@ -131,6 +150,70 @@ def parse_schema_revision(comment: str | None) -> int | None:
         return None
     found = _COMMENT.search(comment)
     return int(found.group(1)) if found else None
+
+
+def schema_not_ready(
+    schema: str, row: Sequence[Any] | None, *, url: str, fix_url: str = "<DATABASE_URL>"
+) -> SchemaNotReady | None:
+    """The error to raise for a schema, from the row of the ``schema_revision`` query.
+
+    One wording for every caller (the broker, ``outbox()``, the CLI): what is
+    wrong and the ``dramatiq-pg-outbox migrate`` command that fixes it.
+
+    Parameters:
+      schema(str): The schema holding the tables.
+      row(Sequence|None): ``(messages table exists, its comment)`` as returned by the
+        ``schema_revision`` query of ``queries.sql``; ``None`` counts as missing.
+      url(str): The database, as it may be shown (password masked).
+      fix_url(str): What to pass to ``--url`` in the command.  Default ``<DATABASE_URL>``.
+
+    Returns:
+      SchemaNotReady|None: The error when the tables are missing or older than
+      :data:`SCHEMA_REVISION`, else ``None``.
+    """
+    exists, comment = (bool(row[0]), row[1]) if row is not None else (False, None)
+    fix = f"dramatiq-pg-outbox migrate --url {fix_url} --schema {schema}"
+    if not exists:
+        return SchemaNotReady(
+            f"The dramatiq-pg-outbox tables do not exist in schema {schema!r} of {url}. Run: {fix}"
+        )
+    revision = parse_schema_revision(comment)
+    if revision is None or revision < SCHEMA_REVISION:
+        at = "an unknown revision" if revision is None else f"revision {revision}"
+        return SchemaNotReady(
+            f"The dramatiq-pg-outbox schema {schema!r} of {url} is at {at}, "
+            f"this version needs {SCHEMA_REVISION}. Run: {fix}"
+        )
+    return None
+
+
+def check_schema(
+    conn: psycopg.Connection[Any], schema: str, *, url: str, fix_url: str = "<DATABASE_URL>"
+) -> int:
+    """Check that ``schema`` holds the tables at the revision this package needs.
+
+    Parameters:
+      conn(psycopg.Connection): A connection to the database to check.
+      schema(str): The schema holding the tables.
+      url(str): The database, as it may be shown in the error (password masked).
+      fix_url(str): What the error's ``migrate`` command passes to ``--url``.
+
+    Raises:
+      SchemaNotReady: If the tables are missing or old; the message names the
+        command that fixes it (see :func:`schema_not_ready`).
+
+    Returns:
+      int: The schema's revision number.
+    """
+    from ._queries import raw_queries  # _queries imports this module
+
+    table = f"{quote_ident(schema)}.messages"
+    row = conn.execute(raw_queries()["schema_revision"], {"table": table}).fetchone()
+    error = schema_not_ready(schema, row, url=url, fix_url=fix_url)
+    if error is not None:
+        raise error
+    assert row is not None
+    return parse_schema_revision(row[1]) or 0
 
 
 def _config(schema: str, url: str | None = None) -> Any:

@@ -6,7 +6,17 @@
 
 -- name: enqueue --
 -- Inserts any number of messages in one statement (one row per array element)
--- and wakes the listeners of every queue that got a message that is due now.
+-- and wakes the listeners of every queue that got a message: the payload is the
+-- queue name for a message due now, or "<queue>@<due>" (due = epoch
+-- milliseconds, database clock) for the earliest delayed message of a queue,
+-- when it is due within %(notify_within)s ms (later ones are seen by the
+-- consumers' own polls, which learn the next due time from every claim).
+-- Result rows (payload, notified, key, id, message_id), each row filling one part:
+-- one per wake-up payload (sent by pg_notify only if %(notify)s; otherwise the
+-- caller sends it after commit); in this keyed form, one per idempotency key
+-- actually inserted, so that Dramatiq's after_enqueue runs only for messages
+-- that were stored; with %(return_ids)s, one per inserted row (the outbox
+-- checks at commit which rows written inside a savepoint survived).
 -- pg_notify is transactional: inside an application transaction the
 -- notification is delivered at commit, never before; Postgres folds identical
 -- notifications of one transaction, so there is one per queue at most.  The
@@ -25,10 +35,23 @@ WITH inserted AS (
     WHERE k IS NULL
        OR NOT EXISTS (SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = t.k)
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING queue_name, next_attempt_at <= now() AS due
+    RETURNING id, message_id, queue_name, next_attempt_at, idempotency_key
+),
+woken AS (
+    SELECT CASE WHEN min(next_attempt_at) <= now() THEN queue_name
+                ELSE queue_name || '@' || floor(extract(epoch FROM min(next_attempt_at)) * 1000)::bigint
+           END AS payload
+    FROM inserted
+    WHERE next_attempt_at <= now() + %(notify_within)s::bigint * interval '1 millisecond'
+    GROUP BY queue_name
 )
-SELECT pg_notify(%(channel)s, queue_name)
-FROM (SELECT DISTINCT queue_name FROM inserted WHERE due AND %(notify)s::boolean) AS woken;
+SELECT payload, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, payload) END,
+       NULL::text, NULL::bigint, NULL::text
+FROM woken
+UNION ALL
+SELECT NULL, NULL, idempotency_key, NULL, NULL FROM inserted WHERE idempotency_key IS NOT NULL
+UNION ALL
+SELECT NULL, NULL, NULL, id, message_id FROM inserted WHERE %(return_ids)s::boolean;
 
 -- name: enqueue_unkeyed --
 -- The enqueue above for a batch in which no message has an idempotency key
@@ -42,10 +65,20 @@ WITH inserted AS (
     SELECT q, a, m, now() + d * interval '1 millisecond', p
     FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
                 %(delays)s::bigint[], %(payloads)s::bytea[]) AS t(q, a, m, d, p)
-    RETURNING queue_name, next_attempt_at <= now() AS due
+    RETURNING id, message_id, queue_name, next_attempt_at
 )
-SELECT pg_notify(%(channel)s, queue_name)
-FROM (SELECT DISTINCT queue_name FROM inserted WHERE due AND %(notify)s::boolean) AS woken;
+SELECT payload, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, payload) END,
+       NULL::text, NULL::bigint, NULL::text
+FROM (
+    SELECT CASE WHEN min(next_attempt_at) <= now() THEN queue_name
+                ELSE queue_name || '@' || floor(extract(epoch FROM min(next_attempt_at)) * 1000)::bigint
+           END AS payload
+    FROM inserted
+    WHERE next_attempt_at <= now() + %(notify_within)s::bigint * interval '1 millisecond'
+    GROUP BY queue_name
+) AS woken
+UNION ALL
+SELECT NULL, NULL, NULL, id, message_id FROM inserted WHERE %(return_ids)s::boolean;
 
 -- name: enqueue_one --
 -- enqueue_unkeyed for exactly one message (one send() per transaction, the
@@ -56,16 +89,46 @@ WITH inserted AS (
     INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload)
     VALUES (%(queue_name)s::text, %(actor_name)s::text, %(message_id)s::text,
             now() + %(delay)s::bigint * interval '1 millisecond', %(payload)s::bytea)
-    RETURNING queue_name, next_attempt_at <= now() AS due
+    RETURNING id, message_id, queue_name, next_attempt_at
 )
-SELECT pg_notify(%(channel)s, queue_name) FROM inserted WHERE due AND %(notify)s::boolean;
+SELECT payload, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, payload) END,
+       NULL::text, NULL::bigint, NULL::text
+FROM (
+    SELECT CASE WHEN next_attempt_at <= now() THEN queue_name
+                ELSE queue_name || '@' || floor(extract(epoch FROM next_attempt_at) * 1000)::bigint
+           END AS payload
+    FROM inserted
+    WHERE next_attempt_at <= now() + %(notify_within)s::bigint * interval '1 millisecond'
+) AS woken
+UNION ALL
+SELECT NULL, NULL, NULL, id, message_id FROM inserted WHERE %(return_ids)s::boolean;
 
 -- name: notify --
 -- Wakes the listeners of the given queues (used after commit, or after a requeue).
+-- The values are NOTIFY payloads: "<queue>" or "<queue>@<due>" (see enqueue).
 SELECT pg_notify(%(channel)s, q) FROM unnest(%(queue_names)s::text[]) AS q;
 
+-- name: surviving_ids --
+-- Which of these rows, written earlier in this transaction, still exist.
+SELECT id FROM {schema}.messages WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: notify_committed --
+-- notify="after_commit" for a Connection bind, which has no after-commit hook:
+-- the enqueueing transaction recorded its id; the payloads are sent once
+-- pg_xact_status says it committed, dropped if it aborted, and kept for the
+-- next flush while it is still in progress.
+WITH t AS (
+    SELECT xid, payload, pg_xact_status(xid::xid8) AS status
+    FROM unnest(%(xids)s::text[], %(payloads)s::text[]) AS t(xid, payload)
+),
+sent AS (
+    SELECT pg_notify(%(channel)s, payload) FROM (SELECT DISTINCT payload FROM t WHERE status = 'committed') AS d
+)
+SELECT xid, payload, status FROM t WHERE (SELECT count(*) FROM sent) >= 0;
+
 -- name: claim --
--- Claims up to %(limit)s due messages of one queue for this consumer.
+-- Claims up to %(limit)s due messages of one queue for this consumer, and
+-- tells it when to claim next.
 -- Why a CTE: the LIMIT and FOR UPDATE SKIP LOCKED must apply to the row
 -- selection exactly once; written as "UPDATE ... WHERE id IN (subquery)" the
 -- planner may flatten the subquery into a join and lock (or skip) more rows
@@ -80,6 +143,22 @@ SELECT pg_notify(%(channel)s, q) FROM unnest(%(queue_names)s::text[]) AS q;
 -- instead of 0.4 ms with 100k rows pending, a stall until the next
 -- autoanalyze.  The array is
 -- an InitPlan, so the UPDATE is always an index scan on the primary key.
+-- The clock row tells the consumer when to claim next without converting
+-- clocks: next_due_in_ms is how long, from this statement's now(), until the
+-- earliest pending row of the queue that is not due yet and whose due time d
+-- (epoch ms, floored: the number a "<queue>@<due>" notification carries) is
+-- this consumer's, d mod %(consumers)s = %(rank)s (see consumer_rank): one
+-- consumer, not every worker process, wakes for each due time.  The first
+-- subquery reads upcoming rows in order (an index-only scan of
+-- messages_ready_idx from (queue_name, now())) until one is ours, about
+-- %(consumers)s entries, at most %(look_ahead)s; if none of those is ours, the
+-- second returns the due time of the last one read (COALESCE evaluates it only
+-- then), so a row of ours further on is never missed and many rows due at the
+-- same instant wake everyone.  NULL: nothing of ours is upcoming.  db_now_ms is now() in epoch milliseconds: the
+-- consumer estimates from it the offset that turns the due times of
+-- notifications into its own clock.  The clock columns are on every returned
+-- row; a claim of nothing returns one row whose id is NULL.  Rows just claimed
+-- are due (<= now()), so the probe never returns them.
 WITH candidates AS (
     SELECT id
     FROM {schema}.messages
@@ -89,15 +168,58 @@ WITH candidates AS (
     ORDER BY next_attempt_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+),
+claimed AS (
+    UPDATE {schema}.messages AS m
+    SET state = 'processing',
+        attempts = m.attempts + 1,
+        lease = %(lease)s,
+        owner = %(owner)s,
+        acquired_at = now()
+    WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
+    RETURNING m.id, m.attempts, m.payload
+),
+clock AS (
+    SELECT (extract(epoch FROM coalesce(
+                (SELECT at
+                 FROM (SELECT next_attempt_at AS at
+                       FROM {schema}.messages
+                       WHERE queue_name = %(queue_name)s
+                         AND state = 'pending'
+                         AND next_attempt_at > now()
+                       ORDER BY next_attempt_at
+                       LIMIT %(look_ahead)s) AS upcoming
+                 WHERE floor(extract(epoch FROM at) * 1000)::bigint %% %(consumers)s::bigint = %(rank)s
+                 LIMIT 1),
+                (SELECT next_attempt_at
+                 FROM {schema}.messages
+                 WHERE queue_name = %(queue_name)s
+                   AND state = 'pending'
+                   AND next_attempt_at > now()
+                 ORDER BY next_attempt_at
+                 OFFSET %(look_ahead)s - 1
+                 LIMIT 1)
+            ) - now()) * 1000)::float8 AS next_due_in_ms,
+           (extract(epoch FROM now()) * 1000)::float8 AS db_now_ms
 )
-UPDATE {schema}.messages AS m
-SET state = 'processing',
-    attempts = m.attempts + 1,
-    lease = %(lease)s,
-    owner = %(owner)s,
-    acquired_at = now()
-WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
-RETURNING m.id, m.attempts, m.payload;
+SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms
+FROM clock LEFT JOIN claimed ON true;
+
+-- name: consumer_rank --
+-- Which due times a consumer of %(queue_name)s wakes for (see the claim and
+-- docs/design.md, "Delays"): of the live worker processes that consume the
+-- queue, how many there are and how many have a smaller id than
+-- %(worker_id)s.  The consumer wakes for a due time d (epoch ms) only when
+-- d mod consumers = rank, so one process, not all of them, claims at each due
+-- time; the others find the row at their next poll if that one could not.
+-- listed is false until this process's heartbeat names the queue; the
+-- consumer then wakes for every due time.
+SELECT count(*)::int AS consumers,
+       count(*) FILTER (WHERE id < %(worker_id)s::uuid)::int AS rank,
+       coalesce(bool_or(id = %(worker_id)s::uuid), false) AS listed
+FROM {schema}.workers
+WHERE %(queue_name)s = ANY (queues)
+  AND heartbeat_at >= now() - %(heartbeat_timeout_ms)s::bigint * interval '1 millisecond';
 
 -- name: ack --
 -- Archives completed messages: the DELETE and the INSERT into history are one
@@ -246,3 +368,190 @@ DELETE FROM {schema}.messages WHERE queue_name = ANY(%(queue_names)s::text[]);
 
 -- name: schema_revision --
 SELECT to_regclass(%(table)s) IS NOT NULL, obj_description(to_regclass(%(table)s), 'pg_class');
+
+-- Results backend (dramatiq_pg_outbox/results.py; table: alembic/versions/0004_results.py).
+
+-- name: results_store --
+-- Stores (or replaces) one result for %(ttl)s milliseconds and, when
+-- %(notify)s, wakes the readers blocked on it: the NOTIFY is delivered at
+-- commit, so a woken reader always finds the row.  The INSERT runs even when
+-- the outer SELECT returns nothing (a data-modifying CTE always runs to
+-- completion).
+WITH stored AS (
+    INSERT INTO {schema}.results (message_key, result, expires_at)
+    VALUES (%(message_key)s, %(result)s, now() + %(ttl)s::bigint * interval '1 millisecond')
+    ON CONFLICT (message_key) DO UPDATE SET result = excluded.result, expires_at = excluded.expires_at
+    RETURNING message_key
+)
+SELECT pg_notify(%(channel)s, %(payload)s) FROM stored WHERE %(notify)s::boolean;
+
+-- name: results_get --
+-- An expired row is invisible at once, whether or not the cleanup has run.
+SELECT result FROM {schema}.results WHERE message_key = %(message_key)s AND expires_at > now();
+
+-- name: results_delete_expired --
+-- One batch of the cleanup: the oldest expired rows, read from
+-- results_expires_at_idx.  SKIP LOCKED lets the cleanups of several processes
+-- run at once without waiting for each other.
+WITH doomed AS (
+    SELECT message_key FROM {schema}.results
+    WHERE expires_at <= now()
+    ORDER BY expires_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {schema}.results AS r USING doomed WHERE r.message_key = doomed.message_key;
+
+-- Periodic jobs (dramatiq_pg_outbox/periodic.py; table: alembic/versions/0006_periodic.py).
+-- A scheduler passes the schedules it declares as parallel arrays (name,
+-- cron, every_ms, tz: the rule).  A row belongs to a scheduler when its name
+-- AND its rule are the declared ones: during a rolling deploy that changed a
+-- rule, processes of the old and of the new version leave each other's
+-- version of the schedule alone (the one that started last wrote the rule).
+
+-- name: periodic_begin --
+-- First statement of a scheduler's transaction: the database clock, and a
+-- bound on how long the transaction may sit idle.  A scheduler whose host
+-- vanishes mid-pass (power loss, partition: no FIN reaches the server) would
+-- otherwise hold its schedules' row locks until TCP keepalive notices, two
+-- hours by default; this way the server ends the session and another
+-- scheduler takes the tick after %(idle_timeout)s ms.
+SELECT now(), set_config('idle_in_transaction_session_timeout', %(idle_timeout)s::text, true);
+
+-- name: periodic_declare --
+-- Upserts the declared schedules and marks them seen.  A new schedule starts
+-- at %(first_runs)s (its first tick after now(), computed by the caller from
+-- periodic_begin in the same transaction), and so does one whose rule changed
+-- or that had been removed; otherwise next_run_at is kept, so the ticks
+-- missed while no scheduler ran follow the schedule's missed policy.  With
+-- %(define)s (a scheduler starting) the declaration overwrites the stored
+-- definition.  Without it (the periodic refresh) a row whose rule matches is
+-- marked seen, and a row with another rule is left to the schedulers that
+-- declare that rule, unless none of them marked it seen since %(stale)s
+-- (two sync intervals ago): then they are gone (an old process restarted
+-- during a rolling deploy, wrote its rule, and stopped) and this rule takes over.
+-- Returns
+-- (name, inserted, rule changed, revived) for each row written; the "before"
+-- CTE reads the rows as they were (one snapshot for the whole statement).
+WITH declared AS (
+    SELECT *
+    FROM unnest(%(names)s::text[], %(actor_names)s::text[], %(queue_names)s::text[],
+                %(crons)s::text[], %(every_ms)s::bigint[], %(tzs)s::text[],
+                %(missed)s::text[], %(grace_ms)s::bigint[], %(first_runs)s::timestamptz[])
+        AS d(name, actor_name, queue_name, cron, every_ms, tz, missed, grace_ms, first_run_at)
+),
+before AS (
+    SELECT s.name,
+           (s.cron, s.every_ms, s.tz) IS DISTINCT FROM (d.cron, d.every_ms, d.tz) AS changed,
+           s.removed_at IS NOT NULL AS revived
+    FROM {schema}.schedules AS s JOIN declared AS d USING (name)
+),
+upserted AS (
+    INSERT INTO {schema}.schedules AS s
+        (name, actor_name, queue_name, cron, every_ms, tz, missed, grace_ms, next_run_at)
+    SELECT name, actor_name, queue_name, cron, every_ms, tz, missed, grace_ms, first_run_at FROM declared
+    ON CONFLICT (name) DO UPDATE SET
+        actor_name = CASE WHEN %(define)s::boolean OR s.seen_at < %(stale)s::timestamptz THEN excluded.actor_name
+                          ELSE s.actor_name END,
+        queue_name = CASE WHEN %(define)s::boolean OR s.seen_at < %(stale)s::timestamptz THEN excluded.queue_name
+                          ELSE s.queue_name END,
+        missed = CASE WHEN %(define)s::boolean OR s.seen_at < %(stale)s::timestamptz THEN excluded.missed ELSE s.missed END,
+        grace_ms = CASE WHEN %(define)s::boolean OR s.seen_at < %(stale)s::timestamptz THEN excluded.grace_ms
+                        ELSE s.grace_ms END,
+        cron = excluded.cron,
+        every_ms = excluded.every_ms,
+        tz = excluded.tz,
+        next_run_at = CASE
+            WHEN (s.cron, s.every_ms, s.tz) IS DISTINCT FROM (excluded.cron, excluded.every_ms, excluded.tz)
+              OR s.removed_at IS NOT NULL
+            THEN excluded.next_run_at ELSE s.next_run_at END,
+        updated_at = CASE
+            WHEN (s.cron, s.every_ms, s.tz) IS DISTINCT FROM (excluded.cron, excluded.every_ms, excluded.tz)
+            THEN now() ELSE s.updated_at END,
+        seen_at = now(),
+        removed_at = NULL
+    WHERE %(define)s::boolean
+       OR (s.cron, s.every_ms, s.tz) IS NOT DISTINCT FROM (excluded.cron, excluded.every_ms, excluded.tz)
+       OR s.seen_at < %(stale)s::timestamptz
+    RETURNING name
+)
+SELECT u.name, b.name IS NULL, coalesce(b.changed, false), coalesce(b.revived, false)
+FROM upserted AS u LEFT JOIN before AS b USING (name);
+
+-- name: periodic_remove --
+-- Marks removed the schedules that no running scheduler declared for
+-- %(removed_after)s ms (no scheduler enqueues them any more: the claim only
+-- takes declared schedules), and deletes those removed %(retention)s ms ago.
+-- A schedule declared again is revived by periodic_declare, at its next tick.
+WITH marked AS (
+    UPDATE {schema}.schedules SET removed_at = now()
+    WHERE removed_at IS NULL AND seen_at < now() - %(removed_after)s::bigint * interval '1 millisecond'
+    RETURNING name
+),
+deleted AS (
+    DELETE FROM {schema}.schedules
+    WHERE removed_at < now() - %(retention)s::bigint * interval '1 millisecond'
+    RETURNING name
+)
+SELECT (SELECT count(*) FROM marked), (SELECT count(*) FROM deleted);
+
+-- name: periodic_claim --
+-- The due schedules of this scheduler, most overdue first, each locked until
+-- this transaction ends; the caller enqueues their due ticks and advances
+-- next_run_at past now() (periodic_advance) in this same transaction, so a
+-- tick is enqueued if and only if next_run_at moves past it.  SKIP LOCKED
+-- passes over the rows another scheduler holds right now (the LockRows node
+-- sits below the LIMIT, so skipped rows do not count against it).  Under READ
+-- COMMITTED, a row that another scheduler advanced and committed after this
+-- statement's snapshot is re-checked against its newest version
+-- (EvalPlanQual) and dropped because next_run_at > now(): no tick is ever
+-- claimed twice.
+SELECT s.name, s.next_run_at, now()
+FROM {schema}.schedules AS s
+JOIN unnest(%(names)s::text[], %(crons)s::text[], %(every_ms)s::bigint[], %(tzs)s::text[])
+    AS d(name, cron, every_ms, tz)
+  ON d.name = s.name
+ AND d.cron IS NOT DISTINCT FROM s.cron
+ AND d.every_ms IS NOT DISTINCT FROM s.every_ms
+ AND d.tz = s.tz
+WHERE s.next_run_at <= now() AND s.removed_at IS NULL
+ORDER BY s.next_run_at
+LIMIT %(limit)s
+FOR UPDATE OF s SKIP LOCKED;
+
+-- name: periodic_advance --
+-- After periodic_claim, in its transaction: the next tick, the newest tick
+-- enqueued (NULL: none this time) and the counters of each claimed schedule.
+UPDATE {schema}.schedules AS s
+SET next_run_at = a.next_run_at,
+    last_run_at = coalesce(a.last_run_at, s.last_run_at),
+    last_enqueued_at = CASE WHEN a.last_run_at IS NULL THEN s.last_enqueued_at ELSE now() END,
+    runs = s.runs + a.runs,
+    missed_ticks = s.missed_ticks + a.missed
+FROM unnest(%(names)s::text[], %(next_runs)s::timestamptz[], %(last_runs)s::timestamptz[],
+            %(runs)s::bigint[], %(missed)s::bigint[])
+    AS a(name, next_run_at, last_run_at, runs, missed)
+WHERE s.name = a.name;
+
+-- name: periodic_next_due --
+-- Milliseconds from the server's clock_timestamp() to the earliest next tick
+-- of this scheduler's schedules (<= 0: one is due, most likely held by
+-- another scheduler that is enqueueing it now), or NULL when it has none.
+-- Relative to the server's clock, so no clock conversion is needed.
+SELECT (extract(epoch FROM min(s.next_run_at) - clock_timestamp()) * 1000)::float8
+FROM {schema}.schedules AS s
+JOIN unnest(%(names)s::text[], %(crons)s::text[], %(every_ms)s::bigint[], %(tzs)s::text[])
+    AS d(name, cron, every_ms, tz)
+  ON d.name = s.name
+ AND d.cron IS NOT DISTINCT FROM s.cron
+ AND d.every_ms IS NOT DISTINCT FROM s.every_ms
+ AND d.tz = s.tz
+WHERE s.removed_at IS NULL;
+
+-- name: periodic_list --
+-- "dramatiq-pg-outbox schedules": every schedule, active ones first.
+SELECT name, actor_name, queue_name, cron, every_ms, tz, missed, grace_ms, last_run_at, next_run_at,
+       runs, missed_ticks, extract(epoch FROM now() - next_run_at)::float8,
+       extract(epoch FROM now() - removed_at)::float8
+FROM {schema}.schedules
+ORDER BY removed_at IS NOT NULL, name;

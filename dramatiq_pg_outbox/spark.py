@@ -71,9 +71,11 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._config import channel_for
+from ._jdbc import jdbc_options
 from .migrations import DEFAULT_SCHEMA, libpq_url, quote_ident, validate_schema_name
 
 if TYPE_CHECKING:
@@ -143,7 +145,8 @@ class _Plan:
     ``args`` and ``kwargs`` hold positions in them.
     """
 
-    conninfo: str
+    #: Holds the password: kept out of the repr (Spark may print a failed task's closure).
+    conninfo: str = field(repr=False)
     schema: str
     channel: str
     queue_name: str
@@ -266,7 +269,7 @@ def enqueue_dataframe(
         kwargs=dict(plan_kwargs),
         conninfo=conninfo,
         schema=schema,
-        channel=f"dramatiq_pg_outbox.{schema}",
+        channel=channel_for(schema),
         queue_name=queue_name,
         actor_name=actor_name,
         batch_id=batch_id,
@@ -644,24 +647,6 @@ def jdbc_jar() -> str | None:
         if candidate and os.path.isfile(candidate):
             return candidate
     return None
-
-
-def jdbc_options(url: str) -> dict[str, str]:
-    """Spark JDBC reader/writer options (url, user, password, driver) for a PostgreSQL URL."""
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    host = parsed.host or "localhost"
-    port = parsed.port or 5432
-    options = {
-        "url": f"jdbc:postgresql://{host}:{port}/{parsed.database or ''}?stringtype=unspecified",
-        "driver": "org.postgresql.Driver",
-    }
-    if parsed.username:
-        options["user"] = parsed.username
-    if parsed.password:
-        options["password"] = str(parsed.password)
-    return options
 
 
 def local_session(app_name: str = "dramatiq-pg-outbox", *, cores: str = "*", memory: str = "1g") -> Any:

@@ -13,7 +13,7 @@ from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq_pg_outbox import PostgresBroker
 
 #: Background maintenance ticks once at start, then the test drives it by hand.
-MANUAL = {"heartbeat_interval": 600_000, "rescue_interval": 600_000}
+MANUAL = {"heartbeat_interval": 600_000, "heartbeat_timeout": 1_200_000, "rescue_interval": 600_000}
 
 
 def first_tick_done(broker: PostgresBroker) -> None:

@@ -26,7 +26,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from alembic import op
-from dramatiq_pg_outbox.migrations import quote_ident, schema_for_migration, set_schema_revision
+from dramatiq_pg_outbox.migrations import (
+    create_schema_sql,
+    quote_ident,
+    schema_for_migration,
+    set_schema_revision,
+)
 
 revision: str = "0001"
 down_revision: str | None = None
@@ -36,7 +41,7 @@ depends_on: Sequence[str] | None = None
 
 def upgrade() -> None:
     s = quote_ident(schema_for_migration())
-    op.execute(f"CREATE SCHEMA IF NOT EXISTS {s}")
+    op.execute(create_schema_sql(schema_for_migration()))
     op.execute(
         f"""
         CREATE TABLE {s}.messages (

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from sqlalchemy.engine import make_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TASKS_MODULE = "examples.spark_pipeline.tasks"
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from dramatiq_pg_outbox import upgrade
-    from dramatiq_pg_outbox.devserver import postgres_server, scratch_database
+    from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database
     from dramatiq_pg_outbox.spark import enqueue_dataframe, local_session
     from dramatiq_pg_outbox.spark_analytics import run as run_analytics
 
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.processes} worker processes x {args.threads} threads")  # fmt: skip
     problems: list[str] = []
     with postgres_server() as admin_url, scratch_database(admin_url, "spark_pipeline") as url:
-        print(f"  database   {make_url(url).render_as_string(hide_password=True)} (dropped at exit)")
+        print(f"  database   {mask_password(url)} (dropped at exit)")
         upgrade(url)
         create_tables(url, args.customers)
         os.environ["EXAMPLE_DATABASE_URL"] = url

@@ -27,14 +27,13 @@ from pathlib import Path
 
 import psycopg
 from psycopg import sql
-from sqlalchemy.engine import make_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script: python examples/transactional_email/run.py
     sys.path.insert(0, str(REPO_ROOT))
 
 from dramatiq_pg_outbox import upgrade  # noqa: E402
-from dramatiq_pg_outbox.devserver import postgres_server, scratch_database  # noqa: E402
+from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database  # noqa: E402
 from examples._workers import dramatiq_workers  # noqa: E402
 from examples.transactional_email.report import Outcomes, enqueued_user_ids, report  # noqa: E402
 from examples.transactional_email.smtp_server import MailStore, SmtpServer  # noqa: E402
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         url = stack.enter_context(
             scratch_database(stack.enter_context(postgres_server()), "transactional_email")
         )
-        print(f"  database   {make_url(url).render_as_string(hide_password=True)} (dropped at exit)")
+        print(f"  database   {mask_password(url)} (dropped at exit)")
         prepare_database(url)
         smtp = stack.enter_context(SmtpServer(tmp / "mailbox.sqlite3"))
         print(f"  smtp       {smtp.host}:{smtp.port} (aiosmtpd, stores into {smtp.store.path.name})")

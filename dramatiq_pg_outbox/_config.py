@@ -1,0 +1,175 @@
+"""The options of a :class:`~dramatiq_pg_outbox.PostgresBroker`, validated in one place.
+
+:class:`BrokerOptions` holds every tuning option; building one checks them
+all (types, ranges, and the rules between options) and raises a
+``ValueError`` that names the option, the value and the rule.  The broker
+builds one in its constructor and copies the values to its attributes.
+Oban and River give each plugin the same shape: an options struct, then
+validate, then start.
+
+Also here: the NOTIFY channel name of a schema (:func:`channel_for`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Literal
+
+NotifyMode = Literal["transaction", "after_commit", "off"]
+#: The accepted values of ``notify``.
+NOTIFY_MODES: tuple[NotifyMode, ...] = ("transaction", "after_commit", "off")
+
+#: ``heartbeat_timeout`` must be at least this many heartbeat intervals: a
+#: live worker whose heartbeat is one period late (a slow statement, a pause)
+#: must not count as dead, or its messages would be released and run twice.
+MIN_HEARTBEATS_PER_TIMEOUT = 2
+
+#: Prefix of the NOTIFY channel of every schema.
+CHANNEL_PREFIX = "dramatiq_pg_outbox."
+#: Longest channel name PostgreSQL accepts, in bytes (``NAMEDATALEN - 1``).
+MAX_CHANNEL_BYTES = 63
+#: Hex digits of the hash that ends a shortened channel name (64 bits).
+CHANNEL_HASH_DIGITS = 16
+
+
+def channel_for(schema: str) -> str:
+    """The LISTEN/NOTIFY channel of the broker tables in ``schema``.
+
+    ``dramatiq_pg_outbox.<schema>`` when that fits PostgreSQL's 63-byte limit
+    on channel names (schemas of up to 44 characters: unchanged, so brokers
+    of older versions and of this one still hear each other).  A longer
+    schema name gets ``dramatiq_pg_outbox.<its first 27 characters>.<16 hex
+    digits of its SHA-256>``: exactly 63 bytes, different for different
+    schemas, and never equal to an unshortened channel (a schema name
+    contains no ``.``).  Without this, ``pg_notify`` fails with "channel name
+    too long" and every send fails with it.
+
+    Parameters:
+      schema(str): A valid schema name (ASCII letters, digits, ``_``).
+
+    Returns:
+      str: The channel name, at most 63 bytes.
+    """
+    channel = CHANNEL_PREFIX + schema
+    if len(channel.encode()) <= MAX_CHANNEL_BYTES:
+        return channel
+    digest = hashlib.sha256(schema.encode()).hexdigest()[:CHANNEL_HASH_DIGITS]
+    keep = MAX_CHANNEL_BYTES - len(CHANNEL_PREFIX) - 1 - CHANNEL_HASH_DIGITS
+    return f"{CHANNEL_PREFIX}{schema[:keep]}.{digest}"
+
+
+def _invalid(name: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"{name}={value!r} is invalid: {rule}")
+
+
+def _integer(name: str, value: Any, minimum: int, unit: str = "") -> int:
+    """``value`` as an int if it is an integer (not a bool, not a float) >= ``minimum``."""
+    what = f"an integer{unit} >= {minimum}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _invalid(name, value, f"it must be {what}")
+    if value < minimum:
+        raise _invalid(name, value, f"it must be {what}")
+    return int(value)
+
+
+def _milliseconds(name: str, value: Any, minimum: int) -> int:
+    return _integer(name, value, minimum, " number of milliseconds")
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _invalid(name, value, "it must be True or False")
+    return value
+
+
+@dataclass(frozen=True)
+class BrokerOptions:
+    """Validated tuning options of a :class:`~dramatiq_pg_outbox.PostgresBroker`.
+
+    The meaning and default of each is documented on the broker.  Rules
+    (times are integer milliseconds, as everywhere in Dramatiq; integers are
+    ``int``, never ``bool`` or ``float``):
+
+    ====================  ========================================================
+    pool_size             integer >= 1
+    pool_timeout          integer ms >= 1
+    max_deliveries        integer >= 1
+    overfetch_factor      finite real number > 0 (int or float, not bool)
+    min_fetch_interval    integer ms >= 0
+    max_fetch_interval    integer ms >= 1 (0 would poll in a busy loop)
+    flush_interval        integer ms >= 0
+    flush_batch_size      integer >= 1
+    heartbeat_interval    integer ms >= 1
+    heartbeat_timeout     integer ms >= 2 x heartbeat_interval
+    rescue_interval       integer ms >= 0 (0: a rescue pass at every heartbeat)
+    max_lease             None, or integer ms >= 1
+    notify                "transaction", "after_commit" or "off"
+    listen, check_schema  True or False
+    ====================  ========================================================
+
+    Raises:
+      ValueError: At construction, for the first option that breaks its rule,
+        naming the option, the value and the rule.
+    """
+
+    pool_size: int = 4
+    pool_timeout: int = 10_000
+    max_deliveries: int = 5
+    overfetch_factor: float = 4.0
+    min_fetch_interval: int = 0
+    max_fetch_interval: int = 1_000
+    flush_interval: int = 5
+    flush_batch_size: int = 1_000
+    heartbeat_interval: int = 5_000
+    heartbeat_timeout: int = 20_000
+    rescue_interval: int = 5_000
+    max_lease: int | None = None
+    notify: NotifyMode = "transaction"
+    listen: bool = True
+    check_schema: bool = True
+
+    def __post_init__(self) -> None:
+        checked: dict[str, Any] = {
+            "pool_size": _integer("pool_size", self.pool_size, 1),
+            "pool_timeout": _milliseconds("pool_timeout", self.pool_timeout, 1),
+            "max_deliveries": _integer("max_deliveries", self.max_deliveries, 1),
+            "overfetch_factor": self._overfetch_factor(),
+            "min_fetch_interval": _milliseconds("min_fetch_interval", self.min_fetch_interval, 0),
+            "max_fetch_interval": _milliseconds("max_fetch_interval", self.max_fetch_interval, 1),
+            "flush_interval": _milliseconds("flush_interval", self.flush_interval, 0),
+            "flush_batch_size": _integer("flush_batch_size", self.flush_batch_size, 1),
+            "heartbeat_interval": _milliseconds("heartbeat_interval", self.heartbeat_interval, 1),
+            "heartbeat_timeout": _milliseconds("heartbeat_timeout", self.heartbeat_timeout, 1),
+            "rescue_interval": _milliseconds("rescue_interval", self.rescue_interval, 0),
+            "max_lease": None if self.max_lease is None else _milliseconds("max_lease", self.max_lease, 1),
+            "listen": _flag("listen", self.listen),
+            "check_schema": _flag("check_schema", self.check_schema),
+        }
+        if self.notify not in NOTIFY_MODES:
+            raise _invalid("notify", self.notify, "it must be 'transaction', 'after_commit' or 'off'")
+        least = MIN_HEARTBEATS_PER_TIMEOUT * checked["heartbeat_interval"]
+        if checked["heartbeat_timeout"] < least:
+            raise _invalid(
+                "heartbeat_timeout",
+                self.heartbeat_timeout,
+                f"it must be at least {MIN_HEARTBEATS_PER_TIMEOUT} x heartbeat_interval "
+                f"({MIN_HEARTBEATS_PER_TIMEOUT} x {checked['heartbeat_interval']} = {least} ms), "
+                "or a live worker whose heartbeat is late would look dead and its messages would run twice",
+            )
+        # Integral values of another type (numpy ints) are stored as plain ints.
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    def _overfetch_factor(self) -> float:
+        value = self.overfetch_factor
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise _invalid("overfetch_factor", value, "it must be a finite number > 0")
+        return float(value)

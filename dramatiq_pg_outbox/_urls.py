@@ -1,0 +1,72 @@
+"""Database URLs as they may be shown: in a repr, a log line or an error message.
+
+Every place the package prints a URL or a libpq conninfo string goes through
+:func:`mask_password` (or :func:`safe_url`), which hides the password in the
+user-info part *and* in ``password``/``sslpassword`` query parameters
+(SQLAlchemy's ``render_as_string(hide_password=True)`` hides only the former).
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from sqlalchemy.engine import URL
+
+#: libpq parameters whose values are secrets (``sslpassword`` unlocks the client key).
+SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+#: What a hidden secret is shown as.
+MASK = "***"
+
+
+def mask_password(url: str) -> str:
+    """Hide the secrets of a database URL or libpq conninfo string, for logging.
+
+    ``postgresql://u:secret@h/db`` becomes ``postgresql://u:***@h/db``; the
+    ``password`` and ``sslpassword`` query parameters are masked too, and
+    libpq ``key=value`` strings are handled as well.  Everything else is kept
+    verbatim; strings without a secret are returned unchanged.
+
+    Parameters:
+      url(str): A URL such as ``postgresql+psycopg://user:pw@host:5432/db?sslmode=require``,
+        or a conninfo string such as ``host=h password=pw``.
+
+    Returns:
+      str: The same string with each secret replaced by ``***``.
+    """
+    if "://" not in url:
+        try:
+            params = conninfo_to_dict(url)
+        except psycopg.Error:
+            return url
+        if not any(params.get(key) is not None for key in SECRET_PARAMETERS):
+            return url
+        for key in SECRET_PARAMETERS & params.keys():
+            params[key] = MASK
+        return make_conninfo("", **params)
+
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    userinfo, at, hostinfo = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        username = userinfo.split(":", 1)[0]
+        netloc = f"{username}:{MASK}@{hostinfo}"
+
+    query = parts.query
+    if query:
+        pieces = []
+        for piece in query.split("&"):
+            key = urllib.parse.unquote_plus(piece.split("=", 1)[0])
+            pieces.append(f"{key}={MASK}" if key in SECRET_PARAMETERS else piece)
+        query = "&".join(pieces)
+
+    if netloc == parts.netloc and query == parts.query:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def safe_url(url: str | URL) -> str:
+    """The URL as text with every secret masked (see :func:`mask_password`)."""
+    text = url.render_as_string(hide_password=False) if isinstance(url, URL) else url
+    return mask_password(text)

@@ -1,0 +1,598 @@
+"""The dashboard's web application: Starlette routes rendering Jinja2 templates.
+
+Pages (GET): ``/`` queues, ``/queues/{queue}`` a queue's live messages,
+``/messages/{id}`` one live message, ``/workers``, ``/failed`` dead letters
+(filters: queue, actor, error type, text), ``/failed/{id}`` one dead letter,
+``/charts`` throughput and latency per actor, ``/healthz`` (no auth; "ok" when
+the database answers).
+
+Actions (POST, refused with 403 in read-only mode or without the CSRF token
+of the session): ``/failed/retry``, ``/queues/{queue}/purge``,
+``/messages/{id}/cancel``.
+
+Security:
+
+- Every value from the database reaches the page through Jinja2 with
+  autoescaping on (HTML and the inline SVG alike); a Content-Security-Policy
+  without any script source is sent as a second line of defence (the
+  dashboard uses no JavaScript).
+- CSRF: a random token is kept in the session (Starlette's signed session
+  cookie, ``SameSite=lax``, ``HttpOnly``) and every form carries it; a POST
+  whose token is missing or different gets 403 (the synchronizer-token
+  pattern of the OWASP CSRF cheat sheet).
+- Auth, when configured: a token (``Authorization: Bearer <token>``, or typed
+  once into ``/login``, which marks the session) or HTTP basic; anything else
+  gets 401.  Secrets are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import logging
+import re
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+from urllib.parse import urlencode
+
+import jinja2
+import psycopg
+import psycopg_pool
+from starlette.applications import Starlette
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from ..devserver import mask_password
+from ..migrations import DEFAULT_SCHEMA, validate_schema_name
+from . import charts
+from .store import MIN_SCHEMA_REVISION, FailedFilter, Store, decode_payload
+
+logger = logging.getLogger(__name__)
+
+#: Dead letters per page of ``/failed``; live messages shown per queue.
+PAGE_SIZE = 50
+QUEUE_MESSAGES = 200
+
+#: Chart windows: name -> (window, bucket of message_stats(), bucket label).  50-60 buckets each.
+WINDOWS: dict[str, tuple[dt.timedelta, dt.timedelta, str]] = {
+    "15m": (dt.timedelta(minutes=15), dt.timedelta(seconds=15), "15 s"),
+    "1h": (dt.timedelta(hours=1), dt.timedelta(minutes=1), "1 min"),
+    "6h": (dt.timedelta(hours=6), dt.timedelta(minutes=5), "5 min"),
+    "24h": (dt.timedelta(hours=24), dt.timedelta(minutes=30), "30 min"),
+    "7d": (dt.timedelta(days=7), dt.timedelta(hours=3), "3 h"),
+}
+#: Actors drawn in the per-actor charts (most deliveries first).
+MAX_ACTORS = 8
+
+_QUEUE_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
+_SESSION_COOKIE = "dpo_dashboard"
+_SECURITY_HEADERS = {
+    # No script may run at all: the dashboard has none.
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+def broker_channel(url: str, schema: str) -> str:
+    """The NOTIFY channel of the broker tables in ``schema`` (a retry wakes their workers).
+
+    Named by ``PostgresBroker`` itself, so the two can never disagree; the broker
+    is only constructed (it connects lazily, and is not used).
+    """
+    from ..broker import PostgresBroker
+
+    return PostgresBroker(url=url, schema=schema).channel
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a dashboard is served.
+
+    Parameters:
+      url(str): PostgreSQL URL of the broker's database.
+      schema(str): Schema of the broker tables.  Default ``dramatiq``.
+      read_only(bool): Hide and refuse (403) every action.  Default False.
+      token(str|None): Require this token (``Authorization: Bearer`` or the login form).
+      basic_auth(tuple[str, str]|None): Require HTTP basic auth with this (user, password).
+      session_secret(str|None): Key signing the session cookie; default a random one
+        per process (sessions end when the server restarts).
+
+    Raises:
+      ValueError: If both ``token`` and ``basic_auth`` are given, either is empty, or
+        ``schema`` is invalid.
+    """
+
+    url: str
+    schema: str = DEFAULT_SCHEMA
+    read_only: bool = False
+    token: str | None = None
+    basic_auth: tuple[str, str] | None = None
+    session_secret: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_schema_name(self.schema)
+        if self.token is not None and self.basic_auth is not None:
+            raise ValueError("choose one of token and basic auth, not both")
+        if self.token is not None and not self.token:
+            raise ValueError("the token is empty")
+        if self.basic_auth is not None and not all(self.basic_auth):
+            raise ValueError("basic auth needs a non-empty user and password (USER:PASSWORD)")
+
+    @property
+    def auth(self) -> str:
+        """``token``, ``basic`` or ``none``."""
+        return "token" if self.token else "basic" if self.basic_auth else "none"
+
+
+# -- auth ---------------------------------------------------------------------
+def _same(given: str, expected: str) -> bool:
+    return secrets.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
+
+
+def _authorized(request: Request, settings: Settings) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, credentials = header.partition(" ")
+    if settings.token is not None:
+        if scheme.lower() == "bearer" and _same(credentials.strip(), settings.token):
+            return True
+        return request.session.get("authenticated") is True
+    if settings.basic_auth is not None:
+        if scheme.lower() != "basic":
+            return False
+        try:
+            user, _, password = (
+                base64.b64decode(credentials.strip(), validate=True).decode("utf-8").partition(":")
+            )
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        # Both compared, always, so the time taken does not tell which one was wrong.
+        user_ok = _same(user, settings.basic_auth[0])
+        password_ok = _same(password, settings.basic_auth[1])
+        return user_ok and password_ok
+    return True
+
+
+class _Guard(BaseHTTPMiddleware):
+    """401 for requests without the configured credentials; security headers on every response."""
+
+    def __init__(self, app: Any, settings: Settings, templates: Jinja2Templates) -> None:
+        super().__init__(app)
+        self.settings = settings
+        self.templates = templates
+
+    async def dispatch(
+        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        path = request.url.path
+        public = path in ("/healthz", "/login") or path.startswith("/static/")
+        if public or _authorized(request, self.settings):
+            response = await call_next(request)
+        elif self.settings.basic_auth is not None:
+            response = PlainTextResponse(
+                "401 Unauthorized: this dashboard needs HTTP basic auth",
+                status_code=401,
+                headers={"WWW-Authenticate": 'Basic realm="dramatiq-pg-outbox", charset="UTF-8"'},
+            )
+        else:
+            response = self.templates.TemplateResponse(
+                request,
+                "login.html",
+                _base_context(request, self.settings, next=path),
+                status_code=401,
+                headers={"WWW-Authenticate": 'Bearer realm="dramatiq-pg-outbox"'},
+            )
+        for name, value in _SECURITY_HEADERS.items():
+            response.headers.setdefault(name, value)
+        return response
+
+
+def _csrf_token(request: Request) -> str:
+    token = request.session.get("csrf")
+    if not isinstance(token, str):
+        token = request.session["csrf"] = secrets.token_urlsafe(32)
+    return token
+
+
+async def _checked_form(request: Request) -> FormData:
+    """The form of a POST, after the CSRF check (403 when the token is missing or wrong)."""
+    form = await request.form()
+    given = form.get("csrf_token")
+    expected = request.session.get("csrf")
+    if not isinstance(given, str) or not isinstance(expected, str) or not _same(given, expected):
+        raise HTTPException(
+            403, "The form's CSRF token is missing or out of date: reload the page and try again."
+        )
+    return form
+
+
+async def _action_form(request: Request) -> FormData:
+    """The form of an action: 403 in read-only mode, then the CSRF check."""
+    settings: Settings = request.app.state.settings
+    if settings.read_only:
+        raise HTTPException(403, "This dashboard is read-only (--read-only): actions are disabled.")
+    return await _checked_form(request)
+
+
+def _flash(request: Request, text: str) -> None:
+    request.session["flash"] = text
+
+
+def _base_context(request: Request, settings: Settings, **extra: Any) -> dict[str, Any]:
+    return {
+        "read_only": settings.read_only,
+        "auth": settings.auth,
+        "schema": settings.schema,
+        "csrf_token": _csrf_token(request),
+        "flash": request.session.pop("flash", None),
+        **extra,
+    }
+
+
+# -- formatting ---------------------------------------------------------------
+def format_age(seconds: float | None) -> str:
+    """``0.4 s``, ``42 s``, ``3.5 min``, ``2.0 h``, ``3.1 d``; ``-`` for None."""
+    if seconds is None:
+        return "-"
+    s = float(seconds)
+    if abs(s) < 10:
+        return f"{s:.1f} s"
+    if abs(s) < 120:
+        return f"{s:.0f} s"
+    if abs(s) < 7200:
+        return f"{s / 60:.1f} min"
+    if abs(s) < 172800:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+def format_time(value: dt.datetime | None) -> str:
+    """A database time in UTC, to the second."""
+    if value is None:
+        return "-"
+    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _templates() -> Jinja2Templates:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader(__package__ or "dramatiq_pg_outbox.dashboard", "templates"),
+        # Every template, whatever its name, escapes what it prints.
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["age"] = format_age
+    env.filters["time"] = format_time
+    env.filters["number"] = lambda n: f"{int(n):,}"
+    return Jinja2Templates(env=env)
+
+
+# -- pages --------------------------------------------------------------------
+def _optional(value: Any) -> str | None:
+    return value.strip() or None if isinstance(value, str) else None
+
+
+def _failed_filter(values: Any) -> FailedFilter:
+    return FailedFilter(
+        queue_name=_optional(values.get("queue")),
+        actor_name=_optional(values.get("actor")),
+        error_type=_optional(values.get("error_type")),
+        search=_optional(values.get("q")),
+    )
+
+
+def _failed_query(where: FailedFilter, page: int = 1) -> str:
+    params = {
+        "queue": where.queue_name,
+        "actor": where.actor_name,
+        "error_type": where.error_type,
+        "q": where.search,
+        "page": page if page > 1 else None,
+    }
+    return urlencode({k: v for k, v in params.items() if v})
+
+
+def _queue_name(request: Request) -> str:
+    name = str(request.path_params["queue_name"])
+    if not _QUEUE_NAME.match(name):
+        raise HTTPException(404, "No such queue.")
+    return name
+
+
+class Dashboard:
+    """The routes, bound to one :class:`Settings` and one :class:`Store`."""
+
+    def __init__(self, settings: Settings, store: Store) -> None:
+        self.settings = settings
+        self.store = store
+        self.templates = _templates()
+
+    def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
+        return self.templates.TemplateResponse(
+            request, name, _base_context(request, self.settings, **context), status_code=status_code
+        )
+
+    async def healthz(self, request: Request) -> Response:
+        await self.store.ping()
+        return PlainTextResponse("ok")
+
+    async def queues(self, request: Request) -> Response:
+        queues = await self.store.queues()
+        now = await self.store.now()
+        minutes: dict[str, dict[dt.datetime, int]] = {}
+        for row in await self.store.queue_minutes():
+            minutes.setdefault(row.queue_name, {})[row.minute] = row.n
+        sparks = {q.queue_name: charts.sparkline(minutes.get(q.queue_name, {}), now) for q in queues}
+        return self.render(request, "queues.html", page="queues", queues=queues, sparks=sparks, now=now)
+
+    async def queue(self, request: Request) -> Response:
+        name = _queue_name(request)
+        messages = await self.store.queue_messages(name, QUEUE_MESSAGES)
+        summary = next((q for q in await self.store.queues() if q.queue_name == name), None)
+        return self.render(
+            request, "queue.html", page="queues", queue_name=name, messages=messages, summary=summary,
+            limit=QUEUE_MESSAGES,
+        )  # fmt: skip
+
+    async def message(self, request: Request) -> Response:
+        row_id = int(request.path_params["id"])
+        message = await self.store.message(row_id)
+        if message is None:
+            raise HTTPException(
+                404, f"Message {row_id} is not in the messages table (finished or canceled?)."
+            )
+        is_json, payload = decode_payload(message.payload or b"")
+        return self.render(
+            request, "message.html", page="queues", message=message, payload=payload, is_json=is_json
+        )
+
+    async def workers(self, request: Request) -> Response:
+        return self.render(request, "workers.html", page="workers", workers=await self.store.workers())
+
+    async def failed(self, request: Request) -> Response:
+        where = _failed_filter(request.query_params)
+        try:
+            page = max(1, int(request.query_params.get("page", "1")))
+        except ValueError:
+            page = 1
+        rows = await self.store.failed(where, PAGE_SIZE, (page - 1) * PAGE_SIZE)
+        total = rows[0].total if rows else 0
+        errors = await self.store.error_types()
+        return self.render(
+            request,
+            "failed.html",
+            page="failed",
+            rows=rows,
+            total=total,
+            where=where,
+            page_number=page,
+            pages=max(1, -(-total // PAGE_SIZE)),
+            queues=await self.store.failed_queues(),
+            actors=sorted({e.actor_name for e in errors if e.failed}),
+            error_types=sorted({e.error_type for e in errors if e.failed}),
+            query=_failed_query(where),
+            prev_query=_failed_query(where, page - 1),
+            next_query=_failed_query(where, page + 1),
+        )
+
+    async def dead_letter(self, request: Request) -> Response:
+        row_id = int(request.path_params["id"])
+        letter = await self.store.dead_letter(row_id)
+        if letter is None:
+            raise HTTPException(404, f"No dead letter {row_id} in history (retried or pruned?).")
+        is_json, payload = decode_payload(letter.payload)
+        return self.render(
+            request, "dead_letter.html", page="failed", letter=letter, payload=payload, is_json=is_json
+        )
+
+    async def charts(self, request: Request) -> Response:
+        window_name = request.query_params.get("window", "1h")
+        if window_name not in WINDOWS:
+            window_name = "1h"
+        window, bucket, bucket_label = WINDOWS[window_name]
+        now = await self.store.now()
+        stats = await self.store.message_stats(bucket, now - window)
+        return self.render(
+            request,
+            "charts.html",
+            page="charts",
+            window_name=window_name,
+            windows=list(WINDOWS),
+            bucket=bucket_label,
+            charts=charts.actor_charts(stats, now - window, now, bucket, bucket_label, MAX_ACTORS),
+            top_errors=[e for e in await self.store.error_types() if e.rank <= 5],
+            attempts=await self.store.message_attempts(),
+        )
+
+    # -- actions ----------------------------------------------------------------
+    async def retry(self, request: Request) -> Response:
+        form = await _action_form(request)
+        where = _failed_filter(form)
+        if form.get("all") == "1":
+            moved = await self.store.retry_failed(None, where)
+        else:
+            try:
+                ids = sorted({int(v) for v in form.getlist("ids") if isinstance(v, str)})
+            except ValueError:
+                raise HTTPException(400, "Dead letter ids must be integers.") from None
+            if not ids:
+                _flash(request, "Nothing selected: tick the dead letters to retry.")
+                return RedirectResponse(
+                    f"{request.url_for('failed')}?{_failed_query(where)}", status_code=303
+                )
+            moved = await self.store.retry_failed(ids, FailedFilter())
+        count = sum(moved.values())
+        per_queue = ", ".join(f"{n} on {q}" for q, n in moved.items())
+        _flash(request, f"Re-enqueued {count} dead letter(s)" + (f": {per_queue}." if per_queue else "."))
+        logger.info("dashboard: re-enqueued %d dead letter(s) %s", count, moved)
+        return RedirectResponse(f"{request.url_for('failed')}?{_failed_query(where)}", status_code=303)
+
+    async def purge(self, request: Request) -> Response:
+        name = _queue_name(request)
+        form = await _action_form(request)
+        if form.get("confirm") != "yes":
+            _flash(request, "Not purged: tick the box to confirm.")
+            return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
+        n = await self.store.purge_queue(name)
+        _flash(request, f"Purged {n} waiting message(s) from queue {name}.")
+        logger.info("dashboard: purged %d waiting message(s) of queue %r", n, name)
+        return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
+
+    async def cancel(self, request: Request) -> Response:
+        row_id = int(request.path_params["id"])
+        await _action_form(request)
+        reason = f"canceled from the dashboard at {format_time(dt.datetime.now(dt.timezone.utc))}"
+        queue_name = await self.store.cancel_message(row_id, reason)
+        if queue_name is None:
+            _flash(
+                request,
+                f"Message {row_id} was not waiting any more (running, finished or gone): not canceled.",
+            )
+            return RedirectResponse(request.url_for("queues"), status_code=303)
+        _flash(request, f"Canceled message {row_id}: it is now a dead letter (Canceled) and can be retried.")
+        logger.info("dashboard: canceled message %d of queue %r", row_id, queue_name)
+        return RedirectResponse(request.url_for("queue", queue_name=queue_name), status_code=303)
+
+    # -- login --------------------------------------------------------------------
+    async def login_page(self, request: Request) -> Response:
+        if self.settings.token is None:
+            return RedirectResponse(request.url_for("queues"), status_code=303)
+        return self.render(request, "login.html", next=_safe_next(request.query_params.get("next")))
+
+    async def login(self, request: Request) -> Response:
+        form = await _checked_form(request)
+        token = form.get("token")
+        target = _safe_next(form.get("next"))
+        if self.settings.token is None:
+            return RedirectResponse(target, status_code=303)
+        if isinstance(token, str) and _same(token, self.settings.token):
+            # A fresh CSRF token with the new privilege (no fixation of the old one).
+            request.session.clear()
+            request.session["authenticated"] = True
+            return RedirectResponse(target, status_code=303)
+        return self.render(request, "login.html", status_code=401, next=target, error="Wrong token.")
+
+    async def logout(self, request: Request) -> Response:
+        await _checked_form(request)
+        request.session.clear()
+        return RedirectResponse(request.url_for("queues"), status_code=303)
+
+
+def _safe_next(value: Any) -> str:
+    """A local path to go back to after login; anything else (another site) becomes ``/``."""
+    if isinstance(value, str) and value.startswith("/") and not value.startswith("//") and "\\" not in value:
+        return value
+    return "/"
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    dashboard: Dashboard = request.app.state.dashboard
+    if exc.status_code == 404 and "queue_name" not in request.path_params and "id" not in request.path_params:
+        detail = "No such page."
+    else:
+        detail = exc.detail
+    return dashboard.render(
+        request, "error.html", status_code=exc.status_code, code=exc.status_code, detail=detail
+    )
+
+
+async def _database_error(request: Request, exc: Exception) -> Response:
+    """503 when the database cannot be reached, 500 with PostgreSQL's message for any other error."""
+    dashboard: Dashboard = request.app.state.dashboard
+    logger.warning("dashboard: database error: %s", exc)
+    text = mask_password(str(exc)).strip()
+    if isinstance(exc, psycopg.OperationalError | psycopg_pool.PoolTimeout):
+        code, detail = 503, f"The database did not answer: {text}"
+    else:
+        code, detail = 500, f"The database refused the statement: {text}"
+    return dashboard.render(request, "error.html", status_code=code, code=code, detail=detail)
+
+
+def create_app(settings: Settings, store: Store | None = None) -> Starlette:
+    """The dashboard as an ASGI application (serve it with uvicorn or any ASGI server).
+
+    Parameters:
+      settings(Settings): Database, schema, auth and read-only mode.
+      store(Store|None): The database layer; by default a pool of 4 connections
+        opened and closed with the application (its lifespan).
+
+    Returns:
+      Starlette: The application.
+    """
+    store = store or Store(settings.url, settings.schema, broker_channel(settings.url, settings.schema))
+    dashboard = Dashboard(settings, store)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await store.open()
+        try:
+            yield
+        finally:
+            await store.close()
+
+    d = dashboard
+    routes = [
+        Route("/", d.queues, name="queues"),
+        Route("/queues/{queue_name}", d.queue, name="queue"),
+        Route("/queues/{queue_name}/purge", d.purge, methods=["POST"], name="purge"),
+        Route("/messages/{id:int}", d.message, name="message"),
+        Route("/messages/{id:int}/cancel", d.cancel, methods=["POST"], name="cancel"),
+        Route("/workers", d.workers, name="workers"),
+        Route("/failed", d.failed, name="failed"),
+        Route("/failed/retry", d.retry, methods=["POST"], name="retry"),
+        Route("/failed/{id:int}", d.dead_letter, name="dead_letter"),
+        Route("/charts", d.charts, name="charts"),
+        Route("/login", d.login_page, name="login_page"),
+        Route("/login", d.login, methods=["POST"], name="login"),
+        Route("/logout", d.logout, methods=["POST"], name="logout"),
+        Route("/healthz", d.healthz, name="healthz"),
+        Mount("/static", StaticFiles(directory=str(resources.files(__package__) / "static")), name="static"),
+    ]
+    middleware = [
+        Middleware(
+            SessionMiddleware,
+            secret_key=settings.session_secret or secrets.token_urlsafe(32),
+            session_cookie=_SESSION_COOKIE,
+            max_age=12 * 3600,
+            # lax: a link from elsewhere (an alert) opens the dashboard logged in; POSTs
+            # from other sites still carry no cookie, and need the CSRF token anyway.
+            same_site="lax",
+        ),
+        Middleware(_Guard, settings=settings, templates=dashboard.templates),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={
+            HTTPException: _http_error,
+            psycopg.Error: _database_error,
+            psycopg_pool.PoolTimeout: _database_error,
+        },
+    )
+    app.state.settings = settings
+    app.state.dashboard = dashboard
+    return app
+
+
+__all__ = ["MIN_SCHEMA_REVISION", "Settings", "broker_channel", "create_app"]

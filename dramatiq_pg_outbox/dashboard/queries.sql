@@ -1,0 +1,194 @@
+-- All SQL of the dashboard, one query per "-- name: <name> --" header
+-- (loaded by dramatiq_pg_outbox/dashboard/store.py, the same format as the
+-- broker's queries.sql).  {schema} is replaced by the quoted schema name;
+-- parameters are psycopg named placeholders with explicit casts.  Ages and
+-- "now" come from the database clock.  Reads of aggregates go through the
+-- analytics views and functions of migration 0003 (queue_backlog,
+-- message_stats(), message_errors, message_attempts).
+
+-- name: schema_revision --
+SELECT to_regclass(%(table)s) IS NOT NULL, obj_description(to_regclass(%(table)s), 'pg_class');
+
+-- name: clock --
+SELECT now();
+
+-- name: queues --
+-- One row per queue that has live messages or finished any in the last hour:
+-- the backlog (queue_backlog is per queue and actor; summed here), finished
+-- deliveries of the last hour and all dead letters still in history
+-- (history_failed_idx).
+WITH backlog AS (
+    SELECT queue_name,
+           sum(pending)::bigint AS pending,
+           sum(delayed)::bigint AS delayed,
+           sum(processing)::bigint AS processing,
+           max(oldest_due_age_s) AS oldest_due_age_s
+    FROM {schema}.queue_backlog
+    GROUP BY queue_name
+),
+recent AS (
+    SELECT queue_name,
+           count(*) FILTER (WHERE state = 'completed') AS completed,
+           count(*) FILTER (WHERE state = 'failed') AS failed
+    FROM {schema}.history
+    WHERE finished_at >= now() - interval '1 hour'
+    GROUP BY queue_name
+),
+dead AS (
+    SELECT queue_name, count(*) AS dead_letters
+    FROM {schema}.history
+    WHERE state = 'failed'
+    GROUP BY queue_name
+)
+SELECT q.queue_name,
+       coalesce(b.pending, 0) AS pending,
+       coalesce(b.delayed, 0) AS delayed,
+       coalesce(b.processing, 0) AS processing,
+       coalesce(b.oldest_due_age_s, 0) AS oldest_due_age_s,
+       coalesce(r.completed, 0) AS completed_last_hour,
+       coalesce(r.failed, 0) AS failed_last_hour,
+       coalesce(d.dead_letters, 0) AS dead_letters
+FROM (SELECT queue_name FROM backlog UNION SELECT queue_name FROM recent UNION SELECT queue_name FROM dead) AS q
+LEFT JOIN backlog AS b USING (queue_name)
+LEFT JOIN recent AS r USING (queue_name)
+LEFT JOIN dead AS d USING (queue_name)
+ORDER BY q.queue_name;
+
+-- name: queue_minutes --
+-- Finished deliveries per queue and minute over the last hour (the sparklines
+-- of the queues page); minutes without any are absent.
+SELECT queue_name, date_bin(interval '1 minute', finished_at, timestamptz 'epoch') AS minute, count(*) AS n
+FROM {schema}.history
+WHERE finished_at >= now() - interval '1 hour'
+GROUP BY 1, 2
+ORDER BY 1, 2;
+
+-- name: queue_messages --
+-- The live rows of one queue: processing first, then by due time (the order
+-- the claim takes them in).
+SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, next_attempt_at,
+       acquired_at, owner, extract(epoch FROM next_attempt_at - now())::double precision AS due_in_s
+FROM {schema}.messages
+WHERE queue_name = %(queue_name)s
+ORDER BY state = 'processing' DESC, next_attempt_at, id
+LIMIT %(limit)s;
+
+-- name: message --
+-- One live row with its payload.
+SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, next_attempt_at,
+       acquired_at, owner, extract(epoch FROM next_attempt_at - now())::double precision AS due_in_s,
+       payload, idempotency_key
+FROM {schema}.messages
+WHERE id = %(id)s;
+
+-- name: workers --
+-- Consumer processes by heartbeat, with the rows each one holds now
+-- (messages_owner_idx).
+SELECT w.id, w.hostname, w.pid, w.queues, w.started_at,
+       extract(epoch FROM now() - w.heartbeat_at)::double precision AS heartbeat_age_s,
+       (SELECT count(*) FROM {schema}.messages AS m WHERE m.owner = w.id AND m.state = 'processing')
+           AS processing
+FROM {schema}.workers AS w
+ORDER BY w.hostname, w.pid;
+
+-- name: failed --
+-- Dead letters, newest first, filtered by queue, actor, error type and a
+-- case-insensitive search in the error text (or an exact message id).  The
+-- exception line is the last line of the traceback.  total is the number of
+-- matching rows, for paging.
+SELECT id, queue_name, actor_name, message_id, attempts, enqueued_at, finished_at, error_type,
+       regexp_replace(rtrim(coalesce(error, ''), E'\n'), '^.*\n', '') AS error_line,
+       count(*) OVER () AS total
+FROM {schema}.history
+WHERE state = 'failed'
+  AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
+  AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s)
+  AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s)
+  AND (%(search)s::text IS NULL
+       OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
+       OR message_id = %(search)s)
+ORDER BY finished_at DESC, id DESC
+LIMIT %(limit)s OFFSET %(offset)s;
+
+-- name: failed_queues --
+SELECT DISTINCT queue_name FROM {schema}.history WHERE state = 'failed' ORDER BY 1;
+
+-- name: error_types --
+-- Per actor and error type (message_errors of migration 0003): the filter
+-- choices of the failed page and the "top errors" table of the charts page.
+SELECT actor_name, error_type, retried, failed, total, rank
+FROM {schema}.message_errors
+ORDER BY actor_name, rank;
+
+-- name: dead_letter --
+SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at, finished_at,
+       error_type, error, payload, idempotency_key
+FROM {schema}.history
+WHERE id = %(id)s AND state = 'failed';
+
+-- name: retry_failed --
+-- The CLI's retry-failed: moves dead letters from history back to messages,
+-- due now, with a fresh attempts count, in one statement (nothing is lost or
+-- doubled if it fails).  Selected by ids, or by the failed page's filters
+-- (all NULL: every dead letter).  Wakes the workers of each queue and
+-- returns the count per queue.
+WITH moved AS (
+    DELETE FROM {schema}.history
+    WHERE state = 'failed'
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+      AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
+      AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s)
+      AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s)
+      AND (%(search)s::text IS NULL
+           OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
+           OR message_id = %(search)s)
+    RETURNING queue_name, actor_name, message_id, payload, idempotency_key
+),
+inserted AS (
+    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, payload, idempotency_key)
+    SELECT queue_name, actor_name, message_id, payload, idempotency_key FROM moved
+    RETURNING queue_name
+),
+per_queue AS (
+    SELECT queue_name, count(*) AS n FROM inserted GROUP BY queue_name
+)
+SELECT queue_name, n, pg_notify(%(channel)s, queue_name) FROM per_queue ORDER BY queue_name;
+
+-- name: purge_queue --
+-- Deletes the waiting rows (due and delayed) of one queue.  Rows being
+-- processed are left to finish; their acks archive them as usual.
+WITH purged AS (
+    DELETE FROM {schema}.messages
+    WHERE queue_name = %(queue_name)s AND state = 'pending'
+    RETURNING 1
+)
+SELECT count(*) FROM purged;
+
+-- name: cancel_message --
+-- Cancels a waiting message: it moves to history as a dead letter with the
+-- error type Canceled (so the cancel is on record and can be undone with a
+-- retry), in one statement.  A row that a worker claimed meanwhile is not
+-- touched.
+WITH canceled AS (
+    DELETE FROM {schema}.messages
+    WHERE id = %(id)s AND state = 'pending'
+    RETURNING *
+)
+INSERT INTO {schema}.history
+    (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
+     error_type, error, payload, idempotency_key)
+SELECT id, queue_name, actor_name, message_id, 'failed', attempts, enqueued_at, NULL,
+       'Canceled', %(reason)s::text, payload, idempotency_key
+FROM canceled
+RETURNING id, queue_name;
+
+-- name: message_stats --
+-- Throughput and latency per actor and time bucket (message_stats() of
+-- migration 0003), since a time on the database clock.
+SELECT actor_name, bucket_start, deliveries, completed, retried, failed, throughput_per_s,
+       wait_p50_ms, wait_p99_ms, run_p50_ms, run_p99_ms
+FROM {schema}.message_stats(%(bucket)s::interval, %(since)s::timestamptz)
+ORDER BY actor_name, bucket_start;
+
+-- name: message_attempts --
+SELECT actor_name, attempts, messages FROM {schema}.message_attempts ORDER BY actor_name, attempts;

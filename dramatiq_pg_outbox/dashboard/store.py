@@ -1,0 +1,334 @@
+"""The dashboard's database layer: one method per query of ``dashboard/queries.sql``.
+
+Rows come back as frozen dataclasses (psycopg's ``class_row``).  Connections
+come from a small ``psycopg_pool.AsyncConnectionPool`` in autocommit mode:
+every read is one statement (one snapshot), every action one statement (one
+transaction).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg.rows import class_row
+from psycopg_pool import AsyncConnectionPool
+
+from .._queries import _HEADER
+from ..migrations import libpq_url, parse_schema_revision, quote_ident
+
+#: The oldest schema revision the dashboard reads: the analytics views of migration 0003.
+MIN_SCHEMA_REVISION = 3
+
+T = TypeVar("T")
+
+
+@lru_cache(maxsize=1)
+def raw_queries() -> dict[str, str]:
+    """The queries of ``dashboard/queries.sql`` by name, ``{schema}`` not yet filled in.
+
+    Same format and rules as the broker's ``queries.sql`` (see ``_queries.py``):
+    ``-- name: <name> --`` headers, comment lines dropped, no trailing ``;``.
+
+    Raises:
+      ValueError: If a name is defined twice.
+    """
+    text = resources.files(__package__).joinpath("queries.sql").read_text(encoding="utf-8")
+    parts = _HEADER.split(text)
+    queries: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if name in queries:
+            raise ValueError(f"dashboard/queries.sql defines {name!r} twice")
+        lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
+        queries[name] = "\n".join(lines).strip().rstrip(";")
+    return queries
+
+
+def queries_for_schema(schema: str) -> dict[str, str]:
+    """All dashboard queries with ``{schema}`` replaced by the quoted schema name.
+
+    Raises:
+      ValueError: If ``schema`` is not a valid schema name.
+    """
+    quoted = quote_ident(schema)
+    return {name: sql.replace("{schema}", quoted) for name, sql in raw_queries().items()}
+
+
+# -- rows -------------------------------------------------------------------
+@dataclass(frozen=True)
+class QueueRow:
+    """A queue: live rows by state, age of its oldest due row (seconds), the last hour, dead letters."""
+
+    queue_name: str
+    pending: int
+    delayed: int
+    processing: int
+    oldest_due_age_s: float
+    completed_last_hour: int
+    failed_last_hour: int
+    dead_letters: int
+
+
+@dataclass(frozen=True)
+class QueueMinute:
+    queue_name: str
+    minute: dt.datetime
+    n: int
+
+
+@dataclass(frozen=True)
+class MessageRow:
+    """A live row of ``messages``; ``due_in_s`` < 0 once due.  ``payload`` only in :meth:`Store.message`."""
+
+    id: int
+    queue_name: str
+    actor_name: str
+    message_id: str
+    state: str
+    attempts: int
+    enqueued_at: dt.datetime
+    next_attempt_at: dt.datetime
+    acquired_at: dt.datetime | None
+    owner: uuid.UUID | None
+    due_in_s: float
+    payload: bytes | None = None
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """A consumer process and its heartbeat age in seconds."""
+
+    id: uuid.UUID
+    hostname: str
+    pid: int
+    queues: list[str]
+    started_at: dt.datetime
+    heartbeat_age_s: float
+    processing: int
+
+
+@dataclass(frozen=True)
+class FailedRow:
+    """A dead letter in the list: ``error_line`` is the last line of its traceback."""
+
+    id: int
+    queue_name: str
+    actor_name: str
+    message_id: str
+    attempts: int
+    enqueued_at: dt.datetime
+    finished_at: dt.datetime
+    error_type: str | None
+    error_line: str
+    total: int
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A dead letter with its payload and full error text."""
+
+    id: int
+    queue_name: str
+    actor_name: str
+    message_id: str
+    state: str
+    attempts: int
+    enqueued_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime
+    error_type: str | None
+    error: str | None
+    payload: bytes
+    idempotency_key: str | None
+
+
+@dataclass(frozen=True)
+class ErrorTypeRow:
+    actor_name: str
+    error_type: str
+    retried: int
+    failed: int
+    total: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class StatRow:
+    """One actor and time bucket of ``message_stats()``; latencies in milliseconds (None: no data)."""
+
+    actor_name: str
+    bucket_start: dt.datetime
+    deliveries: int
+    completed: int
+    retried: int
+    failed: int
+    throughput_per_s: float
+    wait_p50_ms: float | None
+    wait_p99_ms: float | None
+    run_p50_ms: float | None
+    run_p99_ms: float | None
+
+
+@dataclass(frozen=True)
+class AttemptsRow:
+    actor_name: str
+    attempts: int
+    messages: int
+
+
+@dataclass(frozen=True)
+class FailedFilter:
+    """The failed page's filters; ``None`` means "any"."""
+
+    queue_name: str | None = None
+    actor_name: str | None = None
+    error_type: str | None = None
+    search: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "queue_name": self.queue_name,
+            "actor_name": self.actor_name,
+            "error_type": self.error_type,
+            "search": self.search,
+        }
+
+
+def decode_payload(payload: bytes) -> tuple[bool, str]:
+    """Show a stored payload without running it.
+
+    Dramatiq's default ``JSONEncoder`` payloads are pretty-printed.  Anything
+    else (``PickleEncoder``, a custom encoder) is shown as bytes and never
+    decoded: unpickling would run code chosen by whoever wrote the row (see
+    docs/security.md).
+
+    Returns:
+      tuple[bool, str]: (whether it was JSON, the text to show).
+    """
+    try:
+        return True, json.dumps(json.loads(payload.decode("utf-8")), indent=2, sort_keys=True)
+    except (UnicodeDecodeError, ValueError):
+        return False, f"{len(payload)} bytes, not JSON (not decoded): {payload[:512]!r}"
+
+
+class Store:
+    """The dashboard's queries on one schema, over a pool of at most ``max_size`` connections.
+
+    Parameters:
+      url(str): A PostgreSQL URL (any SQLAlchemy-style ``postgresql+driver://`` is accepted).
+      schema(str): Schema of the broker tables.
+      channel(str): The broker's NOTIFY channel (workers are woken after a retry).
+      max_size(int): Most pooled connections.  Default 4.
+      timeout(float): Longest wait for a connection, in seconds (then the page answers 503).  Default 10.
+    """
+
+    def __init__(self, url: str, schema: str, channel: str, max_size: int = 4, timeout: float = 10) -> None:
+        self.schema = schema
+        self.channel = channel
+        self.queries = queries_for_schema(schema)
+        self.pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+            libpq_url(url),
+            min_size=1,
+            max_size=max_size,
+            open=False,
+            kwargs={"autocommit": True, "application_name": "dramatiq-pg-outbox dashboard"},
+            check=AsyncConnectionPool.check_connection,
+            timeout=timeout,
+        )
+
+    async def open(self) -> None:
+        await self.pool.open(wait=False)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def _rows(self, cls: type[T], name: str, params: dict[str, Any] | None = None) -> list[T]:
+        async with self.pool.connection() as conn:
+            async with conn.cursor(row_factory=class_row(cls)) as cur:
+                await cur.execute(self.queries[name], params or {})
+                return await cur.fetchall()
+
+    async def _tuples(self, name: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(self.queries[name], params or {})
+            return await cur.fetchall() if cur.description else []
+
+    # -- reads --------------------------------------------------------------
+    async def ping(self) -> None:
+        await self._tuples("clock")
+
+    async def now(self) -> dt.datetime:
+        rows = await self._tuples("clock")
+        value: dt.datetime = rows[0][0]
+        return value
+
+    async def schema_revision(self) -> tuple[bool, int | None]:
+        """(whether ``<schema>.messages`` exists, the revision recorded in its comment)."""
+        rows = await self._tuples("schema_revision", {"table": f"{quote_ident(self.schema)}.messages"})
+        exists, comment = rows[0]
+        return bool(exists), parse_schema_revision(comment)
+
+    async def queues(self) -> list[QueueRow]:
+        return await self._rows(QueueRow, "queues")
+
+    async def queue_minutes(self) -> list[QueueMinute]:
+        return await self._rows(QueueMinute, "queue_minutes")
+
+    async def queue_messages(self, queue_name: str, limit: int) -> list[MessageRow]:
+        return await self._rows(MessageRow, "queue_messages", {"queue_name": queue_name, "limit": limit})
+
+    async def message(self, row_id: int) -> MessageRow | None:
+        rows = await self._rows(MessageRow, "message", {"id": row_id})
+        return rows[0] if rows else None
+
+    async def workers(self) -> list[WorkerRow]:
+        return await self._rows(WorkerRow, "workers")
+
+    async def failed(self, where: FailedFilter, limit: int, offset: int) -> list[FailedRow]:
+        return await self._rows(FailedRow, "failed", {**where.params(), "limit": limit, "offset": offset})
+
+    async def failed_queues(self) -> list[str]:
+        return [row[0] for row in await self._tuples("failed_queues")]
+
+    async def error_types(self) -> list[ErrorTypeRow]:
+        return await self._rows(ErrorTypeRow, "error_types")
+
+    async def dead_letter(self, row_id: int) -> DeadLetter | None:
+        rows = await self._rows(DeadLetter, "dead_letter", {"id": row_id})
+        return rows[0] if rows else None
+
+    async def message_stats(self, bucket: dt.timedelta, since: dt.datetime) -> list[StatRow]:
+        return await self._rows(StatRow, "message_stats", {"bucket": bucket, "since": since})
+
+    async def message_attempts(self) -> list[AttemptsRow]:
+        return await self._rows(AttemptsRow, "message_attempts")
+
+    # -- actions ------------------------------------------------------------
+    async def retry_failed(self, ids: Sequence[int] | None, where: FailedFilter) -> dict[str, int]:
+        """Move dead letters back to their queues (fresh attempts, due now); count per queue.
+
+        ``ids`` None selects by ``where`` alone (all fields None: every dead letter).
+        """
+        rows = await self._tuples(
+            "retry_failed",
+            {"ids": list(ids) if ids is not None else None, "channel": self.channel, **where.params()},
+        )
+        return {queue_name: int(n) for queue_name, n, _ in rows}
+
+    async def purge_queue(self, queue_name: str) -> int:
+        """Delete the waiting rows of a queue; returns how many."""
+        rows = await self._tuples("purge_queue", {"queue_name": queue_name})
+        return int(rows[0][0])
+
+    async def cancel_message(self, row_id: int, reason: str) -> str | None:
+        """Move a waiting row to history as a ``Canceled`` dead letter; its queue, or None if not waiting."""
+        rows = await self._tuples("cancel_message", {"id": row_id, "reason": reason})
+        return str(rows[0][1]) if rows else None

@@ -1,0 +1,626 @@
+"""The web dashboard over HTTP: a real uvicorn server, a real PostgreSQL, real Dramatiq workers."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+
+from dramatiq_pg_outbox import PostgresBroker
+from dramatiq_pg_outbox.dashboard import TOKEN_ENV, charts
+from dramatiq_pg_outbox.dashboard.store import Store, raw_queries
+from dramatiq_pg_outbox.migrations import libpq_url
+from tests.dashboard_support import DashboardServer, csrf_token, serve_dashboard
+from tests.helpers import count, wait_for
+
+httpx = pytest.importorskip("httpx", reason="httpx is not installed: pip install -e '.[dev]'")
+
+__all__ = ["serve_dashboard"]  # the fixture, imported for pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+Serve = Callable[..., DashboardServer]
+
+
+class CardDeclined(Exception):
+    pass
+
+
+def failing_actors(broker: PostgresBroker) -> tuple[Any, Any]:
+    """``charge`` fails for odd orders (no retries); ``ship`` on queue ``shipping`` always works."""
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def charge(order: int, note: str = "") -> None:
+        if order % 2:
+            raise CardDeclined(f"card declined for order {order} {note}")
+
+    @dramatiq.actor(broker=broker, queue_name="shipping")
+    def ship(order: int) -> None:
+        pass
+
+    return charge, ship
+
+
+def run_until_finished(broker: PostgresBroker, start_worker: Any, db: Any, expected: int) -> Any:
+    worker = start_worker(broker)
+    wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.history") >= expected, 30, "the history rows")
+    return worker
+
+
+def dead_letter_ids(db: Any) -> list[int]:
+    return [r[0] for r in db.execute("SELECT id FROM dramatiq.history WHERE state = 'failed' ORDER BY id")]
+
+
+# -- pages --------------------------------------------------------------------
+def test_pages_show_the_queues_workers_dead_letters_and_charts_of_the_database(
+    make_broker: Any, start_worker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given 4 orders charged (2 fail), 3 shipped, one shipment delayed by an hour, a live worker
+    broker = make_broker()
+    charge, ship = failing_actors(broker)
+    for order in range(4):
+        charge.send(order)
+    for order in range(3):
+        ship.send(order)
+    run_until_finished(broker, start_worker, db, 7)
+    ship.send_with_options(args=(99,), delay=3_600_000)
+    server = serve_dashboard()
+
+    # When the pages are read
+    queues = httpx.get(server.url + "/").text
+    workers = httpx.get(server.url + "/workers").text
+    failed = httpx.get(server.url + "/failed").text
+    first = dead_letter_ids(db)[0]
+    letter = httpx.get(f"{server.url}/failed/{first}").text
+    shipping = httpx.get(server.url + "/queues/shipping").text
+    chart_page = httpx.get(server.url + "/charts?window=15m").text
+
+    # Then each shows what the tables hold
+    row = re.search(r'<tr data-queue="default">(.*?)</tr>', queues, re.S)
+    assert row, queues
+    cells = re.findall(r'<td class="num[^"]*">([^<]*)<', row.group(1))
+    # due, delayed, processing, oldest due, completed (1 h), failed (1 h)
+    assert cells[:3] == ["0", "0", "0"] and cells[4:6] == ["2", "2"], cells
+    assert ">2</a>" in row.group(1)  # dead letters, linked to the failed page
+    shipping_row = re.search(r'<tr data-queue="shipping">(.*?)</tr>', queues, re.S)
+    assert shipping_row and re.findall(r'<td class="num[^"]*">([^<]*)<', shipping_row.group(1))[:2] == [
+        "0",
+        "1",
+    ]
+    assert "<rect " in row.group(1)  # the last hour's sparkline has a bar
+
+    assert socket.gethostname() in workers and f">{os.getpid()}<" in workers
+    assert "2 dead letter(s)" in failed and failed.count("CardDeclined: card declined for order") == 2
+    assert "Traceback (most recent call last):" in letter
+    assert "raise CardDeclined(" in letter
+    assert "&#34;actor_name&#34;: &#34;charge&#34;" in letter  # the decoded JSON payload
+    assert "pending (delayed)" in shipping
+    assert 'id="throughput"' in chart_page and "<polyline" in chart_page
+    assert chart_page.count("<figcaption>charge") == 1 and chart_page.count("<figcaption>ship") == 1
+
+
+def test_the_failed_page_filters_by_queue_actor_error_type_and_text(
+    make_broker: Any, start_worker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given dead letters of two actors with two error types
+    broker = make_broker()
+    charge, _ = failing_actors(broker)
+
+    @dramatiq.actor(broker=broker, queue_name="mail", max_retries=0)
+    def mail(to: str) -> None:
+        raise ConnectionRefusedError(f"smtp refused {to}")
+
+    charge.send(1, "gift")
+    charge.send(3, "")
+    mail.send("ann@example.com")
+    run_until_finished(broker, start_worker, db, 3)
+    server = serve_dashboard()
+
+    def listed(query: str) -> set[str]:
+        html = httpx.get(f"{server.url}/failed?{query}").text
+        return set(re.findall(r'<td class="error-line"><strong>([^<]*)</strong>', html))
+
+    # Then each filter narrows the list
+    assert listed("") == {"CardDeclined", "ConnectionRefusedError"}
+    assert listed("actor=mail") == {"ConnectionRefusedError"}
+    assert listed("queue=default") == {"CardDeclined"}
+    assert listed("error_type=CardDeclined") == {"CardDeclined"}
+    assert listed("q=GIFT") == {"CardDeclined"}
+    assert "1 dead letter(s) match" in httpx.get(f"{server.url}/failed?q=gift").text
+    assert listed("actor=mail&error_type=CardDeclined") == set()
+
+
+# -- auth, CSRF, read-only ----------------------------------------------------
+def test_a_token_dashboard_answers_401_without_the_token_and_200_with_it(
+    db: Any, serve_dashboard: Serve
+) -> None:
+    server = serve_dashboard(token="s3cret-token")
+
+    assert httpx.get(server.url + "/").status_code == 401
+    assert httpx.get(server.url + "/failed", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert (
+        httpx.get(server.url + "/failed", headers={"Authorization": "Bearer s3cret-token"}).status_code == 200
+    )
+    assert httpx.get(server.url + "/healthz").status_code == 200  # for load balancers; shows nothing
+
+    # The login form (with its CSRF token) marks the browser session as logged in.
+    with httpx.Client(base_url=server.url) as browser:
+        page = browser.get("/workers")
+        assert page.status_code == 401 and 'name="token"' in page.text
+        wrong = browser.post(
+            "/login", data={"csrf_token": csrf_token(page.text), "token": "nope", "next": "/"}
+        )
+        assert wrong.status_code == 401
+        right = browser.post("/login", data={"csrf_token": csrf_token(wrong.text), "token": "s3cret-token",
+                                             "next": "/workers"})  # fmt: skip
+        assert right.status_code == 303 and right.headers["location"] == "/workers"
+        assert browser.get("/workers").status_code == 200
+
+
+def test_the_login_form_only_sends_back_to_a_page_of_the_dashboard(db: Any, serve_dashboard: Serve) -> None:
+    server = serve_dashboard(token="t")
+    targets = []
+    for next_page in ("//evil.example/x", "https://evil.example/", "/\\evil.example", "/failed?q=x"):
+        with httpx.Client(base_url=server.url) as browser:
+            token = csrf_token(browser.get("/login").text)
+            done = browser.post("/login", data={"csrf_token": token, "token": "t", "next": next_page})
+            targets.append(done.headers["location"])
+    assert targets == ["/", "/", "/", "/failed?q=x"]
+
+
+def test_a_basic_auth_dashboard_answers_401_with_a_challenge_and_200_with_the_password(
+    db: Any, serve_dashboard: Serve
+) -> None:
+    server = serve_dashboard(basic_auth=("ops", "pa:ss"))
+
+    def basic(user: str, password: str) -> dict[str, str]:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+    denied = httpx.get(server.url + "/")
+    assert denied.status_code == 401 and denied.headers["www-authenticate"].startswith("Basic ")
+    assert httpx.get(server.url + "/", headers=basic("ops", "wrong")).status_code == 401
+    assert httpx.get(server.url + "/", headers=basic("other", "pa:ss")).status_code == 401
+    assert httpx.get(server.url + "/", headers=basic("ops", "pa:ss")).status_code == 200
+    assert httpx.post(server.url + "/failed/retry", data={"all": "1"}).status_code == 401
+
+
+def test_an_action_without_the_csrf_token_of_its_session_is_refused_with_403(
+    make_broker: Any, start_worker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given a dead letter and a browser session with its CSRF token
+    broker = make_broker()
+    charge, _ = failing_actors(broker)
+    charge.send(1)
+    run_until_finished(broker, start_worker, db, 1)
+    server = serve_dashboard()
+    with httpx.Client(base_url=server.url) as browser, httpx.Client(base_url=server.url) as attacker:
+        token = csrf_token(browser.get("/failed").text)
+        other_session_token = csrf_token(attacker.get("/failed").text)
+
+        # When the retry is posted without a token, with a wrong one, or with another session's
+        responses = [
+            browser.post("/failed/retry", data={"all": "1"}),
+            browser.post("/failed/retry", data={"all": "1", "csrf_token": "forged"}),
+            browser.post("/failed/retry", data={"all": "1", "csrf_token": other_session_token}),
+            attacker.post("/failed/retry", data={"all": "1", "csrf_token": token}),
+        ]
+        # Then each is refused and nothing moved
+        assert [r.status_code for r in responses] == [403, 403, 403, 403]
+        assert "CSRF" in responses[0].text
+        assert count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'") == 1
+
+        # And with its own token the same request works
+        assert browser.post("/failed/retry", data={"all": "1", "csrf_token": token}).status_code == 303
+        assert count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'") == 0
+
+
+def test_a_read_only_dashboard_hides_the_actions_and_refuses_them_with_403(
+    make_broker: Any, start_worker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given a dead letter, a waiting message and a read-only dashboard (token auth, so a
+    # valid CSRF token is at hand in the logout form)
+    broker = make_broker()
+    charge, ship = failing_actors(broker)
+    charge.send(1)
+    run_until_finished(broker, start_worker, db, 1)
+    for worker in make_broker.workers:
+        worker.stop()
+    make_broker.workers.clear()
+    ship.send(7)
+    waiting = count(db, "SELECT id FROM dramatiq.messages")
+    dead = dead_letter_ids(db)[0]
+    server = serve_dashboard(read_only=True, token="t")
+    auth = {"Authorization": "Bearer t"}
+    with httpx.Client(base_url=server.url, headers=auth) as browser:
+        pages = [
+            browser.get(p).text
+            for p in ("/failed", f"/failed/{dead}", "/queues/shipping", f"/messages/{waiting}")
+        ]
+        token = csrf_token(pages[0])
+
+        # Then no page offers an action
+        for html in pages:
+            assert "Retry" not in html and "Purge" not in html and "Cancel" not in html
+            assert 'action="' + server.url + '/failed/retry"' not in html
+
+        # And every action is refused, although auth and CSRF are right
+        refused = [
+            browser.post("/failed/retry", data={"csrf_token": token, "ids": str(dead)}),
+            browser.post("/queues/shipping/purge", data={"csrf_token": token, "confirm": "yes"}),
+            browser.post(f"/messages/{waiting}/cancel", data={"csrf_token": token}),
+        ]
+    assert [r.status_code for r in refused] == [403, 403, 403]
+    assert "read-only" in refused[0].text
+    assert dead_letter_ids(db) == [dead]
+    assert count(db, "SELECT count(*) FROM dramatiq.messages") == 1
+
+
+def test_a_script_in_stored_values_is_shown_as_text(
+    make_broker: Any, start_worker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given an actor that fails with markup in its error, and a history row whose
+    # every text column holds markup (written directly, as anyone with INSERT could)
+    broker = make_broker()
+    charge, _ = failing_actors(broker)
+    charge.send(1, "<script>alert('error')</script>")
+    run_until_finished(broker, start_worker, db, 1)
+    evil = "<img src=x onerror=alert(1)>"
+    db.execute(
+        "INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts, "
+        "enqueued_at, started_at, error_type, error, payload) "
+        "VALUES (424242, 'default', %s, %s, 'failed', 1, now(), now(), %s, %s, %s)",
+        (
+            evil,
+            evil,
+            evil,
+            "Traceback\n<script>alert('traceback')</script>",
+            b'{"args": ["<script>x</script>"]}',
+        ),
+    )
+    server = serve_dashboard()
+
+    # When every page that shows these values is read
+    pages = {
+        path: httpx.get(server.url + path).text
+        for path in (
+            "/",
+            "/failed",
+            f"/failed/{dead_letter_ids(db)[0]}",
+            "/failed/424242",
+            "/charts?window=15m",
+        )
+    }
+    # Then no markup from the database reaches the page unescaped
+    for path, html in pages.items():
+        assert "<script" not in html, path
+        assert "<img src=x" not in html, path
+    assert "&lt;script&gt;alert(&#39;error&#39;)&lt;/script&gt;" in pages["/failed"]
+    assert "&lt;script&gt;alert(&#39;traceback&#39;)&lt;/script&gt;" in pages["/failed/424242"]
+    assert "&lt;img src=x onerror=alert(1)&gt;" in pages["/failed/424242"]
+    assert "&lt;img src=x onerror=alert(1)&gt;" in pages["/charts?window=15m"]  # chart title and tables
+    # And no script may run at all (second line of defence)
+    csp = httpx.get(server.url + "/failed").headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "script-src" not in csp
+
+
+# -- actions ------------------------------------------------------------------
+def test_retry_moves_dead_letters_back_with_fresh_attempts_and_a_worker_runs_them(
+    make_broker: Any, start_worker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given three dead letters of a flaky actor that now works, and no worker running
+    broker = make_broker()
+    broken = {"yes": True}
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def flaky(n: int) -> None:
+        if broken["yes"]:
+            raise RuntimeError(f"down for {n}")
+
+    for n in range(3):
+        flaky.send(n)
+    worker = run_until_finished(broker, start_worker, db, 3)
+    worker.stop()
+    make_broker.workers.remove(worker)
+    first, second, third = dead_letter_ids(db)
+    server = serve_dashboard()
+
+    with httpx.Client(base_url=server.url) as browser:
+        token = csrf_token(browser.get("/failed").text)
+        # When two are retried by id
+        done = browser.post("/failed/retry", data={"csrf_token": token, "ids": [str(first), str(second)]})
+        assert done.status_code == 303
+        assert "Re-enqueued 2 dead letter(s): 2 on default." in browser.get(done.headers["location"]).text
+
+    # Then they are waiting again, due now, with a fresh attempts count, and the third is untouched
+    rows = db.execute(
+        "SELECT state, attempts, next_attempt_at <= now() FROM dramatiq.messages ORDER BY id"
+    ).fetchall()
+    assert rows == [("pending", 0, True), ("pending", 0, True)]
+    assert dead_letter_ids(db) == [third]
+
+    # And a worker runs them to completion
+    broken["yes"] = False
+    start_worker(broker)
+    wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'completed'") == 2, 30,
+             "the retried messages to complete")  # fmt: skip
+    assert count(db, "SELECT count(*) FROM dramatiq.messages") == 0
+
+
+def test_retry_all_matching_retries_only_what_the_filter_shows(
+    make_broker: Any, start_worker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    broker = make_broker()
+    charge, _ = failing_actors(broker)
+    charge.send(1, "gift")
+    charge.send(3, "plain")
+    charge.send(5, "gift")
+    worker = run_until_finished(broker, start_worker, db, 3)
+    worker.stop()
+    make_broker.workers.remove(worker)
+    server = serve_dashboard()
+
+    with httpx.Client(base_url=server.url) as browser:
+        token = csrf_token(browser.get("/failed?q=gift").text)
+        browser.post("/failed/retry", data={"csrf_token": token, "all": "1", "q": "gift", "actor": "charge"})
+
+    assert count(db, "SELECT count(*) FROM dramatiq.messages") == 2
+    remaining = db.execute("SELECT error FROM dramatiq.history WHERE state = 'failed'").fetchall()
+    assert len(remaining) == 1 and "plain" in remaining[0][0]
+
+
+def test_retry_wakes_the_workers_of_the_queue(
+    make_broker: Any, start_worker: Any, db: Any, database_url: str, serve_dashboard: Serve
+) -> None:
+    # Given a dead letter and a connection listening on the broker's channel
+    broker = make_broker()
+    charge, _ = failing_actors(broker)
+    charge.send(1)
+    run_until_finished(broker, start_worker, db, 1)
+    server = serve_dashboard()
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as listener:
+        listener.execute(f'LISTEN "{broker.channel}"')
+        # When it is retried
+        with httpx.Client(base_url=server.url) as browser:
+            token = csrf_token(browser.get("/failed").text)
+            browser.post("/failed/retry", data={"csrf_token": token, "ids": str(dead_letter_ids(db)[0])})
+        # Then the workers of its queue are woken
+        payloads = [n.payload for n in listener.notifies(timeout=10, stop_after=1)]
+    assert payloads == ["default"]
+
+
+def test_purge_deletes_the_waiting_messages_of_one_queue_and_leaves_the_running_ones(
+    make_broker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given waiting (due and delayed) and running messages on "shipping" and one on "default"
+    broker = make_broker()
+    charge, ship = failing_actors(broker)
+    for order in range(3):
+        ship.send(order)
+    ship.send_with_options(args=(9,), delay=3_600_000)
+    charge.send(2)
+    db.execute(
+        "UPDATE dramatiq.messages SET state = 'processing', lease = gen_random_uuid(), acquired_at = now() "
+        "WHERE id = (SELECT min(id) FROM dramatiq.messages)"
+    )
+    server = serve_dashboard()
+    with httpx.Client(base_url=server.url) as browser:
+        token = csrf_token(browser.get("/queues/shipping").text)
+        # When a purge is posted without ticking the confirmation, nothing happens
+        browser.post("/queues/shipping/purge", data={"csrf_token": token})
+        assert count(db, "SELECT count(*) FROM dramatiq.messages") == 5
+        # When it is confirmed
+        done = browser.post("/queues/shipping/purge", data={"csrf_token": token, "confirm": "yes"})
+        assert (
+            "Purged 3 waiting message(s) from queue shipping." in browser.get(done.headers["location"]).text
+        )
+
+    # Then only the running shipment and the other queue's message remain
+    assert db.execute("SELECT queue_name, state FROM dramatiq.messages ORDER BY id").fetchall() == [
+        ("shipping", "processing"),
+        ("default", "pending"),
+    ]
+
+
+def test_cancel_turns_a_waiting_message_into_a_dead_letter_that_can_be_retried(
+    make_broker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given a delayed message and a running one
+    broker = make_broker()
+    _, ship = failing_actors(broker)
+    ship.send_with_options(args=(1,), delay=3_600_000)
+    ship.send(2)
+    delayed, running = [r[0] for r in db.execute("SELECT id FROM dramatiq.messages ORDER BY id")]
+    db.execute(
+        "UPDATE dramatiq.messages SET state = 'processing', lease = gen_random_uuid(), acquired_at = now() "
+        "WHERE id = %s",
+        (running,),
+    )
+    server = serve_dashboard()
+    with httpx.Client(base_url=server.url) as browser:
+        token = csrf_token(browser.get(f"/messages/{delayed}").text)
+        # When both are canceled
+        browser.post(f"/messages/{delayed}/cancel", data={"csrf_token": token})
+        refused = browser.post(f"/messages/{running}/cancel", data={"csrf_token": token})
+        assert "was not waiting any more" in browser.get(refused.headers["location"]).text
+
+        # Then the waiting one is a dead letter of type Canceled, the running one runs on
+        assert db.execute("SELECT id, state FROM dramatiq.messages").fetchall() == [(running, "processing")]
+        assert db.execute(
+            "SELECT id, queue_name, error_type FROM dramatiq.history WHERE state = 'failed'"
+        ).fetchall() == [(delayed, "shipping", "Canceled")]
+        assert "Canceled" in browser.get("/failed?error_type=Canceled").text
+
+        # And a retry brings it back, due now
+        browser.post("/failed/retry", data={"csrf_token": token, "ids": str(delayed)})
+    assert (
+        count(
+            db, "SELECT count(*) FROM dramatiq.messages WHERE state = 'pending' AND next_attempt_at <= now()"
+        )
+        == 1
+    )
+
+
+def test_a_page_says_503_when_the_database_does_not_answer(serve_dashboard: Serve) -> None:
+    # Given a dashboard whose database is on a port where nothing listens
+    url = f"postgresql://postgres:secret@127.0.0.1:{_free_port()}/nowhere"
+    server = serve_dashboard(url=url, store=Store(url, "dramatiq", "unused", timeout=1))
+    # When a page and the health check are asked for
+    page = httpx.get(server.url + "/", timeout=30)
+    health = httpx.get(server.url + "/healthz", timeout=30)
+    # Then both say so, without the password
+    assert page.status_code == 503 and "The database did not answer" in page.text
+    assert health.status_code == 503
+    assert "secret" not in page.text
+
+
+# -- the command --------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_command_serves_with_the_token_from_the_environment_out_of_sight_of_ps(
+    database_url: str, db: Any
+) -> None:
+    port = _free_port()
+    env = {**os.environ, TOKEN_ENV: "from-the-environment"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dramatiq_pg_outbox.cli",
+            "dashboard",
+            "--url",
+            database_url,
+            "--port",
+            str(port),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/healthz").status_code == 200
+            except httpx.TransportError:
+                assert process.poll() is None, process.stdout.read() if process.stdout else ""
+                return False
+
+        wait_for(up, 60, "the dashboard command to serve")
+        cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        assert b"from-the-environment" not in cmdline
+        assert httpx.get(url + "/").status_code == 401
+        assert (
+            httpx.get(url + "/", headers={"Authorization": "Bearer from-the-environment"}).status_code == 200
+        )
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=30)[0].decode()
+    assert f"on http://127.0.0.1:{port}/" in output and "auth: token" in output
+    # A graceful stop: uvicorn finishes the lifespan (the pool closes), then re-raises SIGTERM.
+    assert "Application shutdown complete." in output
+    assert process.returncode in (0, -signal.SIGTERM)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (
+            ["--schema", "never_migrated"],
+            {},
+            "dramatiq-pg-outbox migrate --url <DATABASE_URL> --schema never_migrated",
+        ),
+        (["--basic-auth", "no-colon"], {}, "basic auth must be USER:PASSWORD"),
+        (["--schema", "bad-name"], {}, "Invalid schema name"),
+        ([], {TOKEN_ENV: "a", "DRAMATIQ_PG_OUTBOX_DASHBOARD_BASIC_AUTH": "u:p"}, "choose one"),
+    ],
+)
+def test_the_command_refuses_bad_input_with_one_line(
+    database_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    argv: list[str], env: dict[str, str], expected: str,
+) -> None:  # fmt: skip
+    from dramatiq_pg_outbox.cli import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["dashboard", "--url", database_url, "--port", str(_free_port()), *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_command_without_a_url_says_how_to_give_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dramatiq_pg_outbox.cli import main
+
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    assert main(["dashboard"]) == 2
+    assert "pass --url or set DATABASE_URL" in capsys.readouterr().err
+
+
+# -- pieces -------------------------------------------------------------------
+def test_every_query_the_dashboard_runs_is_defined_once_in_its_sql_file() -> None:
+    source = (ROOT / "dramatiq_pg_outbox" / "dashboard" / "store.py").read_text()
+    used = set(re.findall(r'_(?:rows|tuples)\(\s*(?:\w+,\s*)?"([a-z_]+)"', source))
+    assert used == set(raw_queries()), used ^ set(raw_queries())
+
+
+def test_nice_ticks_cover_the_maximum_in_round_steps() -> None:
+    assert charts.nice_ticks(0) == [0, 0.25, 0.5, 0.75, 1.0]
+    assert charts.nice_ticks(7.3) == [0, 2, 4, 6, 8]
+    assert charts.nice_ticks(1234) == [0, 500, 1000, 1500]
+    assert charts.nice_ticks(100) == [0, 25, 50, 75, 100]
+
+
+def test_a_gap_in_a_series_breaks_its_line() -> None:
+    import datetime as dt
+
+    t0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.timezone.utc)
+    points = [(t0 + dt.timedelta(minutes=i), v) for i, v in enumerate([1.0, 2.0, None, 4.0, None, 2.0, 3.0])]
+    chart = charts.line_chart("t", "ms", [charts.Series("a", points)], t0, t0 + dt.timedelta(minutes=6))
+    (line,) = chart.lines
+    assert len(line.segments) == 2 and len(line.dots) == 1
+    assert [label for _, label in chart.y_ticks] == ["0", "1", "2", "3", "4"]
+
+
+def test_the_charts_count_an_empty_bucket_as_zero_messages_and_unknown_latency() -> None:
+    import datetime as dt
+
+    from dramatiq_pg_outbox.dashboard.store import StatRow
+
+    # Given message_stats() rows of minute buckets: "busy" in minutes 0 and 2, "rare" in minute 1
+    t0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.timezone.utc)
+
+    def row(actor: str, minute: int, n: int) -> StatRow:
+        start = t0 + dt.timedelta(minutes=minute)
+        return StatRow(actor, start, n, n, 0, 0, n / 60, 5.0, 9.0, 20.0, 40.0)
+
+    stats = [row("busy", 0, 120), row("busy", 2, 60), row("rare", 1, 1)]
+    end = t0 + dt.timedelta(minutes=2, seconds=30)
+
+    # When they are laid out with room for one actor
+    page = charts.actor_charts(stats, t0, end, dt.timedelta(minutes=1), "1 min", max_actors=1)
+
+    # Then the busiest actor is drawn: its throughput one unbroken line through 0, its
+    # latency broken at the empty minute; the other is named as not drawn
+    (throughput,) = page.throughput.lines
+    assert throughput.label == "busy" and len(throughput.segments) == 1
+    assert len(throughput.segments[0].split()) == 3
+    (latency,) = page.latency
+    assert all(len(line.dots) == 2 and not line.segments for line in latency.lines)
+    assert page.totals == {"busy": (180, 0)} and page.hidden == ["rare"]
