@@ -9,9 +9,12 @@ database ``dpo_test_<random>`` and drops it at the end.
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
+import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +26,52 @@ import pytest
 from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database
 
+from .helpers import SESSION_MARK, TEST_MARK, Supervisor, reap
+
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "dramatiq"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Mark every process this session starts (see ``reap_session_processes``)."""
+    os.environ[SESSION_MARK] = uuid.uuid4().hex
+    atexit.register(reap_session_processes)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    reap_session_processes()
+
+
+def reap_session_processes() -> None:
+    """Safety net at the end of a session, also an interrupted one: kill what it started and left.
+
+    Runs after the session's fixtures were torn down (the throwaway server, if any, is stopped by
+    then), from ``pytest_unconfigure`` and again at interpreter exit.
+    """
+    mark = os.environ.get(SESSION_MARK)
+    if mark:
+        reap(SESSION_MARK, mark)
+
+
+@pytest.fixture(autouse=True)
+def reap_test_processes() -> Iterator[None]:
+    """Every process a test starts is gone when the test ends, even if the test failed.
+
+    The test's own fixtures and ``finally`` blocks stop what it started; this fixture, torn down
+    after them, kills whatever still carries the test's marker (a double fork, a worker process
+    whose CLI was killed -9) and warns, so one test's workers can never consume the next test's
+    messages.  Session fixtures (a throwaway server, Spark's JVM) are set up before it and do not
+    carry the marker.
+    """
+    mark = uuid.uuid4().hex
+    os.environ[TEST_MARK] = mark
+    try:
+        yield
+    finally:
+        del os.environ[TEST_MARK]
+        left = reap(TEST_MARK, mark)
+        if left:
+            warnings.warn(f"killed {len(left)} process(es) the test left running: {left}", stacklevel=1)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -137,17 +184,26 @@ class WorkerProcess:
 
 @pytest.fixture
 def worker_process(database_url: str) -> Iterator[Any]:
+    """Factory of ``dramatiq`` CLI workers on the test database; ``Supervisor(worker_process, ...)``
+    keeps one running.  At teardown every supervisor is paused first (none restarts a worker
+    after its test), then every worker still running is killed with its process group."""
     started: list[WorkerProcess] = []
+    supervisors: list[Supervisor] = []
 
     def start(**kwargs: Any) -> WorkerProcess:
         wp = WorkerProcess(database_url, **kwargs).start()
         started.append(wp)
         return wp
 
-    yield start
-    for wp in started:
-        if wp.proc is not None and wp.proc.poll() is None:
-            wp.stop(9)
+    start.supervisors = supervisors  # type: ignore[attr-defined]
+    try:
+        yield start
+    finally:
+        for supervisor in supervisors:
+            supervisor.pause()
+        for wp in started:
+            if wp.proc is not None and wp.proc.poll() is None:
+                wp.stop(9)
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ import uuid
 from typing import Any
 
 import dramatiq
+import psycopg
+import psycopg.sql
 import pytest
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 
@@ -348,15 +350,33 @@ def test_acks_through_a_restarted_consumer_free_the_slots_of_the_one_that_claime
     new.close()
 
 
-def test_enqueue_many_stores_a_fan_out_in_batches(broker: PostgresBroker, start_worker: Any, db: Any) -> None:
+def test_enqueue_many_stores_a_fan_out_in_batches(
+    broker: PostgresBroker, start_worker: Any, db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[int] = []
 
     @dramatiq.actor(broker=broker)
     def fan(x: int) -> None:
         seen.append(x)
 
+    # Every statement the broker's connections run, with the number of messages it carried
+    # (the enqueue statement takes one array element per message)
+    statements: list[tuple[str, int]] = []
+    execute = psycopg.Cursor.execute
+
+    def counted(cursor: psycopg.Cursor[Any], query: Any, params: Any = None, **kwargs: Any) -> Any:
+        text = query.as_string(cursor) if isinstance(query, psycopg.sql.Composable) else str(query)
+        carried = len(params["payloads"]) if isinstance(params, dict) and "payloads" in params else 0
+        statements.append((" ".join(text.split()), carried))
+        return execute(cursor, query, params, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", counted)
     stored = broker.enqueue_many([fan.message(i) for i in range(2_500)], batch_size=1_000)
+    monkeypatch.undo()
     assert len(stored) == 2_500
+    # One multi-row INSERT per batch, nothing else writes messages
+    inserts = [carried for text, carried in statements if "INSERT INTO" in text and ".messages" in text]
+    assert inserts == [1_000, 1_000, 500], statements
     assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 2_500
     with pytest.raises(ValueError):
         broker.enqueue_many([fan.message(1).copy(queue_name="bad name")])

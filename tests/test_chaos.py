@@ -17,66 +17,18 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dramatiq import Message
 
-from tests.helpers import count, wait_for
+from tests.helpers import LISTENERS, Supervisor, count, wait_for
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def children(pid: int) -> list[int]:
-    """PIDs of a process's children (Linux /proc)."""
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
-
-
-class Supervisor:
-    """Keeps one worker CLI running: starts a new one whenever the current one has exited."""
-
-    def __init__(self, start: Callable[[], Any]) -> None:
-        self.start_worker = start
-        self.current = start()
-        self.restarts = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            if self.current.proc.poll() is not None:
-                self.current = self.start_worker()
-                self.restarts += 1
-
-    def workers(self, db: Any, timeout: float = 20) -> dict[int, Any]:
-        """{pid: worker id} of the current CLI's worker processes, once all have registered."""
-
-        def registered() -> dict[int, Any]:
-            pids = children(self.current.proc.pid)
-            rows = db.execute("SELECT pid, id FROM dramatiq.workers WHERE pid = ANY(%s)", (pids,)).fetchall()
-            return dict(rows) if pids and len(rows) == len(pids) else {}
-
-        wait_for(lambda: bool(registered()), timeout, "worker processes to register")
-        return registered()
-
-    def pause(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def stop(self) -> int:
-        self.pause()
-        return int(self.current.stop())
 
 
 STILL_HELD = "SELECT count(*) FROM dramatiq.messages WHERE id = ANY(%s) AND owner = %s"
@@ -102,8 +54,8 @@ def test_worker_processes_killed_9_repeatedly_lose_nothing_and_only_in_flight_me
     # quarantined, so max_deliveries is above the number of kills.
     env = {"DPO_MAX_DELIVERIES": "10"}
     hosts = [
-        Supervisor(lambda: worker_process(processes=2, threads=4, env=env)),
-        Supervisor(lambda: worker_process(processes=1, threads=4, env=env)),
+        Supervisor(worker_process, processes=2, threads=4, env=env),
+        Supervisor(worker_process, processes=1, threads=4, env=env),
     ]
     wait_for(lambda: count(db, "SELECT count(*) FROM received") >= 20, 30, "work to start")
     # When a worker process is killed -9 three times, alternating hosts
@@ -137,20 +89,26 @@ def test_worker_processes_killed_9_repeatedly_lose_nothing_and_only_in_flight_me
 def test_a_rolling_sigterm_restart_loses_nothing_runs_nothing_twice_and_charges_no_attempt(
     producer: Any, worker_process: Any, db: Any
 ) -> None:
-    keys = [f"t{i}" for i in range(300)]
+    keys = [f"t{i}" for i in range(200)]
     for key in keys:
         producer.slow_record.send(key, 0.05)
-    hosts = [Supervisor(lambda: worker_process(processes=1, threads=4)) for _ in range(2)]
+    hosts = [Supervisor(worker_process, processes=1, threads=4) for _ in range(2)]
     wait_for(lambda: count(db, "SELECT count(*) FROM received") >= 30, 30, "work to start")
     # When each host in turn gets SIGTERM (a rolling deploy) and is started again
-    for host in hosts:
+    for n, host in enumerate(hosts):
         workers = host.workers(db)
+        # (with fresh work, so that it holds messages when the signal comes, however fast it was)
+        batch = [f"t{n}-{i}" for i in range(60)]
+        for key in batch:
+            producer.slow_record.send(key, 0.2)
+        keys += batch
+        wait_for(lambda w=workers: bool(held_by(db, list(w.values()))), 30, "the host to hold messages")
         host.pause()
         assert held_by(db, list(workers.values())), "the host held no message when stopped"
         assert host.current.stop(signal.SIGTERM) == 0
         # Then its unstarted messages are back in the queue by the time it has exited
         assert held_by(db, list(workers.values())) == {}
-        hosts[hosts.index(host)] = Supervisor(lambda: worker_process(processes=1, threads=4))
+        hosts[n] = Supervisor(worker_process, processes=1, threads=4)
     wait_for(lambda: count(db, "SELECT count(*) FROM received") == len(keys), 60, "every key")
     wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.messages") == 0, 30, "the queue to drain")
     assert count(db, "SELECT count(*) FROM received WHERE n > 1") == 0
@@ -164,13 +122,13 @@ def test_workers_recover_from_killed_connections_without_a_restart_and_notify_wa
     producer: Any, worker_process: Any, db: Any
 ) -> None:
     # Idle consumers poll only every 30 s: a quick pick-up at the end can only come from NOTIFY.
-    host = Supervisor(lambda: worker_process(processes=2, threads=4, env={"DPO_MAX_FETCH_INTERVAL": "30000"}))
+    host = Supervisor(worker_process, processes=2, threads=4, env={"DPO_MAX_FETCH_INTERVAL": "30000"})
     keys = [f"c{i}" for i in range(300)]
     for key in keys[:100]:
         producer.slow_record.send(key, 0.01)
     wait_for(lambda: count(db, "SELECT count(*) FROM received") >= 50, 30, "work to start")
     wait_for(
-        lambda: count(db, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %%'") == 2,
+        lambda: count(db, LISTENERS) == 2,
         20,
         "both worker processes to LISTEN",
     )
@@ -188,7 +146,7 @@ def test_workers_recover_from_killed_connections_without_a_restart_and_notify_wa
     # Then they carry on without being restarted, and LISTEN comes back
     wait_for(lambda: count(db, "SELECT count(*) FROM received") == len(keys), 60, "every key")
     wait_for(
-        lambda: count(db, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %%'") == 2,
+        lambda: count(db, LISTENERS) == 2,
         20,
         "LISTEN to come back",
     )
@@ -212,7 +170,7 @@ def test_poison_messages_are_quarantined_after_max_deliveries_while_the_rest_of_
             producer.crash.send(f"poison{i}")
         producer.record.send(key)
     env = {"DPO_MAX_DELIVERIES": "3"}
-    hosts = [Supervisor(lambda: worker_process(processes=1, threads=4, env=env)) for _ in range(2)]
+    hosts = [Supervisor(worker_process, processes=1, threads=4, env=env) for _ in range(2)]
     wait_for(lambda: count(db, "SELECT count(*) FROM received") == len(keys), 30, "the ordinary messages")
     wait_for(
         lambda: count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'") == 2,
@@ -234,25 +192,31 @@ def test_poison_messages_are_quarantined_after_max_deliveries_while_the_rest_of_
 
 
 def test_a_message_exists_exactly_when_its_producers_transaction_commits(
-    database_url: str, worker_process: Any, db: Any
+    database_url: str, worker_process: Any, db: Any, tmp_path: Path
 ) -> None:
     db.execute("CREATE TABLE IF NOT EXISTS orders (key text PRIMARY KEY); TRUNCATE orders")
-    host = Supervisor(lambda: worker_process(processes=1, threads=4))
-    # Given producers that roll back a quarter of their transactions and are killed -9 at random moments
+    host = Supervisor(worker_process, processes=1, threads=4)
+    # Given producers that roll back a quarter of their transactions and are killed -9 at random
+    # moments after their first commit (each says so by creating its file: starting one takes
+    # about a second on a loaded machine, so a kill after a fixed delay often came before it)
     env = {**os.environ, "DPO_TEST_URL": database_url}
-    producers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.test_chaos", "produce", f"p{i}-", "150"],
-            cwd=ROOT,
-            env=env,
-            start_new_session=True,
-        )
-        for i in range(4)
-    ]
-    for proc in producers:
-        time.sleep(random.uniform(0.3, 0.8))
-        proc.kill()
-    codes = [proc.wait(30) for proc in producers]
+    producers = []
+    try:
+        for i in range(4):
+            ready = tmp_path / f"p{i}.committed"
+            command = [sys.executable, "-m", "tests.test_chaos", "produce", f"p{i}-", "150", str(ready)]
+            producers.append((subprocess.Popen(command, cwd=ROOT, env=env), ready))
+        for proc, ready in producers:
+            wait_for(
+                lambda r=ready, p=proc: r.exists() or p.poll() is not None, 60, "a producer's first commit"
+            )
+            assert ready.exists(), f"producer exited with {proc.returncode} before its first commit"
+            time.sleep(random.uniform(0, 0.3))
+            proc.kill()
+    finally:
+        for proc, _ in producers:
+            proc.kill()
+    codes = [proc.wait(30) for proc, _ in producers]
     assert -signal.SIGKILL in codes
     # Then exactly the keys whose order committed are processed, once each
     orders = {r[0] for r in db.execute("SELECT key FROM orders")}
@@ -279,8 +243,11 @@ def test_a_worker_process_is_registered_before_it_claims_anything(broker: Any, d
         consumer.close()
 
 
-def produce(prefix: str, n: int) -> None:
-    """Producer process: one order row + one message per transaction; 25 % rolled back on purpose."""
+def produce(prefix: str, n: int, committed: str) -> None:
+    """Producer process: one order row + one message per transaction; 25 % rolled back on purpose.
+
+    Creates the file ``committed`` once its first transaction has committed.
+    """
     from sqlalchemy import create_engine, text
 
     from dramatiq_pg_outbox import outbox
@@ -299,7 +266,9 @@ def produce(prefix: str, n: int) -> None:
                 conn.rollback()
             else:
                 conn.commit()
+                if not os.path.exists(committed):
+                    Path(committed).touch()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["produce"]:
-    produce(sys.argv[2], int(sys.argv[3]))
+    produce(sys.argv[2], int(sys.argv[3]), sys.argv[4])

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import count, wait_for
+from tests.helpers import LISTENERS, count, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def test_the_worker_recovers_after_its_connections_are_terminated(
         producer.record.send(f"b{i}")
     wait_for(lambda: count(db, "SELECT count(*) FROM received") == 200, 60, "second batch")
     wait_for(
-        lambda: count(db, "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'") >= 1,
+        lambda: count(db, LISTENERS) >= 1,
         30,
         "LISTEN connection to come back",
     )
@@ -142,7 +142,10 @@ def test_worker_processes_use_the_documented_connection_budget(
     wait_for(lambda: count(db, "SELECT count(*) FROM received") == 500, 60, "messages")
     pids = [r[0] for r in db.execute("SELECT pid FROM dramatiq.workers")]
     assert len(pids) == 2
-    query = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'dramatiq-pg-outbox:%s'"
+    query = (
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND application_name = 'dramatiq-pg-outbox:%s'"
+    )
     for pid in pids:
         pool = count(db, query % pid)
         listen = count(db, query % f"{pid}:listen")

@@ -870,7 +870,14 @@ def test_readers_poll_when_listen_is_off(
     assert backend.get_result(do_work.send(), block=True, timeout=SOON * 1000) == 42
     # And no results listener was opened
     assert not backend.listening
-    assert count(db, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE '%%:results'") == 0
+    assert (
+        count(
+            db,
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name LIKE '%%:results'",
+        )
+        == 0
+    )
 
 
 def test_the_backend_uses_the_broker_pool(make_broker: Any, make_backend: Any, db: Any) -> None:
