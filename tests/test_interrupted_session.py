@@ -39,7 +39,16 @@ def test_an_interrupted_session_leaves_no_process_and_no_database(
         "DRAMATIQ_PG_OUTBOX_TEST_URL": admin_url,
     }
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/interrupted_session.py"]
-    inner = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # (SIGINT as a terminal's Ctrl-C delivers it: a shell's background job, as CI's may be, starts
+    # with SIGINT ignored, and so would the inner session)
+    inner = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         # Given an inner session whose test has started its processes
         wait_for(
