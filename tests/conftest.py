@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -26,16 +27,25 @@ import pytest
 from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database
 
-from .helpers import SESSION_MARK, TEST_MARK, Supervisor, reap
+from .helpers import SESSION_MARK, TEST_MARK, Supervisor, marked_processes, reap
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "dramatiq"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Mark every process this session starts (see ``reap_session_processes``)."""
+    """Mark every process this session starts (see ``reap_session_processes``), and make SIGTERM
+    stop the session as Ctrl-C does."""
     os.environ[SESSION_MARK] = uuid.uuid4().hex
     atexit.register(reap_session_processes)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        # Python's default SIGTERM ends the process at once: no fixture teardown, no atexit, so a
+        # cancelled CI job or `timeout` would leave every worker and the test database behind.
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -69,9 +79,18 @@ def reap_test_processes() -> Iterator[None]:
         yield
     finally:
         del os.environ[TEST_MARK]
+        commands = {pid: _command_line(pid) for pid in marked_processes(TEST_MARK, mark)}
         left = reap(TEST_MARK, mark)
         if left:
-            warnings.warn(f"killed {len(left)} process(es) the test left running: {left}", stacklevel=1)
+            shown = "; ".join(f"{pid} {commands.get(pid, '?')}" for pid in left)
+            warnings.warn(f"killed {len(left)} process(es) the test left running: {shown}", stacklevel=1)
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -97,13 +97,14 @@ def test_a_rolling_sigterm_restart_loses_nothing_runs_nothing_twice_and_charges_
     # When each host in turn gets SIGTERM (a rolling deploy) and is started again
     for n, host in enumerate(hosts):
         workers = host.workers(db)
-        # (with fresh work, so that it holds messages when the signal comes, however fast it was)
-        batch = [f"t{n}-{i}" for i in range(60)]
+        # (with fresh work of 1 s per message, about 5 s for the two hosts' 8 threads, so that it
+        # still holds messages when the signal comes, however slow or fast the machine is)
+        host.pause()
+        batch = [f"t{n}-{i}" for i in range(40)]
         for key in batch:
-            producer.slow_record.send(key, 0.2)
+            producer.slow_record.send(key, 1.0)
         keys += batch
         wait_for(lambda w=workers: bool(held_by(db, list(w.values()))), 30, "the host to hold messages")
-        host.pause()
         assert held_by(db, list(workers.values())), "the host held no message when stopped"
         assert host.current.stop(signal.SIGTERM) == 0
         # Then its unstarted messages are back in the queue by the time it has exited

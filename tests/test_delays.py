@@ -103,7 +103,7 @@ def test_a_retry_with_a_delay_runs_at_its_due_time(make_broker: Any, start_worke
 
 
 def test_a_delayed_notification_claims_at_its_due_time_and_not_before(make_broker: Any, db: Any) -> None:
-    # Given an idle consumer (one empty claim) and a message due in 3 s that nobody announced
+    # Given an idle consumer (one empty claim) and a message due in 5 s that nobody announced
     broker = make_broker(max_fetch_interval=SLOW_POLL, notify="off", listen=False)
 
     @dramatiq.actor(broker=broker)
@@ -113,7 +113,7 @@ def test_a_delayed_notification_claims_at_its_due_time_and_not_before(make_broke
     consumer = broker.consume("default", prefetch=1, timeout=100)
     assert next(consumer) is None
     assert consumer.claims == 1
-    later.send_with_options(delay=3_000)
+    later.send_with_options(delay=5_000)
     # When the consumer hears "default@<due>"
     broker.runtime.notified(f"default@{due_ms(db)}")
     # Then it does not claim before the due time...
@@ -185,7 +185,9 @@ def test_notifications_name_a_queue_and_maybe_a_due_time(
 
 def two_consumers(make_broker: Any) -> list[Any]:
     """Two worker processes' worth of brokers (one runtime each), one idle consumer each, ranks known."""
-    brokers = [make_broker(max_fetch_interval=SLOW_POLL) for _ in range(2)]
+    # (a heartbeat_timeout of 10 s: a loaded machine must not make a live peer look dead and
+    # change the ranks while the test runs)
+    brokers = [make_broker(max_fetch_interval=SLOW_POLL, heartbeat_timeout=10_000) for _ in range(2)]
     for broker in brokers:
         broker.declare_queue("default")
     consumers = [broker.consume("default", prefetch=1, timeout=100) for broker in brokers]

@@ -1,9 +1,10 @@
 """A test session that is interrupted still stops every process and drops every database it made.
 
 An inner pytest session (tests/interrupted_session.py) starts workers, a supervisor and a
-process no fixture knows about, then is stopped by Ctrl-C (SIGINT to pytest alone) or by
-pytest-timeout.  Every process it started carries a marker in its environment, so the outer
-test can look for survivors in /proc, whatever process group or parent they ended up with.
+process no fixture knows about, then is stopped by Ctrl-C (SIGINT to pytest alone), by SIGTERM
+(a cancelled CI job, `timeout`) or by pytest-timeout.  Every process it started carries a marker
+in its environment, so the outer test can look for survivors in /proc, whatever process group or
+parent they ended up with.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("interruption", ["ctrl-c", "timeout"])
+@pytest.mark.parametrize("interruption", ["ctrl-c", "sigterm", "timeout"])
 def test_an_interrupted_session_leaves_no_process_and_no_database(
     interruption: str, admin_url: str, tmp_path: Path
 ) -> None:
@@ -60,9 +61,11 @@ def test_an_interrupted_session_leaves_no_process_and_no_database(
         # When it is interrupted
         if interruption == "ctrl-c":
             inner.send_signal(signal.SIGINT)
+        elif interruption == "sigterm":  # a cancelled CI job, `timeout`, `kill`
+            inner.send_signal(signal.SIGTERM)
         output = inner.communicate(timeout=120)[0].decode(errors="replace")
         # Then it reports the interruption (or the timeout) and leaves nothing behind
-        if interruption == "ctrl-c":
+        if interruption in ("ctrl-c", "sigterm"):
             assert inner.returncode == pytest.ExitCode.INTERRUPTED, output
             assert "KeyboardInterrupt" in output
         else:
