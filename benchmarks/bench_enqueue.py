@@ -7,7 +7,10 @@
 (c) the bulk path: the broker's multi-row enqueue with 5,000 messages per statement
     (the statement ``outbox()`` uses; there is no public ``send_many`` yet) and, as a
     ceiling, ``COPY`` into the messages table;
-(d) ``send()`` outside any transaction, one message at a time, for every system.
+(d) ``send()`` outside any transaction, one message at a time, for every system; for
+    ours also with psycopg_pool's ``check_connection`` (an empty query) at every
+    checkout of a pooled connection, instead of the shipped ``poll()`` probe that
+    runs that check only on a connection with unread input (issue 11, item 8).
 """
 
 from __future__ import annotations
@@ -97,6 +100,16 @@ def _ours_cases(url: str, n_single: int, n_batch: int) -> dict[str, float]:
         for i in range(n_single):
             actor.send(i)
 
+    def send_outside_checked() -> None:
+        from dramatiq_pg_outbox import _runtime
+
+        probe = _runtime._has_input
+        _runtime._has_input = lambda conn: True  # every checkout runs ConnectionPool.check_connection
+        try:
+            send_outside()
+        finally:
+            _runtime._has_input = probe
+
     def outbox_many(per_txn: int) -> Callable[[], None]:
         def body() -> None:
             for lo in range(0, n_batch, per_txn):
@@ -138,7 +151,13 @@ def _ours_cases(url: str, n_single: int, n_batch: int) -> dict[str, float]:
     ) / 2
     n_single = n_single_full
     out["bare INSERT+COMMIT (raw psycopg, autocommit)"] = _timed(n_single, raw_psycopg)
-    out["(d) send() outside a transaction"] = _timed(n_single, send_outside)
+    # (alternated too: the shipped probe, then a check query at every checkout)
+    n_single = half
+    sends = [_timed(half, send_outside), _timed(half, send_outside_checked)]
+    sends += [_timed(half, send_outside), _timed(half, send_outside_checked)]
+    n_single = n_single_full
+    out["(d) send() outside a transaction"] = (sends[0] + sends[2]) / 2
+    out["(d) same, check_connection at every pool checkout"] = (sends[1] + sends[3]) / 2
     out["(b) outbox: 100 sends per transaction"] = _timed(n_batch, outbox_many(100))
     out["(b) outbox: 1,000 sends per transaction"] = _timed(n_batch, outbox_many(1000))
     out["(c) bulk: multi-row enqueue, 5,000 per statement (prebuilt messages)"] = _timed(n_batch, bulk)

@@ -37,12 +37,28 @@ multi-row INSERT per broker, so Postgres commits or rolls them back with the
 business rows and delivers their ``pg_notify`` at commit.  Messages sent while
 the commit is under way (from a flush hook) are written at once.
 
-Dramatiq's ``after_enqueue`` runs only for messages actually stored (not for
-idempotency duplicates): after the commit for sessions; for connections, which
-have no after-commit event, right before COMMIT is sent.  With
-``notify="after_commit"`` the wake-up is sent from the broker's own connection
-after the commit (for connections: once ``pg_xact_status`` reports the
-transaction committed).
+Dramatiq's ``after_enqueue`` runs only for messages actually stored: never
+for an idempotency duplicate, a message of a rolled-back savepoint, or a
+transaction whose ``COMMIT`` fails (a ``DEFERRABLE INITIALLY DEFERRED``
+constraint, a serialization failure).  It runs in the thread (and context)
+that commits, once the database has acknowledged the ``COMMIT``:
+
+- ``Session``/``AsyncSession``: in the session's ``after_commit`` event.
+- ``Connection``/``AsyncConnection``: SQLAlchemy has no after-commit event for
+  connections (its ``commit`` event fires before ``COMMIT`` is sent), so the
+  outbox wraps ``do_commit`` of the engine's dialect, once per dialect: the
+  messages run ``after_enqueue`` right after the driver's ``commit()``
+  returned, before ``Connection.commit()`` returns.  When no middleware of
+  the broker overrides ``after_enqueue``, nothing is registered: a commit
+  pays one dictionary lookup.
+
+Not covered: a ``Session`` that joined a transaction it does not commit
+(``Session(bind=connection)`` on a connection already in a transaction) runs
+``after_enqueue`` at ``session.commit()``, before that transaction commits.
+
+With ``notify="after_commit"`` the wake-up is sent from the broker's own
+connection after the commit (for connections: once ``pg_xact_status``
+reports the transaction committed).
 
 Savepoints must be made through SQLAlchemy (``begin_nested()``): a
 ``SAVEPOINT`` sent as raw SQL is invisible to the buffer.
@@ -53,6 +69,7 @@ Supported binds: SQLAlchemy ``Session``, ``Connection``, ``AsyncSession`` and
 
 from __future__ import annotations
 
+import shlex
 import threading
 import weakref
 from collections.abc import Iterable
@@ -61,10 +78,12 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from dramatiq import Middleware
 from sqlalchemy import event
-from sqlalchemy.engine import Connection, Engine, Transaction
+from sqlalchemy.engine import Connection, Dialect, Engine, Transaction
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.pool import PoolProxiedConnection
 
 from ._queries import queries_for_schema
 from ._runtime import StoredMessage, enqueue_result, enqueue_statement
@@ -206,7 +225,8 @@ def _check_schema(conn: Connection, broker: PostgresBroker) -> None:
         return
     table = f"{quote_ident(broker.schema)}.messages"
     row = conn.exec_driver_sql(queries_for_schema(broker.schema)["schema_revision"], {"table": table}).first()
-    error = schema_not_ready(broker.schema, row, url=key)
+    # The command names the bind's database (its secrets masked, to be filled in by the reader).
+    error = schema_not_ready(broker.schema, row, url=key, fix_url=shlex.quote(key))
     if error is not None:
         raise error
     checked.add(key)
@@ -237,6 +257,11 @@ def _by_broker(
 def _after_enqueue(written: _Written) -> None:
     for item in written.stored:
         written.broker.emit_after("enqueue", item.message, item.delay or None)
+
+
+def _wants_after_enqueue(broker: PostgresBroker) -> bool:
+    """Whether a middleware of ``broker`` overrides Dramatiq's no-op ``after_enqueue``."""
+    return any(type(m).after_enqueue is not Middleware.after_enqueue for m in broker.middleware)
 
 
 # -- sessions -------------------------------------------------------------------
@@ -401,6 +426,10 @@ class _ConnectionBuffer:
 
 _connection_buffers: weakref.WeakKeyDictionary[Connection, _ConnectionBuffer] = weakref.WeakKeyDictionary()
 _engines_listened: weakref.WeakSet[Engine] = weakref.WeakSet()
+_dialects_hooked: weakref.WeakSet[Dialect] = weakref.WeakSet()
+#: Key, in a pooled DBAPI connection's ``info``, of what its current database transaction
+#: stored that waits for its COMMIT: a list of :class:`_Written`.
+_AFTER_COMMIT = "dramatiq_pg_outbox.after_commit"
 
 
 def _install_engine_listeners(engine: Engine) -> None:
@@ -413,7 +442,49 @@ def _install_engine_listeners(engine: Engine) -> None:
             event.listen(engine, "rollback_savepoint", _connection_rollback_savepoint)
             event.listen(engine, "commit", _connection_commit)
             event.listen(engine, "rollback", _connection_rollback)
+            _hook_commit(engine.dialect)
             _engines_listened.add(engine)
+
+
+def _hook_commit(dialect: Dialect) -> None:
+    """Make ``dialect`` run ``after_enqueue`` for what a transaction stored once its COMMIT succeeded.
+
+    A Connection has no after-commit event: its ``commit`` event fires before
+    ``COMMIT`` is sent, and ``handle_error`` reports a failed COMMIT but nothing
+    reports a successful one.  ``Dialect.do_commit`` and ``do_rollback`` are what
+    SQLAlchemy (the Connection, and the pool when it resets a connection) calls
+    with the pooled DBAPI connection to end its database transaction, so this
+    dialect's (an engine's own instance, shared by its ``execution_options()``
+    copies) are wrapped, once: what ``_connection_commit`` left in the DBAPI
+    connection's ``info`` runs after a COMMIT that returned, and is dropped by a
+    COMMIT that raised or by a ROLLBACK.  A commit or rollback with nothing left
+    pays one dictionary lookup.  Called under ``_listeners_lock``.
+    """
+    if dialect in _dialects_hooked:
+        return
+    commit, rollback = dialect.do_commit, dialect.do_rollback
+
+    def do_commit(dbapi_connection: PoolProxiedConnection) -> None:
+        stored = _take_after_commit(dbapi_connection)
+        commit(dbapi_connection)  # raises if the COMMIT fails: ``stored`` is dropped
+        for written in stored:
+            _after_enqueue(written)
+
+    def do_rollback(dbapi_connection: PoolProxiedConnection) -> None:
+        _take_after_commit(dbapi_connection)
+        rollback(dbapi_connection)
+
+    dialect.do_commit = do_commit  # type: ignore[method-assign]
+    dialect.do_rollback = do_rollback  # type: ignore[method-assign]
+    _dialects_hooked.add(dialect)
+
+
+def _take_after_commit(dbapi_connection: PoolProxiedConnection) -> list[_Written]:
+    """Remove and return what the connection's current database transaction stored (see _hook_commit)."""
+    if not isinstance(dbapi_connection, PoolProxiedConnection):
+        return []  # a bare DBAPI connection: nothing of ours can be waiting on it
+    stored: list[_Written] = dbapi_connection.info.pop(_AFTER_COMMIT, [])
+    return stored
 
 
 def _connection_add(conn: Connection, broker: PostgresBroker, items: list[StoredMessage]) -> None:
@@ -459,31 +530,42 @@ def _connection_rollback(conn: Connection) -> None:
 
 
 def _connection_commit(conn: Connection) -> None:
+    # Fired before COMMIT is sent: the buffer is written in the transaction, and after_enqueue
+    # is left for the dialect's do_commit to run once the COMMIT succeeded (_hook_commit).
     buffer = _current_buffer(conn)
     if buffer is None:
         return
+    announced: list[_Written] = []
     try:
         buffer.write(conn)
         written = buffer.written
         buffer.reset()
         for w in written:
-            if w.ids:
+            announce = _wants_after_enqueue(w.broker)
+            after_commit_notify = w.broker.notify == "after_commit"
+            if w.ids and (announce or after_commit_notify):
                 # Written inside a savepoint: keep only the rows that survived it.
                 query = queries_for_schema(w.broker.schema)["surviving_ids"]
                 rows = conn.exec_driver_sql(query, {"ids": [row_id for row_id, _ in w.ids]}).fetchall()
-                alive = {w_id for w_id, _ in w.ids} & {int(r[0]) for r in rows}
-                surviving = [message_id for row_id, message_id in w.ids if row_id in alive]
+                alive = {int(r[0]) for r in rows}
+                surviving = {message_id for row_id, message_id in w.ids if row_id in alive}
                 w.stored = [item for item in w.stored if item.message.message_id in surviving]
-            if w.broker.notify == "after_commit" and w.payloads and w.stored:
+            if after_commit_notify and w.payloads and w.stored:
                 w.xid = str(conn.exec_driver_sql("SELECT pg_current_xact_id()::text").scalar())
+            if announce and w.stored:
+                announced.append(w)
     except BaseException:
         # An exception raised by a commit event leaves SQLAlchemy's transaction closed but
         # the database transaction open, with the business rows in it: roll it back so
         # nothing of it can be committed by a later statement on this connection.
         buffer.reset()
+        _take_after_commit(conn.connection)
         conn.connection.dbapi_connection.rollback()  # type: ignore[union-attr]
         raise
+    if announced:
+        # Run by do_commit once this database transaction's COMMIT succeeded; appended to, since
+        # a commit event that a later listener made fail leaves the database transaction open.
+        conn.connection.info.setdefault(_AFTER_COMMIT, []).extend(announced)
     for w in written:
-        _after_enqueue(w)  # no after-commit event on a Connection: just before COMMIT
         if w.xid is not None:
             w.broker.runtime.flusher.notify_after_commit(w.xid, w.payloads)

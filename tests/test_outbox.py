@@ -92,17 +92,58 @@ def test_connection_commit_inside_the_block_writes_the_message(db: Any, engine: 
     assert stored(db) == ["welcome"]
 
 
-def test_several_sends_in_one_transaction_are_one_insert(db: Any, engine: Any, actor: Any) -> None:
+@pytest.mark.parametrize("kind", ["Session", "Connection"])
+def test_several_sends_in_one_transaction_are_one_insert(kind: str, db: Any, engine: Any, actor: Any) -> None:
+    # Given a listener that records every statement sent on the engine
     statements: list[str] = []
     event.listen(engine, "before_cursor_execute", lambda c, cur, stmt, *a: statements.append(stmt))
-    with Session(engine) as session:
-        with outbox(session):
+    # When 50 messages are sent in one transaction
+    with Session(engine) if kind == "Session" else engine.connect() as bind:
+        with outbox(bind):
             for i in range(50):
                 actor.send(i)
-        session.commit()
+        bind.commit()
+    # Then they were written with one INSERT
     inserts = [s for s in statements if "INSERT INTO" in s and "messages" in s]
     assert len(inserts) == 1
     assert len(stored(db)) == 50
+
+
+@pytest.mark.parametrize("kind", ["AsyncSession", "AsyncConnection"])
+def test_a_send_on_an_async_bind_runs_no_sql_and_opens_no_broker_connection(
+    kind: str, db: Any, database_url: str, actor: Any
+) -> None:
+    # Given an async bind whose engine records every statement, and a broker that never connected
+    broker = actor.broker
+    assert broker._runtime is None
+    engine = create_async_engine(normalize_sqlalchemy_url(database_url))
+    statements: list[str] = []
+    event.listen(
+        engine.sync_engine, "before_cursor_execute", lambda c, cur, stmt, *a: statements.append(stmt)
+    )
+    during_sends: list[str] = []
+
+    async def scenario() -> None:
+        async with AsyncSession(engine) if kind == "AsyncSession" else engine.connect() as bind:
+            # When messages are sent first in a transaction, then after some SQL
+            async with outbox(bind):
+                before = len(statements)
+                actor.send(1)
+                during_sends.extend(statements[before:])
+                await bind.execute(text("SELECT 1"))
+                before = len(statements)
+                actor.send(2)
+                during_sends.extend(statements[before:])
+            await bind.commit()
+        await engine.dispose()
+
+    asyncio.run(scenario())
+    # Then the sends ran no statement (the event loop never blocked on them), the broker opened
+    # no connection of its own, and the commit stored both messages
+    assert during_sends == []
+    assert broker._runtime is None
+    assert any("INSERT INTO" in s and "messages" in s for s in statements)
+    assert stored(db) == ["welcome", "welcome"]
 
 
 def test_send_outside_a_binding_uses_the_broker_pool(db: Any, actor: Any) -> None:
@@ -332,3 +373,65 @@ def test_the_readme_usage_snippet_runs_as_written(database_url: str, db: Any) ->
         namespace["broker"].close()
         dramatiq.set_broker(previous)
         db.execute("DROP TABLE IF EXISTS users")
+
+
+def args_stored(db: Any) -> list[str]:
+    rows = db.execute("SELECT convert_from(payload, 'UTF8')::jsonb -> 'args' ->> 0 FROM dramatiq.messages")
+    return sorted(r[0] for r in rows.fetchall())
+
+
+def test_after_enqueue_follows_the_database_transaction_when_a_later_commit_listener_fails(
+    db: Any, engine: Any, make_broker: Any
+) -> None:
+    # Given a broker whose middleware records after_enqueue, and an application commit listener,
+    # registered after the outbox's, that can be made to fail.  SQLAlchemy then drops its
+    # transaction without sending ROLLBACK: the database transaction, with the message in it, goes on.
+    recorded: list[str] = []
+
+    class Record(dramatiq.Middleware):
+        def after_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+            recorded.append(str(message.args[0]))
+
+    broker = make_broker()
+    broker.add_middleware(Record())
+    task = dramatiq.actor(lambda n: None, broker=broker, actor_name="task")
+    fail_next: list[bool] = []
+
+    def fail(conn: Any) -> None:
+        if fail_next:
+            fail_next.clear()
+            raise RuntimeError("audit log unavailable")
+
+    with engine.connect() as conn:
+        with outbox(conn):
+            task.send(0)  # the outbox's listeners are in place before the application's
+        conn.commit()
+        event.listen(engine, "commit", fail)
+        # When a message's commit fails in that listener, and the database transaction that
+        # holds it is then rolled back for real (the first rollback() does not reach it)
+        with outbox(conn):
+            task.send(1)
+        fail_next.append(True)
+        with pytest.raises(RuntimeError, match="audit log"):
+            conn.commit()
+        conn.rollback()
+        conn.execute(text("SELECT 1"))
+        conn.rollback()
+        # and an unrelated transaction then commits on the same connection
+        conn.execute(text("SELECT 1"))
+        conn.commit()
+        # Then after_enqueue did not run for the rolled-back message
+        assert args_stored(db) == ["0"] and recorded == ["0"]
+        # When another message's commit fails in that listener, and a later COMMIT on the
+        # connection commits the database transaction that holds it
+        with outbox(conn):
+            task.send(2)
+        fail_next.append(True)
+        with pytest.raises(RuntimeError, match="audit log"):
+            conn.commit()
+        conn.rollback()
+        conn.execute(text("SELECT 1"))
+        conn.commit()
+    # Then after_enqueue ran for every message the database stored, and for no other
+    assert sorted(recorded) == args_stored(db)
+    assert "1" not in recorded

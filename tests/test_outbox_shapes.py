@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,8 @@ from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
 KINDS = ["Session", "AsyncSession", "Connection", "AsyncConnection"]
 
 #: An operation: ("send", tag, with_row) | ("nested",) | ("release",) | ("rollback_nested",)
-#: | ("commit",) | ("rollback",) | ("close",) | ("duplicate",) (get-or-create that fails).
+#: | ("commit",) | ("rollback",) | ("close",) | ("duplicate",) (get-or-create that fails)
+#: | ("violate",) (a row that breaks a DEFERRABLE INITIALLY DEFERRED foreign key: the COMMIT fails).
 Op = tuple[Any, ...]
 
 
@@ -45,6 +47,7 @@ def send(tag: str, row: bool = True) -> Op:
 
 NESTED, RELEASE, ROLLBACK_NESTED = ("nested",), ("release",), ("rollback_nested",)
 COMMIT, ROLLBACK, CLOSE, DUPLICATE = ("commit",), ("rollback",), ("close",), ("duplicate",)
+VIOLATE = ("violate",)
 
 
 @dataclass
@@ -54,6 +57,10 @@ class Model:
     committed: list[str] = field(default_factory=list)
     committed_rows: list[str] = field(default_factory=list)
     stack: list[list[tuple[str, bool]]] = field(default_factory=lambda: [[]])
+    #: Per open scope: whether it holds a row that violates the deferred foreign key.
+    violated: list[bool] = field(default_factory=lambda: [False])
+    #: Whether the last "commit" fails (the interpreter then expects IntegrityError and rolls back).
+    commit_fails: bool = False
 
     def apply(self, op: Op) -> bool:
         """Apply ``op``; False if it is not valid here (the interpreter then skips it)."""
@@ -62,21 +69,33 @@ class Model:
             return False  # no savepoint open
         if kind == "send":
             self.stack[-1].append((op[1], op[2]))
+        elif kind == "violate":
+            self.violated[-1] = True
         elif kind == "nested":
             self.stack.append([])
+            self.violated.append(False)
         elif kind == "release":
             top = self.stack.pop()
             self.stack[-1].extend(top)
+            violated = self.violated.pop()
+            self.violated[-1] = self.violated[-1] or violated
         elif kind == "rollback_nested":
             self.stack.pop()
+            self.violated.pop()
         elif kind == "commit":
-            sends = [s for scope in self.stack for s in scope]
-            self.committed += [tag for tag, _ in sends]
-            self.committed_rows += [tag for tag, row in sends if row]
-            self.stack = [[]]
+            self.commit_fails = any(self.violated)
+            if not self.commit_fails:
+                sends = [s for scope in self.stack for s in scope]
+                self.committed += [tag for tag, _ in sends]
+                self.committed_rows += [tag for tag, row in sends if row]
+            self.stack, self.violated = [[]], [False]
         elif kind in ("rollback", "close"):
-            self.stack = [[]]
+            self.stack, self.violated = [[]], [False]
         return True
+
+
+#: Breaks shapes_deferred's DEFERRABLE INITIALLY DEFERRED foreign key: checked, and failed, at COMMIT.
+VIOLATION = "INSERT INTO shapes_deferred (parent) VALUES (-1)"
 
 
 class Scenario:
@@ -118,6 +137,13 @@ class Scenario:
                         nested.pop().rollback()
                     elif kind == "duplicate":
                         self._get_or_create_fails(bind)
+                    elif kind == "violate":
+                        bind.execute(text(VIOLATION))
+                    elif kind == "commit" and model.commit_fails:
+                        with pytest.raises(IntegrityError, match="shapes_deferred"):
+                            bind.commit()
+                        bind.rollback()
+                        nested.clear()
                     elif kind == "commit":
                         bind.commit()
                         nested.clear()
@@ -193,6 +219,13 @@ class Scenario:
                             await savepoint.rollback()
                         else:
                             await savepoint.commit()
+                    elif kind == "violate":
+                        await bind.execute(text(VIOLATION))
+                    elif kind == "commit" and model.commit_fails:
+                        with pytest.raises(IntegrityError, match="shapes_deferred"):
+                            await bind.commit()
+                        await bind.rollback()
+                        nested.clear()
                     elif kind == "commit":
                         await bind.commit()
                         nested.clear()
@@ -239,6 +272,9 @@ def shapes_db(db: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
         "CREATE TABLE IF NOT EXISTS shapes_rows (id bigserial PRIMARY KEY, tag text NOT NULL);"
         "CREATE TABLE IF NOT EXISTS shapes_unique (k text PRIMARY KEY);"
         "INSERT INTO shapes_unique VALUES ('taken') ON CONFLICT DO NOTHING;"
+        "CREATE TABLE IF NOT EXISTS shapes_parents (id int PRIMARY KEY);"
+        "CREATE TABLE IF NOT EXISTS shapes_deferred"
+        " (parent int NOT NULL REFERENCES shapes_parents DEFERRABLE INITIALLY DEFERRED);"
     )
     return db
 
@@ -257,7 +293,8 @@ def scenario(request: pytest.FixtureRequest, database_url: str, actor: Any, shap
     return Scenario(request.param, database_url, actor.send)
 
 
-def check(scenario: Scenario, db: Any, ops: list[Op], expected: list[str] | None = None) -> None:
+def check(scenario: Scenario, db: Any, ops: list[Op], expected: list[str] | None = None) -> Model:
+    """Run ``ops`` (their tags prefixed with a fresh prefix) and check the database against the model."""
     prefix = uuid.uuid4().hex[:8] + "-"
     ops = [(op[0], prefix + op[1], *op[2:]) if op[0] == "send" else op for op in ops]
     model = scenario.run(ops)
@@ -267,6 +304,7 @@ def check(scenario: Scenario, db: Any, ops: list[Op], expected: list[str] | None
     # business row written beside it does.
     assert stored_tags(db, prefix) == model.committed
     assert row_tags(db, prefix) == model.committed_rows
+    return model
 
 
 # Each row of the table in docs/guarantees.md, on every bind kind.
@@ -307,6 +345,14 @@ SHAPES: dict[str, tuple[list[Op], list[str]]] = {
         [send("a"), COMMIT, send("b"), ROLLBACK, send("c"), NESTED, send("d"), RELEASE, COMMIT],
         ["a", "c", "d"],
     ),
+    "a COMMIT that fails (deferred constraint) stores nothing of its transaction": (
+        [send("a"), NESTED, send("b"), RELEASE, VIOLATE, COMMIT, send("c"), COMMIT],
+        ["c"],
+    ),
+    "a deferred violation inside a rolled-back savepoint does not fail the COMMIT": (
+        [send("a"), NESTED, VIOLATE, send("b"), ROLLBACK_NESTED, send("c"), COMMIT],
+        ["a", "c"],
+    ),
 }
 
 
@@ -319,7 +365,7 @@ def test_a_message_exists_iff_its_scope_commits(scenario: Scenario, shapes_db: A
 #: Sends and savepoint operations are drawn more often than the ends of transactions.
 OPS = st.one_of(
     st.tuples(st.just("send"), st.uuids().map(lambda u: u.hex[:6]), st.booleans()),
-    st.sampled_from([NESTED, RELEASE, ROLLBACK_NESTED, NESTED, RELEASE, ROLLBACK_NESTED, DUPLICATE]),
+    st.sampled_from([NESTED, RELEASE, ROLLBACK_NESTED, NESTED, RELEASE, ROLLBACK_NESTED, DUPLICATE, VIOLATE]),
     st.sampled_from([COMMIT, ROLLBACK, CLOSE]),
 )
 
@@ -348,49 +394,130 @@ def engine(database_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
+async def maybe(value: Any) -> Any:
+    """The result of a bind's method: awaited for an async bind, as it is for a sync one."""
+    return await value if inspect.isawaitable(value) else value
+
+
+class Binds:
+    """Opens binds of one kind, so that one async test body runs on all four kinds.
+
+    A sync bind is driven from the coroutine too: its calls simply do not need ``await``
+    (``await maybe(bind.commit())`` works for both).
+    """
+
+    def __init__(self, kind: str, url: str, **engine_options: Any) -> None:
+        self.kind = kind
+        self.is_async = kind.startswith("Async")
+        sa_url = normalize_sqlalchemy_url(url)
+        self.engine: Engine | AsyncEngine = (
+            create_async_engine(sa_url, **engine_options)
+            if self.is_async
+            else create_engine(sa_url, **engine_options)
+        )
+
+    @contextlib.asynccontextmanager
+    async def open(self) -> AsyncIterator[Any]:
+        """A new bind of this kind, closed (without commit) at the end of the block."""
+        engine = self.engine
+        if isinstance(engine, AsyncEngine):
+            async with AsyncSession(engine) if self.kind == "AsyncSession" else engine.connect() as bind:
+                yield bind
+        else:
+            with Session(engine) if self.kind == "Session" else engine.connect() as bind:
+                yield bind
+
+    @contextlib.asynccontextmanager
+    async def outbox(self, bind: Any, broker: PostgresBroker | None = None) -> AsyncIterator[None]:
+        """``outbox(bind, broker)``, entered with ``async with`` or ``with`` as the bind requires."""
+        if self.is_async:
+            async with outbox(bind, broker):
+                yield
+        else:
+            with outbox(bind, broker):
+                yield
+
+    @classmethod
+    def run(
+        cls, kind: str, url: str, body: Callable[[Binds], Awaitable[None]], **engine_options: Any
+    ) -> None:
+        """Run ``body`` in a new event loop, then dispose of the engine in that loop."""
+
+        async def main() -> None:
+            binds = cls(kind, url, **engine_options)
+            try:
+                await body(binds)
+            finally:
+                await maybe(binds.engine.dispose())
+
+        asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_an_exception_inside_the_block_leaves_the_decision_to_the_transaction(
-    engine: Engine, actor: Any, shapes_db: Any
+    kind: str, database_url: str, actor: Any, shapes_db: Any
 ) -> None:
     prefix = uuid.uuid4().hex[:8] + "-"
-    # Rolled back after the exception: no message.
-    with Session(engine) as session:
-        with pytest.raises(RuntimeError), outbox(session):
-            actor.send(prefix + "lost")
-            raise RuntimeError("signup failed")
-        session.rollback()
-    # Committed anyway (the application decided the rest of the transaction stands): stored.
-    with Session(engine) as session:
-        with pytest.raises(RuntimeError), outbox(session):
-            actor.send(prefix + "kept")
-            raise RuntimeError("a non-fatal error the caller handles")
-        session.commit()
-    # An exception that leaves the Session's `with`: closed without commit, no message.
-    with pytest.raises(RuntimeError), Session(engine) as session, outbox(session):
-        actor.send(prefix + "closed")
-        raise RuntimeError("boom")
+
+    async def body(binds: Binds) -> None:
+        # Given an exception raised inside the block, when the transaction then rolls back: no message.
+        async with binds.open() as bind:
+            with pytest.raises(RuntimeError):
+                async with binds.outbox(bind):
+                    actor.send(prefix + "lost")
+                    raise RuntimeError("signup failed")
+            await maybe(bind.rollback())
+        # When it commits anyway (the application decided the rest of the transaction stands): stored.
+        async with binds.open() as bind:
+            with pytest.raises(RuntimeError):
+                async with binds.outbox(bind):
+                    actor.send(prefix + "kept")
+                    raise RuntimeError("a non-fatal error the caller handles")
+            await maybe(bind.commit())
+        # When the exception also leaves the bind's block (closed without commit): no message.
+        with pytest.raises(RuntimeError):
+            async with binds.open() as bind, binds.outbox(bind):
+                actor.send(prefix + "closed")
+                raise RuntimeError("boom")
+
+    Binds.run(kind, database_url, body)
+    # Then only the message of the committed transaction exists
     assert stored_tags(shapes_db, prefix) == [prefix + "kept"]
 
 
-def test_a_closed_session_does_not_carry_messages_into_its_next_transaction(
-    engine: Engine, actor: Any, shapes_db: Any
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_closed_bind_does_not_carry_messages_into_the_next_transaction(
+    kind: str, database_url: str, actor: Any, shapes_db: Any
 ) -> None:
     prefix = uuid.uuid4().hex[:8] + "-"
-    session = Session(engine)
-    with pytest.raises(RuntimeError), outbox(session):
-        session.execute(text("SELECT 1"))  # the session is in a transaction when the error happens
-        actor.send(prefix + "lost")
-        raise RuntimeError("boom")
-    session.close()
-    # An unrelated transaction on the same Session, outside any outbox block.
-    session.execute(text("SELECT 1"))
-    session.commit()
-    session.close()
+
+    async def body(binds: Binds) -> None:
+        async with binds.open() as bind:
+            # Given a message sent in a transaction that an exception interrupts
+            with pytest.raises(RuntimeError):
+                async with binds.outbox(bind):
+                    await maybe(bind.execute(text("SELECT 1")))  # the transaction has begun
+                    actor.send(prefix + "lost")
+                    raise RuntimeError("boom")
+            # When the bind is closed without commit
+            await maybe(bind.close())
+            # and an unrelated transaction, outside any outbox block, commits on the same Session
+            # (usable again after close()), or on the same pooled DBAPI connection (the pool holds one)
+            async with contextlib.AsyncExitStack() as stack:
+                again = bind if "Session" in kind else await stack.enter_async_context(binds.open())
+                await maybe(again.execute(text("SELECT 1")))
+                await maybe(again.commit())
+
+    Binds.run(kind, database_url, body, pool_size=1, max_overflow=0)
+    # Then no message exists
     assert stored_tags(shapes_db, prefix) == []
 
 
-def test_two_brokers_on_one_session_write_to_their_own_schemas(
-    database_url: str, make_broker: Any, engine: Engine, shapes_db: Any
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_brokers_on_one_bind_write_to_their_own_schemas(
+    kind: str, database_url: str, make_broker: Any, shapes_db: Any
 ) -> None:
+    # Given two brokers on two schemas
     upgrade(database_url, schema="shapes_other")
     shapes_db.execute("TRUNCATE shapes_other.messages")
     first = make_broker()
@@ -398,18 +525,31 @@ def test_two_brokers_on_one_session_write_to_their_own_schemas(
     one = dramatiq.actor(lambda tag: None, broker=first, actor_name="one")
     two = dramatiq.actor(lambda tag: None, broker=second, actor_name="two")
     prefix = uuid.uuid4().hex[:8] + "-"
-    with Session(engine) as session:
-        # One binding per broker, one after the other...
-        with outbox(session, broker=first):
-            one.send(prefix + "first")
-        with outbox(session, broker=second):
-            two.send(prefix + "second")
-        # ...and one binding for every broker.
-        with outbox(session):
-            one.send(prefix + "first-again")
-            two.send(prefix + "second-again")
-        assert stored_tags(shapes_db, prefix) == []
-        session.commit()
+
+    async def body(binds: Binds) -> None:
+        async with binds.open() as bind:
+            # When each broker's messages are sent with one binding per broker, one after the other
+            async with binds.outbox(bind, broker=first):
+                one.send(prefix + "first")
+            async with binds.outbox(bind, broker=second):
+                two.send(prefix + "second")
+            # and with one binding for every broker
+            async with binds.outbox(bind):
+                one.send(prefix + "first-again")
+                two.send(prefix + "second-again")
+                # and in a savepoint that rolls back, after a savepoint inside it began (which makes a
+                # Connection write the buffer: the rows exist, then are rolled back)
+                savepoint = await maybe(bind.begin_nested())
+                one.send(prefix + "first-rolled-back")
+                two.send(prefix + "second-rolled-back")
+                await maybe((await maybe(bind.begin_nested())).commit())
+                await maybe(savepoint.rollback())
+            assert stored_tags(shapes_db, prefix) == []
+            assert stored_tags(shapes_db, prefix, schema="shapes_other") == []
+            await maybe(bind.commit())
+
+    Binds.run(kind, database_url, body)
+    # Then each committed message is in its own broker's schema
     assert stored_tags(shapes_db, prefix) == [prefix + "first", prefix + "first-again"]
     assert stored_tags(shapes_db, prefix, schema="shapes_other") == [
         prefix + "second",
@@ -417,19 +557,27 @@ def test_two_brokers_on_one_session_write_to_their_own_schemas(
     ]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_binding_for_one_broker_leaves_another_brokers_sends_alone(
-    make_broker: Any, engine: Engine, shapes_db: Any
+    kind: str, database_url: str, make_broker: Any, shapes_db: Any
 ) -> None:
+    # Given two brokers, and a binding for the first only
     first = make_broker()
     other = make_broker()
     one = dramatiq.actor(lambda tag: None, broker=first, actor_name="one")
     outside = dramatiq.actor(lambda tag: None, broker=other, actor_name="outside")
     prefix = uuid.uuid4().hex[:8] + "-"
-    with Session(engine) as session, outbox(session, broker=first):
-        one.send(prefix + "bound")
-        outside.send(prefix + "pool")  # not bound: written at once through its broker's pool
-        assert stored_tags(shapes_db, prefix) == [prefix + "pool"]
-        session.rollback()
+
+    async def body(binds: Binds) -> None:
+        async with binds.open() as bind, binds.outbox(bind, broker=first):
+            # When both send, then the transaction rolls back
+            one.send(prefix + "bound")
+            outside.send(prefix + "pool")  # not bound: written at once through its broker's pool
+            assert stored_tags(shapes_db, prefix) == [prefix + "pool"]
+            await maybe(bind.rollback())
+
+    Binds.run(kind, database_url, body)
+    # Then the other broker's message was committed on its own, the bound one rolled back
     assert stored_tags(shapes_db, prefix) == [prefix + "pool"]
 
 
@@ -481,31 +629,56 @@ class RecordEnqueues(dramatiq.Middleware):
 def test_after_enqueue_runs_only_for_messages_that_were_stored(
     kind: str, database_url: str, make_broker: Any, shapes_db: Any
 ) -> None:
+    # Given a broker with a middleware that records after_enqueue
     recorder = RecordEnqueues()
     broker = make_broker()
     broker.add_middleware(recorder)
     actor = dramatiq.actor(lambda tag: None, broker=broker, actor_name="shape")
     keyed = dramatiq.actor(lambda tag: None, broker=broker, actor_name="keyed")
-    prefix = uuid.uuid4().hex[:8] + "-"
+    key = uuid.uuid4().hex
 
     def send_tag(tag: str) -> Any:
         # Tags ending in "-dup" share one idempotency key: only the first is stored.
         if tag.endswith("-dup"):
-            return keyed.send_with_options(args=(tag,), idempotency_key=prefix + "key")
+            return keyed.send_with_options(args=(tag,), idempotency_key=key)
         return actor.send(tag)
 
-    scenario = Scenario(kind, database_url, send_tag)
+    # When messages are sent in transactions of every outcome
+    prefix = uuid.uuid4().hex[:8] + "-"
     ops = [
-        send(prefix + "rolled-back", row=False),
+        send(prefix + "rolled-back"),
         ROLLBACK,
-        send(prefix + "committed", row=False),
-        send(prefix + "first-dup", row=False),
+        send(prefix + "committed"),
+        send(prefix + "first-dup"),
         COMMIT,
-        send(prefix + "second-dup", row=False),  # same key as an earlier message: not stored
+        send(prefix + "second-dup"),  # same key as an earlier message: not stored
+        COMMIT,
+        send(prefix + "commit-fails"),
+        VIOLATE,
+        COMMIT,  # the COMMIT itself fails: a deferred foreign key
+        send(prefix + "kept"),
+        NESTED,
+        send(prefix + "in-a-rolled-back-savepoint"),
+        ROLLBACK_NESTED,
+        COMMIT,
+        # A Connection writes its buffer when a savepoint begins: this message is written
+        # inside the outer savepoint, then rolled back with it.
+        NESTED,
+        send(prefix + "written-then-rolled-back"),
+        NESTED,
+        RELEASE,
+        ROLLBACK_NESTED,
+        send(prefix + "after"),
         COMMIT,
     ]
-    scenario.run(ops)
-    assert sorted(recorder.after) == sorted([prefix + "committed", prefix + "first-dup"])
+    Scenario(kind, database_url, send_tag).run(ops)
+    # Then PostgreSQL kept the business rows of the committed transactions, and their messages
+    # but the duplicate
+    expected = [prefix + tag for tag in ("committed", "first-dup", "kept", "after")]
+    assert row_tags(shapes_db, prefix) == [*expected[:2], prefix + "second-dup", *expected[2:]]
+    assert stored_tags(shapes_db, prefix) == expected
+    # and after_enqueue ran for exactly those messages, each once
+    assert sorted(recorder.after) == sorted(expected)
 
 
 def test_outbox_on_a_database_that_was_never_migrated_raises_schema_not_ready(
@@ -514,19 +687,34 @@ def test_outbox_on_a_database_that_was_never_migrated_raises_schema_not_ready(
     from dramatiq_pg_outbox.devserver import scratch_database
 
     with scratch_database(admin_url, "dpo_test_bare") as bare_url:
+        # Given an engine on a database the broker's tables were never migrated into, whose URL
+        # carries the password as a query parameter (a trust-auth server ignores a made-up one)
+        url = normalize_sqlalchemy_url(bare_url)
+        password = url.password or "secret-Pa55"
+        url = url.set(password=None).update_query_dict({"password": password})
         broker = make_broker()
         actor = dramatiq.actor(lambda: None, broker=broker, actor_name="nowhere")
-        engine = create_engine(normalize_sqlalchemy_url(bare_url))
+        engine = create_engine(url)
         try:
+            errors = []
+            # When a message is committed through a Session, then through a Connection
             with Session(engine) as session:
                 with outbox(session):
                     actor.send()
-                with pytest.raises(SchemaNotReady, match="dramatiq-pg-outbox migrate"):
+                with pytest.raises(SchemaNotReady) as raised:
                     session.commit()
+                errors.append(str(raised.value))
             with engine.connect() as conn:
                 with outbox(conn):
                     actor.send()
-                with pytest.raises(SchemaNotReady, match="dramatiq-pg-outbox migrate"):
+                with pytest.raises(SchemaNotReady) as raised:
                     conn.commit()
+                errors.append(str(raised.value))
         finally:
             engine.dispose()
+    # Then each error names the command to run, with the database's URL, but never the password
+    masked = url.render_as_string(hide_password=False).replace(password, "***")
+    for error in errors:
+        assert password not in error
+        assert f"Run: dramatiq-pg-outbox migrate --url '{masked}' --schema dramatiq" in error
+        assert "<DATABASE_URL>" not in error
