@@ -25,7 +25,7 @@ from .bench_common import (
     fmt_ratio,
     markdown_table,
 )
-from .bench_systems import WorkerGroup, install, prefill
+from .bench_systems import WorkerGroup, getenv_int, install, prefill
 
 #: Longest timed drain, in seconds: a slower system is rated on what it drained by then.
 DRAIN_CAP_S = 40.0
@@ -91,7 +91,7 @@ def drain_once(
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    n = 5_000 if ctx.quick else 20_000
+    n = getenv_int("BENCH_DRAIN_MESSAGES", 5_000 if ctx.quick else 20_000)
     series: dict[tuple[str, int, int], Series] = {}
     conns: dict[tuple[str, int], list[int]] = {}
     # Warm-up (untimed): server caches, catalogs and the OS page cache for every system,

@@ -1,7 +1,9 @@
 """Run the benchmark suite: ``python -m benchmarks.run [--quick] [--scenarios drain,enqueue,...]``.
 
 Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained;
-(issue 8): delay (due time -> actor start of delayed messages and retries).
+(issue 8): delay (due time -> actor start of delayed messages and retries);
+(issue 9): prune (retention of a large history, DELETE vs DROP PARTITION);
+(issue 10): relay (outbox + relay to RabbitMQ vs publishing after commit).
 Every system of a scenario is measured in the same run, on the same machine,
 against a durable PostgreSQL (fsync and synchronous_commit on).  By default a
 private server is started (``ThrowawayPostgres`` with pg_stat_statements);
@@ -19,7 +21,7 @@ import time
 
 from .bench_common import ALL_SYSTEMS, Context, machine_notes, postgres_for_benchmarks, save_json
 
-SCENARIOS = ("drain", "enqueue", "latency", "backlog", "sustained", "delay")
+SCENARIOS = ("drain", "enqueue", "latency", "backlog", "sustained", "delay", "prune", "relay")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backlog-sizes", default=None, help="e.g. 10000,100000,1000000")
     parser.add_argument("--sustained-seconds", type=int, default=None)
     parser.add_argument("--sustained-rate", type=int, default=None, help="messages per second")
+    parser.add_argument("--prune-rows", type=int, default=None, help="history rows of prune (10000000)")
+    parser.add_argument("--drain-messages", type=int, default=None, help="messages per drain (20000)")
     parser.add_argument("--out", default="out/benchmarks", help="directory of the JSON results")
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -46,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BENCH_SUSTAINED_SECONDS"] = str(args.sustained_seconds)
     if args.sustained_rate:
         os.environ["BENCH_SUSTAINED_RATE"] = str(args.sustained_rate)
+    if args.drain_messages:
+        os.environ["BENCH_DRAIN_MESSAGES"] = str(args.drain_messages)
+    if args.prune_rows:
+        os.environ["BENCH_PRUNE_ROWS"] = str(args.prune_rows)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     with postgres_for_benchmarks(args.pg_url) as admin_url:
         ctx = Context(admin_url=admin_url, runs=runs, quick=args.quick, systems=systems, out_dir=args.out)

@@ -20,6 +20,7 @@ Connections per consuming process: ``pool_size`` (pool) + 1 (listener).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import select
@@ -51,6 +52,10 @@ if TYPE_CHECKING:
 
 #: Claims younger than this are never treated as orphans, in milliseconds.
 ORPHAN_GRACE_MS = 30_000
+#: Seconds between two calls of create_history_partitions by a maintenance loop (jittered +-20%).
+PARTITIONS_INTERVAL_S = 3_600
+#: Days of history partitions a maintenance loop keeps ahead (today is day 0).
+PARTITIONS_DAYS_AHEAD = 7
 #: Longest text of a dead-lettered message's error that is stored, in characters.
 MAX_ERROR_CHARS = 8_000
 
@@ -143,8 +148,12 @@ class _Runtime:
         return self.pool.getconn()
 
     def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return self.execute_sql(self.queries[name], params)
+
+    def execute_sql(self, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Run one statement on a pooled autocommit connection; its rows (``[]`` if none)."""
         with self.connection() as conn:
-            cur = conn.execute(self.queries[name], params)
+            cur = conn.execute(query, params)
             return cur.fetchall() if cur.description else []
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
@@ -592,11 +601,17 @@ class _Flusher:
         for name, buffer in kinds:
             while buffer:
                 items: list[Any] = [buffer.popleft() for _ in range(min(len(buffer), batch))]
+                started = time.monotonic()
                 try:
                     written, woken = self._write(name, items)
                 except Exception:
                     buffer.extendleft(reversed(items))
                     raise
+                metrics = self.runtime.broker._metrics
+                if metrics is not None:
+                    metrics.flush_seconds.labels(name).observe(time.monotonic() - started)
+                    if len(items) > written:
+                        metrics.stale.inc(len(items) - written)
                 self.runtime.untrack(items)
                 stale = len(items) - written
                 key = {"ack": "acked", "ack_with_error": "acked", "nack": "nacked", "requeue": "requeued"}[
@@ -702,10 +717,14 @@ class _Maintenance(_Loop):
         super().__init__(runtime, runtime.broker.heartbeat_interval / 1000)
         self.hostname = socket.gethostname()
         self._next_rescue = 0.0
+        self._next_partitions = 0.0
 
     def tick(self) -> None:
         self.heartbeat()
         now = time.monotonic()
+        if now >= self._next_partitions:
+            self._next_partitions = now + PARTITIONS_INTERVAL_S * random.uniform(0.8, 1.2)
+            self.create_partitions()
         if now >= self._next_rescue:
             # Jitter spreads the rescuers of many processes over the interval.
             interval = self.runtime.broker.rescue_interval / 1000
@@ -721,6 +740,26 @@ class _Maintenance(_Loop):
             orphans = self.release_orphans()
             if orphans:
                 self.logger.warning("Released %d orphaned claim(s) of this process", orphans)
+
+    def create_partitions(self) -> int:
+        """Create the history partitions of the next days (at start, then about hourly).
+
+        Without EXECUTE on the function (a worker role not granted it), says so once and
+        stops trying: rows then land in ``history_default`` until an operator runs
+        ``dramatiq-pg-outbox maintain``; nothing is lost.
+        """
+        try:
+            rows = self.runtime.execute("create_history_partitions", {"days": PARTITIONS_DAYS_AHEAD})
+        except psycopg.errors.InsufficientPrivilege:
+            self._next_partitions = math.inf
+            self.logger.warning(
+                "This role may not create history partitions: archived rows go to history_default. "
+                "GRANT EXECUTE ON FUNCTION %s.create_history_partitions TO this role (docs/security.md), "
+                "or run 'dramatiq-pg-outbox maintain' daily as the owner",
+                self.runtime.broker.schema,
+            )
+            return 0
+        return int(rows[0][0])
 
     def heartbeat(self) -> None:
         """Insert or refresh this process's ``workers`` row."""
@@ -747,6 +786,10 @@ class _Maintenance(_Loop):
             },
         )
         released, quarantined, dead, _ = rows[0]
+        metrics = broker._metrics
+        if metrics is not None and (released or quarantined):
+            metrics.rescued.inc(int(released))
+            metrics.quarantined.inc(int(quarantined))
         return RescueResult(int(released), int(quarantined), int(dead))
 
     def release_orphans(self, grace_ms: int = ORPHAN_GRACE_MS) -> int:

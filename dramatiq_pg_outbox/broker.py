@@ -141,6 +141,8 @@ class PostgresBroker(Broker):
         check_schema: bool = True,
     ) -> None:
         super().__init__(middleware=middleware)
+        #: The worker-side instruments of :class:`~dramatiq_pg_outbox.metrics.WorkerMetrics`, if added.
+        self._metrics: Any = None
         if (url is None) == (engine is None):
             raise ValueError("Pass exactly one of url= and engine=.")
         parsed = engine.url if engine is not None else (make_url(url) if isinstance(url, str) else url)
@@ -515,6 +517,7 @@ class _PostgresConsumer(Consumer):
         """
         lease = uuid.uuid4()
         sent = time.monotonic()
+        metrics = self.broker._metrics
         rows = self.runtime.execute(
             "claim",
             {
@@ -531,6 +534,10 @@ class _PostgresConsumer(Consumer):
         next_due_in_ms, db_now_ms = rows[0][3:5]
         self.runtime.observe_clock(db_now_ms, sent)
         rows = sorted((row[:3] for row in rows if row[0] is not None), key=lambda row: row[0])
+        if metrics is not None:
+            metrics.claim_seconds.labels(self.queue_name).observe(time.monotonic() - sent)
+            if rows:
+                metrics.claimed.labels(self.queue_name).inc(len(rows))
         self.claims += 1
         self.empty_claims += not rows
         self._more = len(rows) >= limit
@@ -600,6 +607,8 @@ class _PostgresConsumer(Consumer):
         """
         if others:
             self.runtime.flusher.requeue_now([(row[0], lease) for row in others])
+            if self.broker._metrics is not None:
+                self.broker._metrics.requeued.labels(self.queue_name).inc(len(others))
         self.logger.info(
             "Message %d of queue %r is on delivery %d: running it alone",
             suspect[0],
@@ -631,12 +640,16 @@ class _PostgresConsumer(Consumer):
             # the exception is in `throws`).  Keep the error in history.
             self.runtime.flusher.ack_with_error(message.row_id, message.lease, *format_error(exception))
         message.consumer._release(message.row_id)
+        if self.broker._metrics is not None:
+            self.broker._metrics.acked.labels(self.queue_name).inc()
 
     def nack(self, message: MessageProxy) -> None:
         assert isinstance(message, _PostgresMessage)
         error_type, error = format_error(getattr(message, "_exception", None))
         self.runtime.flusher.nack(message.row_id, message.lease, error_type, error)
         message.consumer._release(message.row_id)
+        if self.broker._metrics is not None:
+            self.broker._metrics.nacked.labels(self.queue_name).inc()
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Hand unstarted messages back at once, without charging them an attempt."""
@@ -646,6 +659,8 @@ class _PostgresConsumer(Consumer):
         for message in claimed:
             message.consumer._release(message.row_id)
         self.runtime.flusher.requeue_now([(m.row_id, m.lease) for m in claimed])
+        if self.broker._metrics is not None:
+            self.broker._metrics.requeued.labels(self.queue_name).inc(len(claimed))
 
     def close(self) -> None:
         if self._closed:

@@ -7,8 +7,11 @@ Subcommands::
     status        messages per queue and state, dead letters per queue, workers
     failed        the newest dead letters with their exception lines
     retry-failed  put dead letters back on their queue (fresh attempts)
-    prune         delete history rows older than a given age
+    prune         drop the history partitions (and delete the rows) older than a given age
+    maintain      create the history partitions of the next days (workers do it hourly)
     dashboard     serve the web dashboard (extra: dashboard)
+    metrics       serve the database gauges to Prometheus (extra: metrics)
+    relay         move the messages of chosen queues to RabbitMQ or Redis (outbox relay)
 
 The database URL comes from ``--url`` or ``$DATABASE_URL``; the schema from
 ``--schema`` (default ``dramatiq``).
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import getpass
+import math
 import os
 import re
 import shlex
@@ -129,6 +133,35 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= 3660:
+        raise argparse.ArgumentTypeError(f"must be within 0..3660, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    port = _positive_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 1-65535, got {port}")
+    return port
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def _age(text: str) -> datetime.timedelta:
     """``30`` (days), ``30d``, ``12h``, ``90m`` or ``45s``: a positive age."""
     found = _AGE.match(text)
@@ -209,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     retry.set_defaults(run=_retry_failed)
 
-    prune = sub.add_parser("prune", parents=[common], help="delete old history rows")
+    prune = sub.add_parser("prune", parents=[common], help="drop history older than an age")
     prune.add_argument(
         "--older-than",
         type=_age,
@@ -217,8 +250,90 @@ def _parser() -> argparse.ArgumentParser:
         metavar="AGE",
         help="age in days (30), or with a unit: 12h, 90m, 45s",
     )
+    prune.add_argument(
+        "--lock-timeout",
+        type=_positive_int,
+        default=2_000,
+        metavar="MS",
+        help="how long each partition DROP may wait for its lock (default: 2000)",
+    )
     prune.set_defaults(run=_prune)
+    maintain = sub.add_parser(
+        "maintain", parents=[common], help="create the history partitions of the next days"
+    )
+    maintain.add_argument(
+        "--days-ahead",
+        type=_non_negative_int,
+        default=7,
+        metavar="N",
+        help="create the partitions of today and the next N days (default: 7; 3660 at most)",
+    )
+    maintain.set_defaults(run=_maintain)
     dashboard.add_parser(sub, parents=[common])
+    metrics = sub.add_parser(
+        "metrics", parents=[common], help="serve the database gauges to Prometheus (extra: metrics)"
+    )
+    metrics.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    metrics.add_argument(
+        "--port", type=_port, default=9192, help="port to bind (default: 9192; Dramatiq's own is 9191)"
+    )
+    metrics.add_argument(
+        "--cache-seconds",
+        type=_non_negative_float,
+        default=5.0,
+        help="seconds a reading is reused by later scrapes (default: 5; 0: read at every scrape)",
+    )
+    metrics.add_argument(
+        "--heartbeat-timeout",
+        type=_positive_int,
+        default=20_000,
+        metavar="MS",
+        help="a worker is live if it heartbeat within this many ms (default: 20000, the broker's)",
+    )
+    metrics.set_defaults(run=_metrics)
+    relay = sub.add_parser(
+        "relay", parents=[common], help="move the messages of chosen queues to RabbitMQ or Redis"
+    )
+    relay.add_argument(
+        "--to", required=True, metavar="URL", help="amqp://... (RabbitMQ) or redis://... (Redis)"
+    )
+    relay.add_argument(
+        "--queues",
+        required=True,
+        metavar="Q1,Q2",
+        help="comma-separated queues to relay (the others stay local)",
+    )
+    relay.add_argument(
+        "--batch-size", type=_positive_int, default=500, help="messages per claim (default: 500)"
+    )
+    relay.add_argument(
+        "--report-every",
+        type=_non_negative_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="log the relayed count and the lag this often (default: 10; 0: never)",
+    )
+    relay.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve the relay's Prometheus metrics on this port of --metrics-host (extra: metrics)",
+    )
+    relay.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address of --metrics-port (default: 127.0.0.1)"
+    )
+    relay.add_argument(
+        "--heartbeat-interval", type=_positive_int, default=5_000, metavar="MS", help="(default: 5000)"
+    )
+    relay.add_argument(
+        "--heartbeat-timeout",
+        type=_positive_int,
+        default=20_000,
+        metavar="MS",
+        help="a dead relay's claims are released after this (default: 20000)",
+    )
+    relay.set_defaults(run=_relay)
     periodic.add_parser(sub)
     return parser
 
@@ -654,6 +769,127 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics(args: argparse.Namespace) -> int:
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise CliError(
+            "the metrics command needs prometheus_client: pip install 'dramatiq-pg-outbox[metrics]'"
+        ) from None
+    import signal
+    import threading
+
+    from .metrics import DatabaseCollector
+
+    with _checked_connection(args):
+        pass  # the server, the credentials and the schema are fine: serve
+    db = _database(args)
+    collector = DatabaseCollector(
+        db.conninfo,
+        args.schema,
+        cache_seconds=args.cache_seconds,
+        heartbeat_timeout=args.heartbeat_timeout,
+    )
+    registry = CollectorRegistry()
+    registry.register(collector)
+    try:
+        server, thread = start_http_server(args.port, args.host, registry)
+    except OSError as e:
+        raise CliError(
+            f"cannot listen on {args.host}:{args.port}: {e.strerror or e}. Choose another --port"
+        ) from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(
+        f"metrics of {db.shown} schema {args.schema!r} on http://{args.host}:{args.port}/metrics "
+        f"(cached {args.cache_seconds:g} s)",
+        flush=True,
+    )
+    try:
+        while not stop.wait(1):
+            pass
+    finally:
+        server.shutdown()
+        thread.join(5)
+        collector.close()
+    return 0
+
+
+def _relay(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    from .broker import PostgresBroker, validate_queue_name
+    from .relay import Relay, target_broker
+
+    queues = [q.strip() for q in args.queues.split(",") if q.strip()]
+    try:
+        queues = [validate_queue_name(q) for q in queues]
+    except ValueError as e:
+        raise CliError(f"--queues: {e}", EXIT_USAGE) from None
+    if not queues:
+        raise CliError("--queues names no queue", EXIT_USAGE)
+    try:
+        target = target_broker(args.to)
+    except ValueError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    except ImportError as e:
+        extra = "rabbitmq" if args.to.lower().startswith("amqp") else "redis"
+        raise CliError(f"the relay to {extra} needs {e.name}: pip install 'dramatiq[{extra}]'") from None
+    with _checked_connection(args):
+        pass  # the server, the credentials and the schema are fine
+    db = _database(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        broker = PostgresBroker(
+            url=args.url or os.environ[URL_ENV_VAR],
+            schema=args.schema,
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+        )
+    except ValueError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    relay = Relay(broker, target, queues, batch_size=args.batch_size)
+    server = None
+    if args.metrics_port is not None:
+        server = _serve_relay_metrics(relay, args.metrics_host, args.metrics_port)
+    signal.signal(signal.SIGTERM, lambda *_: relay.stop())
+    print(
+        f"relaying {', '.join(queues)} of {db.shown} schema {args.schema!r} to {mask_password(args.to)}",
+        flush=True,
+    )
+    try:
+        relay.run(report_every=args.report_every)
+    finally:
+        if server is not None:
+            server.shutdown()
+        broker.close()
+        target.close()
+    print(f"relayed {relay.stats.relayed} message(s)", flush=True)
+    return 0
+
+
+def _serve_relay_metrics(relay: Any, host: str, port: int) -> Any:
+    """Serve :class:`~dramatiq_pg_outbox.relay.RelayCollector` over HTTP; the server (``shutdown()``)."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise CliError(
+            "--metrics-port needs prometheus_client: pip install 'dramatiq-pg-outbox[metrics]'"
+        ) from None
+    from .relay import RelayCollector
+
+    registry = CollectorRegistry()
+    registry.register(RelayCollector(relay))
+    try:
+        server, _ = start_http_server(port, host, registry)
+    except OSError as e:
+        raise CliError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}. Choose another --metrics-port"
+        ) from None
+    return server
+
+
 def _failed(args: argparse.Namespace) -> int:
     with _checked_connection(args) as (conn, s, _):
         rows = conn.execute(
@@ -714,12 +950,36 @@ def _retry_failed(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    with _checked_connection(args) as (conn, s, _):
-        cur = conn.execute(
-            f"DELETE FROM {s}.history WHERE finished_at < now() - %(age)s",  # noqa: S608
-            {"age": args.older_than},
+    from .partitions import prune
+
+    with _checked_connection(args) as (conn, _, _):
+        result = prune(conn, args.schema, args.older_than, lock_timeout=args.lock_timeout)
+    age = _duration(args.older_than.total_seconds())
+    days = f" ({result.dropped[0].day} to {result.dropped[-1].day})" if result.dropped else ""
+    print(
+        f"dropped {len(result.dropped)} day partition(s){days} of about {result.dropped_rows} row(s), "
+        f"deleted {result.deleted} history row(s) older than {age}"
+    )
+    if result.kept:
+        raise CliError(
+            f"{len(result.kept)} partition(s) older than {age} were kept: their lock was not granted within "
+            f"{args.lock_timeout} ms (a long query on history?). Run the same prune again later"
         )
-    print(f"deleted {cur.rowcount} history row(s) older than {_duration(args.older_than.total_seconds())}")
+    return 0
+
+
+def _maintain(args: argparse.Namespace) -> int:
+    from .partitions import create_partitions, day_partitions
+
+    with _checked_connection(args) as (conn, s, _):
+        created = create_partitions(conn, args.schema, args.days_ahead)
+        parts = day_partitions(conn, args.schema)
+        row = conn.execute(f"SELECT count(*) FROM {s}.history_default").fetchone()  # noqa: S608
+    span = f"from {parts[0].day} to {parts[-1].day}" if parts else "none"
+    print(
+        f"created {created} history partition(s); {len(parts)} day partition(s) {span}; "
+        f"{row[0] if row else 0} row(s) in history_default"
+    )
     return 0
 
 

@@ -106,6 +106,8 @@ from .broker import PostgresBroker
 if TYPE_CHECKING:
     from dramatiq import Broker, Worker
 
+    from .cli import _Database
+
 #: What happens to ticks more than ``grace`` late: ``"once"`` (the newest is enqueued) or ``"skip"``.
 MissedPolicy = Literal["once", "skip"]
 
@@ -869,6 +871,9 @@ def _cronsim() -> tuple[Any, type[Exception]]:
 
 # -- the command line: ``scheduler`` and ``schedules`` ------------------------------------
 
+#: A URL in an error message (``scheme://...``), to mask its password.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
 
 def add_parser(sub: Any) -> None:
     """Register the ``scheduler`` and ``schedules`` subcommands (see ``cli._parser``)."""
@@ -898,36 +903,54 @@ def add_parser(sub: Any) -> None:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    """``dramatiq-pg-outbox scheduler --app MODULE[:BROKER]``: schedule until SIGTERM (exit 0) or Ctrl-C."""
-    from .cli import EXIT_USAGE, CliError, _database
+    """``dramatiq-pg-outbox scheduler --app MODULE[:BROKER]``: schedule until SIGTERM (exit 0) or Ctrl-C.
 
+    The database and the schema are checked with one direct connection before
+    the broker's pool is used, so that an unreachable server, refused
+    credentials or a missing or old schema are one line (as for every
+    subcommand); logging is configured only once the scheduler has synced.
+    """
+    from .cli import EXIT_USAGE, CliError, _connect, _database
+    from .migrations import check_schema
+
+    given = _database(args) if args.url is not None else None
     broker, middleware = _load_app(args.app)
-    if args.url is not None and _database(args).conninfo != broker.conninfo:
-        raise CliError(
-            f"--url names another database than the broker of --app {args.app} ({broker.safe_url}): "
-            "the scheduler writes where the application's broker does; drop --url",
-            EXIT_USAGE,
-        )
-    if args.schema is not None and args.schema != broker.schema:
-        raise CliError(
-            f"--schema {args.schema} is not the schema of the broker of --app {args.app} "
-            f"({broker.schema!r}); drop --schema",
-            EXIT_USAGE,
-        )
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO,
-            format="[%(asctime)s] [PID %(process)d] [%(threadName)s] [%(name)s] [%(levelname)s] %(message)s",
-        )
     try:
-        if middleware is not None:
-            scheduler = Scheduler(broker, middleware.schedules, **middleware.options)
-        else:
-            scheduler = Scheduler(broker)
-    except ValueError as e:
-        raise CliError(f"{e} (in --app {args.app})") from e
-    try:
-        scheduler.sync(define=True)
+        if given is not None and given.conninfo != broker.conninfo:
+            raise CliError(
+                f"--url names another database than the broker of --app {args.app} ({broker.safe_url}): "
+                "the scheduler writes where the application's broker does; drop --url",
+                EXIT_USAGE,
+            )
+        if args.schema is not None and args.schema != broker.schema:
+            raise CliError(
+                f"--schema {args.schema} is not the schema of the broker of --app {args.app} "
+                f"({broker.schema!r}); drop --schema",
+                EXIT_USAGE,
+            )
+        db = given or _broker_database(broker, args.app)
+        with _connect(db) as conn:
+            check_schema(conn, broker.schema, url=db.shown, fix_url=db.fix_url)
+        try:
+            if middleware is not None:
+                scheduler = Scheduler(broker, middleware.schedules, **middleware.options)
+            else:
+                scheduler = Scheduler(broker)
+        except ValueError as e:
+            raise CliError(f"{e} (in --app {args.app})") from e
+        try:
+            scheduler.sync(define=True)
+        except BrokerConnectionError as e:
+            raise CliError(
+                f"cannot reach PostgreSQL at {broker.safe_url}: {e}. Check that it runs and the URL of "
+                "the application's broker"
+            ) from e
+        if not logging.getLogger().handlers:
+            logging.basicConfig(
+                level=logging.INFO,
+                format="[%(asctime)s] [PID %(process)d] [%(threadName)s] [%(name)s] [%(levelname)s] "
+                "%(message)s",
+            )
         print(
             f"scheduling {len(scheduler.schedules)} schedule(s) of {args.app} in schema "
             f"{broker.schema!r} of {broker.safe_url}: {', '.join(scheduler.schedules) or 'none'}",
@@ -938,23 +961,38 @@ def run_scheduler(args: argparse.Namespace) -> int:
             scheduler.run()
         finally:
             signal.signal(signal.SIGTERM, previous)
-    except BrokerConnectionError as e:
-        raise CliError(
-            f"cannot reach PostgreSQL at {broker.safe_url}: {e}. Check that it runs and the URL of "
-            "the application's broker"
-        ) from e
     finally:
         broker.close()
     return 0
+
+
+def _broker_database(broker: PostgresBroker, app: str) -> _Database:
+    """The CLI's view (``cli._Database``) of the database of the broker of ``--app``."""
+    import shlex
+
+    from psycopg.conninfo import conninfo_to_dict
+
+    from .cli import CliError, _Database, _one_line
+
+    try:
+        params = conninfo_to_dict(broker.conninfo)
+    except psycopg.ProgrammingError as e:
+        raise CliError(
+            f"cannot use the database URL of the broker of --app {app} ({broker.safe_url}): {_one_line(e)}. "
+            "Fix the application's configuration"
+        ) from None
+    return _Database(broker.conninfo, broker.safe_url, shlex.quote(broker.safe_url), params)
 
 
 def _load_app(spec: str) -> tuple[PostgresBroker, Periodic | None]:
     """(broker, its Periodic middleware or None) of ``--app MODULE[:BROKER]``.
 
     Raises:
-      CliError: If the module cannot be imported or holds no PostgresBroker.
+      CliError: If the module cannot be imported, raises while it is imported, or holds no
+        PostgresBroker.
     """
-    from .cli import EXIT_USAGE, CliError
+    from ._urls import mask_password
+    from .cli import EXIT_USAGE, CliError, _one_line
 
     module_name, _, attribute = spec.partition(":")
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -965,6 +1003,14 @@ def _load_app(spec: str) -> tuple[PostgresBroker, Periodic | None]:
         raise CliError(
             f"cannot import --app {spec}: {e}. Run from the directory that holds it, or set PYTHONPATH",
             EXIT_USAGE,
+        ) from e
+    except Exception as e:
+        # The application's own code failed (a bad URL or option of its broker, a missing
+        # environment variable...): its message, with any URL's password masked.
+        text = _URL_IN_TEXT.sub(lambda found: mask_password(found.group(0)), _one_line(e))
+        raise CliError(
+            f"--app {spec} failed while it was imported: {type(e).__name__}: {text}. "
+            "Fix the application's configuration (--debug shows where it failed)"
         ) from e
     if attribute:
         broker = getattr(module, attribute, None)

@@ -555,3 +555,8 @@ SELECT name, actor_name, queue_name, cron, every_ms, tz, missed, grace_ms, last_
        extract(epoch FROM now() - removed_at)::float8
 FROM {schema}.schedules
 ORDER BY removed_at IS NOT NULL, name;
+
+-- name: create_history_partitions --
+-- The maintenance loop's hourly call: the day partitions of history for today
+-- and the next %(days)s days (migration 0007; a SECURITY DEFINER function).
+SELECT {schema}.create_history_partitions(%(days)s);

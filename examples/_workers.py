@@ -34,15 +34,25 @@ def dramatiq_workers(
         "--threads",
         str(threads),
     ]
+    with supervised(command, log_path, full_env, stop_timeout=60) as process:
+        yield process
+
+
+@contextmanager
+def supervised(
+    command: list[str], log_path: Path, env: Mapping[str, str] | None = None, *, stop_timeout: float = 30
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` from the repository root, output to ``log_path``; at exit SIGTERM it
+    (graceful) and, after ``stop_timeout`` seconds, SIGKILL."""
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield process
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout=60)
+                process.wait(timeout=stop_timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

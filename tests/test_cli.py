@@ -32,25 +32,55 @@ from dramatiq_pg_outbox.devserver import ThrowawayPostgres
 from dramatiq_pg_outbox.migrations import SCHEMA_REVISION, script_location
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Every subcommand that reads or writes the broker's tables, with its required arguments.
-TABLE_COMMANDS = [["status"], ["failed"], ["retry-failed"], ["prune", "--older-than", "30"]]
-#: The same plus migrate.
+#: Every subcommand that reads or writes the broker's tables, with its required arguments.  The
+#: servers (dashboard, metrics, relay, scheduler) check the database before they serve.
+TABLE_COMMANDS = [
+    ["status"],
+    ["failed"],
+    ["retry-failed"],
+    ["prune", "--older-than", "30"],
+    ["maintain"],
+    ["dashboard", "--port", "0"],
+    ["metrics"],
+    ["relay", "--to", "redis://127.0.0.1:1", "--queues", "emails"],
+    ["scheduler", "--app", "tests.periodic_app"],
+    ["schedules"],
+]
+#: The same plus migrate: every subcommand of ``dramatiq-pg-outbox --help``.
 ALL_COMMANDS = [["migrate"], *TABLE_COMMANDS]
 #: Background maintenance ticks once at start, then the test drives it by hand.
 MANUAL = {"heartbeat_interval": 600_000, "heartbeat_timeout": 1_200_000, "rescue_interval": 600_000}
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``dramatiq-pg-outbox ARGS`` as a process, without the caller's $DATABASE_URL."""
+    """Run ``dramatiq-pg-outbox ARGS`` as a process, without the caller's $DATABASE_URL.
+
+    ``scheduler`` writes where its ``--app``'s broker does: tests/periodic_app.py builds that broker
+    from $DPO_TEST_URL and $DPO_SCHEMA, set here to the ``--url`` (or $DATABASE_URL) and the
+    ``--schema`` of ARGS, so that the scheduler meets the database every other subcommand meets.
+    """
     clean = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DRAMATIQ_PG_OUTBOX_DEBUG")}
+    app: dict[str, str] = {}
+    if "scheduler" in args:
+        url = option(args, "--url") or (env or {}).get("DATABASE_URL")
+        app = {"DPO_TEST_URL": url} if url is not None else {}
+        schema = option(args, "--schema")
+        if schema is not None:
+            app["DPO_SCHEMA"] = schema
     return subprocess.run(
         [sys.executable, "-m", "dramatiq_pg_outbox.cli", *args],
         cwd=ROOT,
-        env={**clean, **(env or {})},
+        env={**clean, **app, **(env or {})},
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def option(args: Sequence[str], name: str) -> str | None:
+    """The value of option ``name`` in ``args`` (the last one), or None."""
+    values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == name]
+    return values[-1] if values else None
 
 
 def one_line_error(
@@ -192,6 +222,24 @@ def test_an_unparsable_url_is_a_usage_error_without_the_password(url: str) -> No
     )
 
 
+@pytest.mark.parametrize("command", ALL_COMMANDS, ids=lambda c: c[0])
+def test_an_unparsable_url_is_a_usage_error_for_every_subcommand(command: list[str]) -> None:
+    # Given a URL whose port is not a number
+    url = "postgresql://u:S3cret-pw@db.example:notaport/app"
+    # When any subcommand is given it
+    result = cli(*command, "--url", url)
+    # Then it is refused before anything else, in one line that shows the expected shape
+    one_line_error(
+        result,
+        2,
+        says=[
+            f"dramatiq-pg-outbox {command[0]}: error: cannot parse the database URL of --url",
+            "expected postgresql://USER:PASSWORD@HOST:PORT/DATABASE",
+        ],
+        hides="S3cret-pw",
+    )
+
+
 def test_a_url_of_another_database_is_a_usage_error() -> None:
     result = cli("status", "--url", "mysql://u:S3cret-pw@db.example/app")
     one_line_error(
@@ -199,31 +247,71 @@ def test_a_url_of_another_database_is_a_usage_error() -> None:
     )
 
 
-def test_an_invalid_schema_name_is_a_usage_error(database_url: str) -> None:
-    result = cli("status", "--url", database_url, "--schema", "bad-name")
-    one_line_error(result, 2, says=["--schema", "Invalid schema name 'bad-name'", "status --help"])
+@pytest.mark.parametrize("command", ALL_COMMANDS, ids=lambda c: c[0])
+def test_an_invalid_schema_name_is_a_usage_error(database_url: str, command: list[str]) -> None:
+    # Given a schema name that could not be an identifier
+    # When any subcommand is given it
+    result = cli(*command, "--url", database_url, "--schema", "bad name;")
+    # Then argparse refuses it in one line that points at the subcommand's help
+    one_line_error(result, 2, says=["--schema", "Invalid schema name 'bad name;'", f"{command[0]} --help"])
+
+
+@pytest.mark.parametrize(
+    ("args", "rule"),
+    [
+        (["failed", "--limit", "0"], "must be 1 or more"),
+        (["failed", "--limit", "-5"], "must be 1 or more"),
+        (["prune", "--older-than", "0"], "must be more than 0"),
+        (["prune", "--older-than", "-3"], "must be more than 0"),
+        (["prune", "--older-than", "30", "--lock-timeout", "0"], "must be 1 or more"),
+        (["retry-failed", "--id", "0"], "must be 1 or more"),
+        (["retry-failed", "--id", "-1"], "must be 1 or more"),
+        (["maintain", "--days-ahead", "-1"], "must be within 0..3660"),
+        (["dashboard", "--port", "-1"], "port must be 0-65535"),
+        (["metrics", "--cache-seconds", "-1"], "must be 0 or more"),
+        (["metrics", "--heartbeat-timeout", "0"], "must be 1 or more"),
+        (["relay", "--to", "redis://127.0.0.1:1", "--queues", "q", "--batch-size", "0"], "must be 1 or more"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_negative_or_zero_limits_are_usage_errors(database_url: str, args: list[str], rule: str) -> None:
+    result = cli(*args, "--url", database_url)
+    limit = next(arg for arg in reversed(args) if arg.startswith("--"))
+    one_line_error(result, 2, says=[f"dramatiq-pg-outbox {args[0]}: error: argument {limit}", rule])
 
 
 @pytest.mark.parametrize(
     "args",
     [
-        ["failed", "--limit", "0"],
-        ["failed", "--limit", "-5"],
-        ["prune", "--older-than", "0"],
-        ["prune", "--older-than", "-3"],
-        ["retry-failed", "--id", "0"],
-        ["retry-failed", "--id", "-1"],
+        ["metrics", "--cache-seconds", "inf"],
+        ["metrics", "--cache-seconds", "nan"],
+        ["metrics", "--cache-seconds", "1e400"],
+        ["relay", "--to", "redis://127.0.0.1:1", "--queues", "q", "--report-every", "inf"],
+        ["relay", "--to", "redis://127.0.0.1:1", "--queues", "q", "--report-every", "NaN"],
     ],
     ids=" ".join,
 )
-def test_negative_or_zero_limits_are_usage_errors(database_url: str, args: list[str]) -> None:
+def test_infinite_or_nan_seconds_are_usage_errors(database_url: str, args: list[str]) -> None:
+    # Given a number of seconds that float() accepts but no timer can wait
+    # When the subcommand is given it
     result = cli(*args, "--url", database_url)
-    one_line_error(result, 2, says=[f"dramatiq-pg-outbox {args[0]}: error: argument {args[1]}", "more"])
+    # Then it is refused as a usage error before any connection
+    one_line_error(
+        result,
+        2,
+        says=[
+            f"dramatiq-pg-outbox {args[0]}: error: argument {args[-2]}",
+            f"expected a finite number, got {args[-1]!r}",
+        ],
+    )
 
 
-def test_a_missing_url_is_a_usage_error() -> None:
-    result = cli("status")
-    one_line_error(result, 2, says=["no database URL", "--url", "DATABASE_URL"])
+@pytest.mark.parametrize(
+    "command", [c for c in ALL_COMMANDS if c[0] != "scheduler"], ids=lambda c: c[0]
+)  # the scheduler's database is its --app's broker's
+def test_a_missing_url_is_a_usage_error(command: list[str]) -> None:
+    result = cli(*command)
+    one_line_error(result, 2, says=[f"{command[0]}: error: no database URL", "--url", "DATABASE_URL"])
 
 
 @pytest.mark.parametrize("command", TABLE_COMMANDS, ids=lambda c: c[0])
@@ -243,13 +331,22 @@ def test_a_missing_schema_names_the_migrate_command(database_url: str, command: 
     )
 
 
-def test_an_old_schema_names_the_migrate_command(database_url: str, old_schema: str) -> None:
-    result = cli("status", "--url", database_url, "--schema", old_schema)
+@pytest.mark.parametrize("command", TABLE_COMMANDS, ids=lambda c: c[0])
+def test_an_old_schema_names_the_migrate_command(
+    database_url: str, old_schema: str, command: list[str]
+) -> None:
+    # Given a schema at revision 2
+    # When a subcommand reads it
+    result = cli(*command, "--url", database_url, "--schema", old_schema)
+    # Then the line names the revision needed and the exact command that upgrades it
+    # (the dashboard reads revision 3 and later: see tests/test_dashboard.py)
+    needs = "the dashboard needs 3 or later" if command[0] == "dashboard" else "this version needs"
     one_line_error(
         result,
         1,
         says=[
-            f"is at revision 2, this version needs {SCHEMA_REVISION}",
+            f"is at revision 2, {needs}",
+            f"{SCHEMA_REVISION}",
             f"Run: dramatiq-pg-outbox migrate --url {database_url} --schema {old_schema}",
         ],
     )
@@ -298,13 +395,15 @@ def test_debug_shows_the_traceback_without_the_password(
         (["status", "--debug", "--url", url], None),
         (["--debug", "status", "--url", url], None),
         (["status", "--url", url], {"DRAMATIQ_PG_OUTBOX_DEBUG": "1"}),
+        *(([*command, "--debug", "--url", url], None) for command in ALL_COMMANDS),
     ]:
         result = cli(*args, env=env)
-        assert result.returncode == 1
-        assert "Traceback (most recent call last):" in result.stderr
+        command = next(arg for arg in args if not arg.startswith("-"))
+        assert result.returncode == 1, result
+        assert "Traceback (most recent call last):" in result.stderr, result
         assert "psycopg.OperationalError" in result.stderr
         assert wrong not in result.stderr
-        assert result.stderr.splitlines()[-1].startswith("dramatiq-pg-outbox status: error: ")
+        assert result.stderr.splitlines()[-1].startswith(f"dramatiq-pg-outbox {command}: error: "), result
 
 
 def test_retry_failed_of_an_id_that_is_no_dead_letter_fails_naming_it(database_url: str, db: Any) -> None:
@@ -483,7 +582,7 @@ def test_retry_failed_and_prune_report_counts(
     broker.join("default", timeout=20_000)
     db.execute("UPDATE dramatiq.history SET finished_at = now() - interval '2 days'")
     assert run(capsys, "prune", "--url", database_url, "--older-than", "36h") == [
-        "deleted 1 history row(s) older than 1d12h"
+        "dropped 0 day partition(s) of about 0 row(s), deleted 1 history row(s) older than 1d12h"
     ]
 
 

@@ -17,7 +17,7 @@ import dramatiq
 import psycopg
 import pytest
 
-from dramatiq_pg_outbox import PostgresBroker
+from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.dashboard import TOKEN_ENV, charts
 from dramatiq_pg_outbox.dashboard.store import Store, raw_queries
 from dramatiq_pg_outbox.migrations import libpq_url
@@ -538,29 +538,31 @@ def test_the_command_serves_with_the_token_from_the_environment_out_of_sight_of_
 
 
 @pytest.mark.parametrize(
-    ("argv", "env", "expected"),
+    ("argv", "env", "code", "expected"),
     [
         (
             ["--schema", "never_migrated"],
             {},
-            "dramatiq-pg-outbox migrate --url <DATABASE_URL> --schema never_migrated",
+            1,
+            "Run: dramatiq-pg-outbox migrate --url {url} --schema never_migrated",
         ),
-        (["--basic-auth", "no-colon"], {}, "basic auth must be USER:PASSWORD"),
-        (["--schema", "bad-name"], {}, "Invalid schema name"),
-        ([], {TOKEN_ENV: "a", "DRAMATIQ_PG_OUTBOX_DASHBOARD_BASIC_AUTH": "u:p"}, "choose one"),
+        (["--basic-auth", "no-colon"], {}, 2, "basic auth must be USER:PASSWORD"),
+        (["--schema", "bad-name"], {}, 2, "Invalid schema name"),
+        ([], {TOKEN_ENV: "a", "DRAMATIQ_PG_OUTBOX_DASHBOARD_BASIC_AUTH": "u:p"}, 2, "choose one"),
     ],
 )
 def test_the_command_refuses_bad_input_with_one_line(
     database_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-    argv: list[str], env: dict[str, str], expected: str,
+    argv: list[str], env: dict[str, str], code: int, expected: str,
 ) -> None:  # fmt: skip
     from dramatiq_pg_outbox.cli import main
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert main(["dashboard", "--url", database_url, "--port", str(_free_port()), *argv]) == 2
+    assert main(["dashboard", "--url", database_url, "--port", "0", *argv]) == code
     err = capsys.readouterr().err
-    assert expected in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert expected.format(url=database_url) in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_the_command_without_a_url_says_how_to_give_one(
@@ -570,7 +572,93 @@ def test_the_command_without_a_url_says_how_to_give_one(
 
     monkeypatch.delenv("DATABASE_URL", raising=False)
     assert main(["dashboard"]) == 2
-    assert "pass --url or set DATABASE_URL" in capsys.readouterr().err
+    assert "no database URL: pass --url postgresql://" in capsys.readouterr().err
+
+
+def test_the_command_reads_the_url_from_the_environment(
+    database_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dramatiq_pg_outbox.cli import main
+
+    # Given $DATABASE_URL and a schema that was never migrated
+    monkeypatch.setenv("DATABASE_URL", database_url)
+    # When the dashboard starts without --url
+    code = main(["dashboard", "--port", "0", "--schema", "never_migrated"])
+    # Then it checked that database, and the fix names the variable rather than its value
+    err = capsys.readouterr().err
+    assert code == 1 and 'migrate --url "$DATABASE_URL" --schema never_migrated' in err, err
+
+
+def test_the_command_says_in_one_line_that_its_port_is_taken(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dramatiq_pg_outbox.cli import main
+
+    # Given a port something else listens on
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # When the dashboard is asked to serve on it
+        code = main(["dashboard", "--url", database_url, "--port", str(port)])
+    # Then it stops with one line that says which and what to do, as metrics does
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err.splitlines() == [
+        f"dramatiq-pg-outbox dashboard: error: cannot listen on 127.0.0.1:{port}: "
+        "Address already in use. Choose another --port"
+    ]
+
+
+def test_the_command_serves_a_schema_at_revision_3_on_purpose(database_url: str) -> None:
+    # Given a schema left at revision 3 (the analytics views the dashboard reads), with a dead letter
+    schema = f"dash_rev3_{os.urandom(4).hex()}"
+    upgrade(database_url, schema=schema, revision="0003")
+    process: subprocess.Popen[str] | None = None
+    try:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                f"INSERT INTO {schema}.history (id, queue_name, actor_name, message_id, state, attempts, "
+                "enqueued_at, error_type, error, payload) VALUES (1, 'default', 'charge', 'm-1', 'failed', "
+                "1, now(), 'CardDeclined', 'CardDeclined: card declined for order 1', '{}')"
+            )
+        # When the dashboard command is started on it (port 0: the kernel picks one, printed)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dramatiq_pg_outbox.cli", "dashboard", "--url", database_url,
+             "--schema", schema, "--port", "0"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        assert process.stdout is not None
+        first = process.stdout.readline()
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)/$", first.strip())
+        assert found, first
+        url = found.group(1)
+
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/healthz").status_code == 200
+            except httpx.TransportError:
+                assert process is not None and process.poll() is None
+                return False
+
+        wait_for(up, 60, "the dashboard command to serve")
+        # Then every page reads it, and a retry moves the dead letter back to its queue
+        with httpx.Client(base_url=url) as browser:
+            for page in ("/", "/workers", "/charts", "/failed/1"):
+                assert browser.get(page).status_code == 200, page
+            failed = browser.get("/failed")
+            assert failed.status_code == 200 and "card declined for order 1" in failed.text
+            done = browser.post("/failed/retry", data={"csrf_token": csrf_token(failed.text), "ids": "1"})
+            assert done.status_code == 303
+        with psycopg.connect(database_url) as conn:
+            assert count(conn, f"SELECT count(*) FROM {schema}.messages WHERE message_id = 'm-1'") == 1
+            assert count(conn, f"SELECT count(*) FROM {schema}.history") == 0
+    finally:
+        if process is not None:
+            process.terminate()
+            process.communicate(timeout=30)
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
 
 
 # -- pieces -------------------------------------------------------------------

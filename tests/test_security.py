@@ -199,6 +199,37 @@ def test_the_spark_role_writes_a_partition_idempotently(secured: Secured) -> Non
     assert write_partition(plan, [("a",), ("b",), ("c",)]) == (3, 1)
 
 
+def test_the_outbox_relay_runs_with_the_worker_role_alone(secured: Secured) -> None:
+    redis = pytest.importorskip("redis", reason="the relay test needs redis (pip install 'dramatiq[redis]')")
+    from dramatiq.brokers.redis import RedisBroker
+
+    from dramatiq_pg_outbox.relay import Relay
+
+    try:
+        redis.Redis.from_url("redis://127.0.0.1:6379/0").ping()
+    except redis.exceptions.ConnectionError:
+        pytest.skip("no Redis server at 127.0.0.1:6379")
+    queue, namespace = f"relayed_{uuid.uuid4().hex[:8]}", f"dpo-security-{uuid.uuid4().hex[:8]}"
+    producer = PostgresBroker(url=secured.urls["producer"])
+    broker = PostgresBroker(url=secured.urls["worker"])
+    target = RedisBroker(url="redis://127.0.0.1:6379/0", namespace=namespace)
+    try:
+        # Given: two messages of a relayed queue, sent by the producer role
+        producer.enqueue_many([record_message(f"r{i}").copy(queue_name=queue) for i in range(2)])
+        # When: a relay connected as the worker role moves them (claim, publish, archive)
+        assert Relay(broker, target, [queue]).run_once() == 2
+        # Then: they are in Redis and archived as completed
+        assert target.client.hlen(f"{namespace}:{queue}.msgs") == 2
+        with secured.connect("owner") as owner:
+            assert count(owner, "SELECT count(*) FROM dramatiq.history WHERE queue_name = %s", (queue,)) == 2
+    finally:
+        producer.close()
+        broker.close()
+        for key in target.client.scan_iter(f"{namespace}*"):
+            target.client.delete(key)
+        target.close()
+
+
 MONITOR_READS = [
     "SELECT count(*) FROM dramatiq.message_stats_by_minute",
     "SELECT count(*) FROM dramatiq.message_stats_by_hour",

@@ -29,6 +29,14 @@ broker = PostgresBroker(
     max_fetch_interval=_int("DPO_MAX_FETCH_INTERVAL", 200),
     max_deliveries=_int("DPO_MAX_DELIVERIES", 3),
 )
+if os.environ.get("DPO_METRICS"):
+    # Dramatiq's own Prometheus middleware (its exposition server serves both) and ours.
+    from dramatiq.middleware.prometheus import Prometheus
+
+    from dramatiq_pg_outbox.metrics import WorkerMetrics
+
+    broker.add_middleware(Prometheus())
+    broker.add_middleware(WorkerMetrics())
 dramatiq.set_broker(broker)
 
 _conn: dict[int, psycopg.Connection[Any]] = {}
@@ -69,6 +77,12 @@ def slow_record(key: str, seconds: float) -> None:
     _execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
     time.sleep(seconds)
     _record(key)
+
+
+@dramatiq.actor(max_retries=0)
+def fail(key: str) -> None:
+    """Raises: with max_retries=0, a dead letter."""
+    raise RuntimeError(f"failed on purpose: {key}")
 
 
 @dramatiq.actor(max_retries=0)

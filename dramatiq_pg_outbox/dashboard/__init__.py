@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -32,8 +33,8 @@ def _port(value: str) -> int:
         port = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"port must be 1-65535, not {port}")
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535 (0: any free port), not {port}")
     return port
 
 
@@ -61,7 +62,9 @@ def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ())
         )
         parser.add_argument("--schema", default="dramatiq", help="schema of the tables (default: dramatiq)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=_port, default=8080, help="port to bind (default: 8080)")
+    parser.add_argument(
+        "--port", type=_port, default=8080, help="port to bind (default: 8080; 0: any free port, printed)"
+    )
     parser.add_argument("--read-only", action="store_true", help="hide and refuse every action")
     auth = parser.add_mutually_exclusive_group()
     auth.add_argument(
@@ -77,46 +80,49 @@ def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ())
     return parser
 
 
-def _fail(message: str) -> int:
-    print(f"dramatiq-pg-outbox dashboard: error: {message}", file=sys.stderr)
-    return 2
-
-
 def run(args: argparse.Namespace) -> int:
     """Serve the dashboard until interrupted (Ctrl-C, SIGTERM).  Returns the exit code.
 
-    Expected failures (no URL, bad options, the extra missing, the database
-    unreachable or not migrated) print one line on stderr and return 1 or 2.
+    Expected failures (no URL or a bad one, bad options, the extra missing, the
+    database unreachable, the schema missing or too old, the port taken) raise
+    the CLI's ``CliError``: one line on stderr and exit code 1 or 2, reported by
+    ``dramatiq_pg_outbox.cli.main`` as for every subcommand.
+
+    The dashboard reads schemas of revision :data:`~.store.MIN_SCHEMA_REVISION`
+    (3) or later on purpose (its queries use only the tables and views of
+    0001-0003), so it can be deployed before a schema is upgraded.
     """
+    from ..cli import EXIT_USAGE, CliError, _connect, _database
+
     # An option given on the command line wins; otherwise the environment (both set: an error).
     token, basic = args.token, args.basic_auth
     if token is None and basic is None:
         token, basic = os.environ.get(TOKEN_ENV) or None, os.environ.get(BASIC_AUTH_ENV) or None
         if token and basic:
-            return _fail(f"both ${TOKEN_ENV} and ${BASIC_AUTH_ENV} are set: choose one")
+            raise CliError(f"both ${TOKEN_ENV} and ${BASIC_AUTH_ENV} are set: choose one", EXIT_USAGE)
     basic_auth = None
     if basic is not None:
         user, sep, password = basic.partition(":")
         if not sep or not user or not password:
-            return _fail("basic auth must be USER:PASSWORD, both non-empty")
+            raise CliError("basic auth must be USER:PASSWORD, both non-empty", EXIT_USAGE)
         basic_auth = (user, password)
-    if not args.url:
-        return _fail("no database URL: pass --url or set DATABASE_URL")
+    db = _database(args)
     try:
         import uvicorn
 
         from .app import Settings, create_app
     except ImportError as e:
-        return _fail(f"the dashboard needs its extra ({e.name} is missing): {_INSTALL_HINT}")
-    from .._urls import mask_password
-
+        raise CliError(f"the dashboard needs its extra ({e.name} is missing): {_INSTALL_HINT}") from None
     try:
         settings = Settings(
-            url=args.url, schema=args.schema, read_only=args.read_only, token=token, basic_auth=basic_auth
+            url=db.conninfo, schema=args.schema, read_only=args.read_only, token=token, basic_auth=basic_auth
         )
-        _check_database(settings)
-    except (ValueError, RuntimeError) as e:
-        return _fail(mask_password(str(e)))
+    except ValueError as e:
+        raise CliError(str(e).rstrip("."), EXIT_USAGE) from None
+    with _connect(db) as conn:
+        _check_schema(conn, settings.schema, url=db.shown, fix_url=db.fix_url)
+    sock = _listen(args.host, args.port)
+    port = sock.getsockname()[1]
     if settings.auth == "none" and not _is_loopback(args.host):
         print(
             f"dramatiq-pg-outbox dashboard: warning: serving on {args.host} without auth; "
@@ -125,12 +131,31 @@ def run(args: argparse.Namespace) -> int:
         )
     mode = "read-only" if settings.read_only else "actions enabled"
     print(
-        f"dashboard of {mask_password(args.url)} schema {settings.schema!r} ({mode}, auth: {settings.auth}) "
-        f"on http://{args.host}:{args.port}/",
+        f"dashboard of {db.shown} schema {settings.schema!r} ({mode}, auth: {settings.auth}) "
+        f"on http://{args.host}:{port}/",
         flush=True,
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info", server_header=False)
+    config = uvicorn.Config(
+        create_app(settings), host=args.host, port=port, log_level="info", server_header=False
+    )
+    with sock:
+        uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket for uvicorn, bound here so that a taken port is one line (as ``metrics``)."""
+    from ..cli import CliError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}. Choose another --port") from None
+    return sock
 
 
 def _is_loopback(host: str) -> bool:
@@ -142,31 +167,33 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _check_database(settings: Any) -> None:
-    """Connect once and check the schema; a ``RuntimeError`` with the fix when it is not usable."""
-    import psycopg
+def _check_schema(conn: Any, schema: str, *, url: str, fix_url: str) -> None:
+    """Refuse a schema that is missing or older than :data:`~.store.MIN_SCHEMA_REVISION`.
 
-    from ..migrations import libpq_url, parse_schema_revision, quote_ident
+    Raises:
+      SchemaNotReady: Naming the ``dramatiq-pg-outbox migrate`` command that fixes it.
+    """
+    from ..errors import SchemaNotReady
+    from ..migrations import SCHEMA_REVISION, parse_schema_revision, quote_ident, schema_not_ready
     from .store import MIN_SCHEMA_REVISION, queries_for_schema
 
-    fix = f"dramatiq-pg-outbox migrate --url <DATABASE_URL> --schema {settings.schema}"
-    try:
-        with psycopg.connect(libpq_url(settings.url), connect_timeout=10) as conn:
-            row = conn.execute(
-                queries_for_schema(settings.schema)["schema_revision"],
-                {"table": f"{quote_ident(settings.schema)}.messages"},
-            ).fetchone()
-    except psycopg.Error as e:
-        raise RuntimeError(f"cannot query the database: {str(e).strip()}") from None
-    exists, comment = row if row else (False, None)
+    row = conn.execute(
+        queries_for_schema(schema)["schema_revision"], {"table": f"{quote_ident(schema)}.messages"}
+    ).fetchone()
+    exists, comment = (bool(row[0]), row[1]) if row else (False, None)
     revision = parse_schema_revision(comment)
+    if exists and revision is not None and revision >= MIN_SCHEMA_REVISION:
+        return
     if not exists:
-        raise RuntimeError(f"no dramatiq-pg-outbox tables in schema {settings.schema!r}. Run: {fix}")
-    if revision is None or revision < MIN_SCHEMA_REVISION:
-        raise RuntimeError(
-            f"schema {settings.schema!r} is at revision {revision}, the dashboard needs "
-            f"{MIN_SCHEMA_REVISION} or later. Run: {fix}"
-        )
+        error = schema_not_ready(schema, row, url=url, fix_url=fix_url)
+        assert error is not None
+        raise error
+    at = "an unknown revision" if revision is None else f"revision {revision}"
+    raise SchemaNotReady(
+        f"The dramatiq-pg-outbox schema {schema!r} of {url} is at {at}, the dashboard needs "
+        f"{MIN_SCHEMA_REVISION} or later (and this version's workers {SCHEMA_REVISION}). "
+        f"Run: dramatiq-pg-outbox migrate --url {fix_url} --schema {schema}"
+    )
 
 
 __all__ = ["BASIC_AUTH_ENV", "TOKEN_ENV", "add_parser", "run"]

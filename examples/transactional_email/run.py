@@ -2,13 +2,19 @@
 
 ::
 
-    python -m examples.transactional_email [--signups 3000]
+    python -m examples.transactional_email [--signups 3000] [--relay rabbitmq|redis]
 
 Starts an SMTP server, creates a scratch database (on ``$DATABASE_URL``, the
 local server, or a throwaway Postgres), starts ``dramatiq`` worker processes,
 signs users up from several threads (some signups roll back on purpose),
 waits for the queue to drain, stops the workers and prints a report.  Exit
 status 0 means: one email per committed signup, none for rolled-back ones.
+
+With ``--relay rabbitmq`` (or ``redis``) the signups still enqueue through the
+outbox into PostgreSQL, a ``dramatiq-pg-outbox relay`` process moves the
+committed messages to RabbitMQ (Redis), and the workers are ordinary
+``RabbitmqBroker`` (``RedisBroker``) workers.  The queue is the run's own and is
+deleted at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -34,7 +41,7 @@ if __package__ in (None, ""):  # run as a script: python examples/transactional_
 
 from dramatiq_pg_outbox import upgrade  # noqa: E402
 from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database  # noqa: E402
-from examples._workers import dramatiq_workers  # noqa: E402
+from examples._workers import dramatiq_workers, supervised  # noqa: E402
 from examples.transactional_email.report import Outcomes, enqueued_user_ids, report  # noqa: E402
 from examples.transactional_email.smtp_server import MailStore, SmtpServer  # noqa: E402
 
@@ -42,6 +49,11 @@ from examples.transactional_email.smtp_server import MailStore, SmtpServer  # no
 BROKER_SCHEMA = "dramatiq"
 #: Module the workers load (it also builds the broker of this process).
 TASKS_MODULE = "examples.transactional_email.tasks"
+#: Where ``--relay`` sends the messages (override with $EXAMPLE_RABBITMQ_URL / $EXAMPLE_REDIS_URL).
+RELAY_TARGETS = {
+    "rabbitmq": os.environ.get("EXAMPLE_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+    "redis": os.environ.get("EXAMPLE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,6 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--processes", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--threads", type=int, default=8, help="threads per worker process (default 8)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the emails")
+    parser.add_argument(
+        "--relay",
+        choices=sorted(RELAY_TARGETS),
+        help="relay the outbox to RabbitMQ or Redis, whose workers send the emails",
+    )
     return parser.parse_args(argv)
 
 
@@ -112,19 +129,66 @@ def pending_messages(url: str) -> int:
     return int(row[0]) if row else 0
 
 
-def wait_for_drain(url: str, store: MailStore, worker: subprocess.Popen[bytes], timeout: float) -> bool:
-    """Wait until no message is left and the email count is stable; ``False`` on timeout."""
+def wait_for_drain(
+    url: str,
+    store: MailStore,
+    processes: list[subprocess.Popen[bytes]],
+    timeout: float,
+    expected: int,
+    settle: float = 0.5,
+) -> bool:
+    """Wait until no message is left in PostgreSQL and either ``expected`` emails arrived or the
+    email count stayed the same for ``settle`` seconds; ``False`` on timeout."""
     deadline = time.monotonic() + timeout
-    previous = -1
+    previous, since = -1, time.monotonic()
     while time.monotonic() < deadline:
-        if worker.poll() is not None:
-            raise RuntimeError(f"the dramatiq workers exited early (status {worker.returncode})")
+        for process in processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"{process.args[3]!r} exited early (status {process.returncode})")
         received = store.count()
-        if pending_messages(url) == 0 and received == previous:
+        if received != previous:
+            previous, since = received, time.monotonic()
+        if pending_messages(url) == 0 and (received >= expected or time.monotonic() - since >= settle):
             return True
-        previous = received
-        time.sleep(0.5)
+        time.sleep(0.1)
     return False
+
+
+@contextmanager
+def relay_process(url: str, target: str, queue: str, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``dramatiq-pg-outbox relay`` of ``queue`` to ``target``, stopped with SIGTERM at exit."""
+    command = [
+        sys.executable, "-m", "dramatiq_pg_outbox.cli", "relay",
+        "--url", url, "--to", target, "--queues", queue, "--report-every", "5",
+    ]  # fmt: skip
+    with supervised(command, log_path) as process:
+        yield process
+
+
+def delete_target_queue(target: str, queue: str) -> None:
+    """Remove the run's queue (and its delay and dead-letter queues) from RabbitMQ or Redis."""
+    if target.startswith("amqp"):
+        import pika
+
+        connection = pika.BlockingConnection(pika.URLParameters(target))
+        try:
+            channel = connection.channel()
+            for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):
+                channel.queue_delete(name)
+        finally:
+            connection.close()
+    else:
+        import redis
+
+        client = redis.Redis.from_url(target)
+        try:
+            keys = [
+                k for name in (queue, f"{queue}.DQ", f"{queue}.XQ") for k in client.scan_iter(f"*{name}*")
+            ]
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()
 
 
 def prepare_database(url: str) -> None:
@@ -156,9 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     # Say which PostgreSQL server devserver picked ($DATABASE_URL, local, throwaway), password masked.
     logging.basicConfig(level=logging.WARNING, format="  %(message)s")
     logging.getLogger("dramatiq_pg_outbox.devserver").setLevel(logging.INFO)
+    target = RELAY_TARGETS[args.relay] if args.relay else None
     print(
         f"transactional email: {args.signups} signups from {args.producers} threads, "
         f"{args.processes} worker processes x {args.threads} threads"
+        + (f", relayed to {args.relay}" if args.relay else "")
     )
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="transactional_email_")))
@@ -173,14 +239,27 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["EXAMPLE_DATABASE_URL"] = url
         os.environ["EXAMPLE_SMTP_HOST"] = smtp.host
         os.environ["EXAMPLE_SMTP_PORT"] = str(smtp.port)
+        worker_env: dict[str, str] = {}
+        if target is not None:
+            queue = f"welcome_{uuid.uuid4().hex[:8]}"
+            os.environ["EXAMPLE_QUEUE"] = queue
+            worker_env["EXAMPLE_CONSUME_FROM"] = target  # the workers only: this process writes the outbox
+            stack.callback(delete_target_queue, target, queue)
+            relay = stack.enter_context(relay_process(url, target, queue, tmp / "relay.log"))
+            print(
+                f"  relay      {queue} -> {mask_password(target)} (dramatiq-pg-outbox relay, pid {relay.pid})"
+            )
         stack.enter_context(local_broker())
 
         log_path = tmp / "workers.log"
-        with dramatiq_workers(TASKS_MODULE, args.processes, args.threads, log_path) as worker:
+        with dramatiq_workers(TASKS_MODULE, args.processes, args.threads, log_path, worker_env) as worker:
             started = time.time()
             outcomes = run_signups(url, args.signups, args.producers)
             print(f"  signups done in {time.time() - started:.1f} s; waiting for the emails")
-            drained = wait_for_drain(url, smtp.store, worker, args.timeout)
+            watched = [worker] if target is None else [worker, relay]
+            drained = wait_for_drain(
+                url, smtp.store, watched, args.timeout, len(outcomes.committed), 0.5 if target is None else 5
+            )
         last_email = smtp.store.last_received_at() or time.time()
         enqueued = enqueued_user_ids(url, BROKER_SCHEMA, "send_welcome_email")
         print()

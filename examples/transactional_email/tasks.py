@@ -10,6 +10,14 @@ for itself and for the workers it starts:
 ``EXAMPLE_DATABASE_URL``  the example's database (broker tables and ``users``).
 ``EXAMPLE_SMTP_HOST``     the SMTP server the emails go to (default ``127.0.0.1``).
 ``EXAMPLE_SMTP_PORT``     its port (default ``8025``).
+``EXAMPLE_QUEUE``         the queue of the actor (default ``default``).
+``EXAMPLE_CONSUME_FROM``  unset: the workers consume the PostgreSQL queue.  An
+                          ``amqp://`` or ``redis://`` URL (relay mode, set by
+                          ``run.py --relay`` for the workers only): the workers are
+                          ordinary ``RabbitmqBroker`` / ``RedisBroker`` workers of
+                          that server, and ``dramatiq-pg-outbox relay`` moves the
+                          committed messages there; the application still
+                          enqueues through the outbox into PostgreSQL.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import smtplib
 import threading
 
 import dramatiq
+from dramatiq import Broker
 from sqlalchemy import Engine
 
 from dramatiq_pg_outbox import PostgresBroker
@@ -38,7 +47,21 @@ def database_url() -> str:
     return url
 
 
-broker = PostgresBroker(url=database_url())
+def make_broker() -> Broker:
+    """The broker of this process: PostgreSQL's, or in relay mode the workers' RabbitMQ or Redis."""
+    consume_from = os.environ.get("EXAMPLE_CONSUME_FROM")
+    if not consume_from:
+        return PostgresBroker(url=database_url())
+    if consume_from.startswith("amqp"):
+        from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+        return RabbitmqBroker(url=consume_from)
+    from dramatiq.brokers.redis import RedisBroker
+
+    return RedisBroker(url=consume_from)
+
+
+broker = make_broker()
 dramatiq.set_broker(broker)
 
 _engine: Engine | None = None
@@ -58,7 +81,7 @@ class UserNotFound(LookupError):
     """The user of a message does not exist: the message outlived its signup's rollback."""
 
 
-@dramatiq.actor(max_retries=3, throws=(UserNotFound,))
+@dramatiq.actor(max_retries=3, throws=(UserNotFound,), queue_name=os.environ.get("EXAMPLE_QUEUE", "default"))
 def send_welcome_email(user_id: int) -> None:
     """Email the welcome message to user ``user_id`` over SMTP.
 

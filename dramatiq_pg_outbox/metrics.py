@@ -1,0 +1,327 @@
+"""Prometheus metrics: database gauges for a cluster, counters from worker processes.
+
+Two sources, both with the ``prometheus_client`` library (extra ``metrics``:
+``pip install 'dramatiq-pg-outbox[metrics]'``):
+
+* :class:`DatabaseCollector` reads the state of a whole cluster from its tables
+  with one statement per scrape, cached for ``cache_seconds`` (default 5) so
+  that many scrapers (or an HA pair of Prometheus servers) cost one statement.
+  ``dramatiq-pg-outbox metrics --port 9192`` serves it over HTTP.
+* :class:`WorkerMetrics`, a Dramatiq middleware, counts what each worker
+  process's consumers do (claims, acks, nacks, requeues, stale decisions,
+  rescues) and times claims and flushes.  Under the ``dramatiq`` CLI's several
+  processes it uses ``prometheus_client``'s multiprocess mode in the directory
+  of Dramatiq's own ``Prometheus`` middleware, so Dramatiq's exposition server
+  (port ``$dramatiq_prom_port``, default 9191) serves its metrics and ours
+  together.  Without that middleware, set ``PROMETHEUS_MULTIPROC_DIR`` yourself
+  before the workers start, or serve :attr:`WorkerMetrics.registry` in a
+  single process.
+
+Names follow Prometheus' conventions (``_total`` counters, ``_seconds`` units,
+a ``queue_name`` label like Dramatiq's) under the prefix ``dramatiq_pg_outbox_``,
+which no Dramatiq metric uses (Dramatiq's are ``dramatiq_*``).
+
+Database gauges (label ``queue_name`` unless said otherwise):
+
+==========================================================  ==========================================
+``dramatiq_pg_outbox_messages{queue_name, state}``           messages by state: ``due`` (pending, due
+                                                             now), ``delayed`` (pending, due later),
+                                                             ``processing``
+``dramatiq_pg_outbox_oldest_due_message_age_seconds``        seconds since the longest-waiting due
+                                                             message became due (0 when none is due)
+``dramatiq_pg_outbox_dead_letters_last_hour``                messages dead-lettered in the last hour
+``dramatiq_pg_outbox_live_workers`` (no label)               worker processes whose last heartbeat is
+                                                             younger than ``heartbeat_timeout``
+``dramatiq_pg_outbox_database_up`` (no label)                1 if the last statement succeeded, else 0
+==========================================================  ==========================================
+
+Worker counters and histograms: ``dramatiq_pg_outbox_claimed_total``,
+``_acked_total``, ``_nacked_total``, ``_requeued_total`` (label ``queue_name``;
+counted when the consumer decides, before the batched write),
+``_stale_decisions_total`` (acks, nacks or requeues the flush found fenced out
+by a newer lease), ``_rescued_total`` and ``_quarantined_total`` (messages of
+dead workers released or dead-lettered by this process's rescuer),
+``_claim_duration_seconds`` (label ``queue_name``) and
+``_flush_duration_seconds`` (label ``statement``: ack, ack_with_error, nack,
+requeue).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from dramatiq.middleware import Middleware
+
+from .migrations import libpq_url, quote_ident
+
+if TYPE_CHECKING:
+    from dramatiq import Broker
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
+
+PREFIX = "dramatiq_pg_outbox"
+#: The states of the ``messages`` gauge.
+STATES = ("due", "delayed", "processing")
+#: Default seconds a scrape's result is reused.
+DEFAULT_CACHE_SECONDS = 5.0
+INSTALL_HINT = "pip install 'dramatiq-pg-outbox[metrics]'"
+
+#: One statement for every gauge: (kind, queue_name, state, value) rows.
+_GAUGES_SQL = """
+SELECT 'messages', queue_name,
+       CASE WHEN state = 'processing' THEN 'processing'
+            WHEN next_attempt_at <= now() THEN 'due' ELSE 'delayed' END,
+       count(*)::float8
+  FROM {s}.messages GROUP BY 2, 3
+UNION ALL
+SELECT 'oldest', queue_name, NULL,
+       coalesce(extract(epoch FROM now() - min(next_attempt_at)
+                FILTER (WHERE state = 'pending' AND next_attempt_at <= now())), 0)::float8
+  FROM {s}.messages GROUP BY 2
+UNION ALL
+SELECT 'dead', queue_name, NULL, count(*)::float8
+  FROM {s}.history WHERE state = 'failed' AND finished_at > now() - interval '1 hour' GROUP BY 2
+UNION ALL
+SELECT 'workers', NULL, NULL, count(*)::float8
+  FROM {s}.workers WHERE heartbeat_at > now() - make_interval(secs => %(heartbeat_timeout_ms)s / 1000.0)
+"""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One reading of the gauges.
+
+    Attributes:
+      messages(dict[tuple[str, str], float]): ``(queue_name, state) -> count``.
+      oldest_due_age(dict[str, float]): ``queue_name -> seconds``.
+      dead_letters_last_hour(dict[str, float]): ``queue_name -> count``.
+      live_workers(float): Worker processes with a fresh heartbeat.
+      up(bool): Whether the statement succeeded (all else is empty when not).
+      taken_at(float): ``time.monotonic()`` when it was read.
+    """
+
+    messages: dict[tuple[str, str], float]
+    oldest_due_age: dict[str, float]
+    dead_letters_last_hour: dict[str, float]
+    live_workers: float
+    up: bool
+    taken_at: float
+
+
+class DatabaseCollector:
+    """A ``prometheus_client`` collector of the gauges of one schema (see the module docstring).
+
+    Parameters:
+      url(str): PostgreSQL URL (``postgresql://`` or SQLAlchemy's ``postgresql+psycopg://``),
+        or a libpq conninfo string (``host=... dbname=...``).
+      schema(str): Schema of the tables (default ``"dramatiq"``).
+      cache_seconds(float): Seconds a reading is reused (default 5; 0 reads at every scrape).
+      heartbeat_timeout(int): Milliseconds after which a silent worker is not counted live
+        (default 20,000, the broker's default ``heartbeat_timeout``).
+
+    A failing statement is logged by the caller of :meth:`read` and reported as
+    ``dramatiq_pg_outbox_database_up 0``; the connection is opened again at the next read.
+    Concurrent scrapes share one statement (a lock around the read).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        schema: str = "dramatiq",
+        *,
+        cache_seconds: float = DEFAULT_CACHE_SECONDS,
+        heartbeat_timeout: int = 20_000,
+    ) -> None:
+        if cache_seconds < 0:
+            raise ValueError(f"cache_seconds must be >= 0, not {cache_seconds!r}")
+        self.url = libpq_url(url) if "://" in url else url
+        self.schema = schema
+        self.cache_seconds = cache_seconds
+        self.heartbeat_timeout = heartbeat_timeout
+        #: Statements run so far (each scrape that was not served from the cache).
+        self.statements = 0
+        #: The last error text, if the last statement failed.
+        self.last_error: str | None = None
+        self._sql = _GAUGES_SQL.format(s=quote_ident(schema))
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._snapshot: Snapshot | None = None
+
+    def read(self) -> Snapshot:
+        """The cached reading, or a new one if it is older than ``cache_seconds``."""
+        with self._lock:
+            snap = self._snapshot
+            if snap is not None and time.monotonic() - snap.taken_at < self.cache_seconds:
+                return snap
+            self._snapshot = snap = self._query()
+            return snap
+
+    def _query(self) -> Snapshot:
+        self.statements += 1
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+            rows = self._conn.execute(self._sql, {"heartbeat_timeout_ms": self.heartbeat_timeout}).fetchall()
+        except psycopg.Error as e:
+            self.last_error = " ".join(str(e).split())
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            return Snapshot({}, {}, {}, 0.0, False, time.monotonic())
+        self.last_error = None
+        messages: dict[tuple[str, str], float] = {}
+        oldest: dict[str, float] = {}
+        dead: dict[str, float] = {}
+        workers = 0.0
+        for kind, queue_name, state, value in rows:
+            if kind == "messages":
+                messages[(queue_name, state)] = value
+            elif kind == "oldest":
+                oldest[queue_name] = value
+            elif kind == "dead":
+                dead[queue_name] = value
+            else:
+                workers = value
+        return Snapshot(messages, oldest, dead, workers, True, time.monotonic())
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the gauges (``prometheus_client``'s collector protocol)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        snap = self.read()
+        up = GaugeMetricFamily(f"{PREFIX}_database_up", "1 if the last gauge statement succeeded, else 0")
+        up.add_metric([], 1.0 if snap.up else 0.0)
+        yield up
+        if not snap.up:
+            return
+        messages = GaugeMetricFamily(
+            f"{PREFIX}_messages",
+            "Messages by queue and state (due, delayed, processing)",
+            labels=["queue_name", "state"],
+        )
+        queues = sorted({q for q, _ in snap.messages})
+        for queue_name in queues:
+            for state in STATES:
+                messages.add_metric([queue_name, state], snap.messages.get((queue_name, state), 0.0))
+        yield messages
+        oldest = GaugeMetricFamily(
+            f"{PREFIX}_oldest_due_message_age_seconds",
+            "Seconds since the longest-waiting due message of the queue became due (0 if none)",
+            labels=["queue_name"],
+        )
+        for queue_name in queues:
+            oldest.add_metric([queue_name], snap.oldest_due_age.get(queue_name, 0.0))
+        yield oldest
+        dead = GaugeMetricFamily(
+            f"{PREFIX}_dead_letters_last_hour",
+            "Messages dead-lettered (failed) in the last hour",
+            labels=["queue_name"],
+        )
+        for queue_name, value in sorted(snap.dead_letters_last_hour.items()):
+            dead.add_metric([queue_name], value)
+        yield dead
+        workers = GaugeMetricFamily(
+            f"{PREFIX}_live_workers", "Worker processes whose last heartbeat is within heartbeat_timeout"
+        )
+        workers.add_metric([], snap.live_workers)
+        yield workers
+
+    def close(self) -> None:
+        """Close the connection (a later read opens a new one)."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+class _Instruments:
+    """The worker-side metric objects, created once prometheus_client knows its mode."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        from prometheus_client import Counter, Histogram
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ("queue_name",)) -> Any:
+            return Counter(f"{PREFIX}_{name}", doc, list(labels), registry=registry)
+
+        self.claimed = counter("claimed", "Messages claimed by this package's consumers")
+        self.acked = counter("acked", "Messages acked (counted when decided, before the batched write)")
+        self.nacked = counter("nacked", "Messages nacked (dead-lettered) by the consumers")
+        self.requeued = counter("requeued", "Claimed messages handed back unstarted")
+        self.stale = counter(
+            "stale_decisions", "Acks, nacks or requeues fenced out by a newer lease when written", ()
+        )
+        self.rescued = counter("rescued", "Messages of dead workers released by this process's rescuer", ())
+        self.quarantined = counter(
+            "quarantined", "Messages of dead workers dead-lettered after max_deliveries", ()
+        )
+        fast = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+        self.claim_seconds = Histogram(
+            f"{PREFIX}_claim_duration_seconds",
+            "Time of one claim statement, seconds",
+            ["queue_name"],
+            buckets=fast,
+            registry=registry,
+        )
+        self.flush_seconds = Histogram(
+            f"{PREFIX}_flush_duration_seconds",
+            "Time of one flush statement, seconds",
+            ["statement"],
+            buckets=fast,
+            registry=registry,
+        )
+
+
+class WorkerMetrics(Middleware):
+    """Dramatiq middleware: counters and histograms of this package's consumers (module docstring).
+
+    Add it to a :class:`~dramatiq_pg_outbox.PostgresBroker`, next to Dramatiq's own
+    ``Prometheus`` middleware to have both served by its exposition server::
+
+        from dramatiq.middleware.prometheus import Prometheus
+        broker.add_middleware(Prometheus())
+        broker.add_middleware(WorkerMetrics())
+
+    ``prometheus_client`` is imported when the worker process boots (after
+    ``Prometheus`` has set ``PROMETHEUS_MULTIPROC_DIR``, whichever order the two were
+    added in), never at import time: its multiprocess mode is fixed by that import.
+
+    Attributes:
+      registry(CollectorRegistry | None): The registry of the instruments, once booted.
+
+    Raises:
+      ImportError: At boot, if ``prometheus_client`` is missing (``pip install
+        'dramatiq-pg-outbox[metrics]'``).
+    """
+
+    def __init__(self) -> None:
+        self.registry: CollectorRegistry | None = None
+        self._instruments: _Instruments | None = None
+
+    def after_process_boot(self, broker: Broker) -> None:
+        self.instruments(broker)
+
+    def instruments(self, broker: Broker) -> _Instruments:
+        """Create the instruments (once) and attach them to ``broker``; called at process boot."""
+        if self._instruments is None:
+            prometheus = next(
+                (m for m in broker.middleware if type(m).__module__ == "dramatiq.middleware.prometheus"), None
+            )
+            if prometheus is not None and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+                from dramatiq.middleware.prometheus import DB_PATH
+
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = DB_PATH
+            from prometheus_client import CollectorRegistry
+
+            self.registry = CollectorRegistry()
+            self._instruments = _Instruments(self.registry)
+        broker._metrics = self._instruments  # type: ignore[attr-defined]
+        return self._instruments
+
+
+__all__ = ["DEFAULT_CACHE_SECONDS", "STATES", "DatabaseCollector", "Snapshot", "WorkerMetrics"]

@@ -1,0 +1,352 @@
+"""Prometheus metrics against a real PostgreSQL, real HTTP servers and real ``dramatiq`` workers.
+
+The database gauges are scraped from the ``dramatiq-pg-outbox metrics`` command over
+HTTP and parsed with ``prometheus_client.parser``; the expected values come from
+the test's own queries of the tables.  The worker counters are scraped from the
+exposition server of Dramatiq's own ``Prometheus`` middleware, which serves its
+metrics and ours from the multiprocess directory of a ``dramatiq`` CLI run.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dramatiq_pg_outbox import PostgresBroker
+from dramatiq_pg_outbox.metrics import DatabaseCollector
+
+from .helpers import count, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``{(sample name, sorted labels): value}`` of one scrape of ``http://127.0.0.1:port/metrics``."""
+    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert response.status_code == 200
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:
+    """The sum of a metric's samples over all its labels."""
+    return sum(value for (sample, _), value in samples.items() if sample == name)
+
+
+class MetricsServer:
+    """``dramatiq-pg-outbox metrics`` in a subprocess, on a free port."""
+
+    def __init__(self, url: str, *options: str) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dramatiq_pg_outbox.cli", "metrics", "--url", url,
+             "--port", str(self.port), *options],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+        def listening() -> bool:
+            assert self.proc.poll() is None, self.proc.communicate()
+            try:
+                return httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(listening, 30, "the metrics command to listen")
+
+    def scrape(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return scrape(self.port)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def metrics_server(database_url: str) -> Iterator[Any]:
+    servers: list[MetricsServer] = []
+
+    def start(*options: str) -> MetricsServer:
+        server = MetricsServer(database_url, *options)
+        servers.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def table_gauges(db: psycopg.Connection[Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What the gauges should say, from the test's own queries (written apart from the package's)."""
+    expected: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    queues = [r[0] for r in db.execute("SELECT DISTINCT queue_name FROM dramatiq.messages").fetchall()]
+    for queue in queues:
+        for state, where in (
+            ("due", "state = 'pending' AND next_attempt_at <= now()"),
+            ("delayed", "state = 'pending' AND next_attempt_at > now()"),
+            ("processing", "state = 'processing'"),
+        ):
+            n = count(
+                db, f"SELECT count(*) FROM dramatiq.messages WHERE queue_name = %s AND {where}", (queue,)
+            )
+            expected[("dramatiq_pg_outbox_messages", (("queue_name", queue), ("state", state)))] = n
+    for queue, n in db.execute(
+        "SELECT queue_name, count(*) FROM dramatiq.history "
+        "WHERE state = 'failed' AND finished_at > now() - interval '1 hour' GROUP BY 1"
+    ).fetchall():
+        expected[("dramatiq_pg_outbox_dead_letters_last_hour", (("queue_name", queue),))] = n
+    live = count(
+        db, "SELECT count(*) FROM dramatiq.workers WHERE heartbeat_at > now() - interval '20 seconds'"
+    )
+    expected[("dramatiq_pg_outbox_live_workers", ())] = live
+    expected[("dramatiq_pg_outbox_database_up", ())] = 1
+    return expected
+
+
+def seed(db: psycopg.Connection[Any], broker: PostgresBroker) -> None:
+    """Messages in every state of two queues, dead letters old and new, workers live and dead."""
+    import dramatiq
+
+    emails = dramatiq.actor(lambda: None, broker=broker, actor_name="email", queue_name="emails")
+    reports = dramatiq.actor(lambda: None, broker=broker, actor_name="report", queue_name="reports")
+    for _ in range(3):
+        emails.send()
+    for _ in range(2):
+        emails.send_with_options(delay=3_600_000)
+    for _ in range(4):
+        reports.send()
+    # One email waited 100 s since it became due; two reports are being processed.
+    db.execute(
+        "UPDATE dramatiq.messages SET next_attempt_at = now() - interval '100 seconds' "
+        "WHERE id = (SELECT min(id) FROM dramatiq.messages WHERE queue_name = 'emails')"
+    )
+    db.execute(
+        "UPDATE dramatiq.messages SET state = 'processing', lease = gen_random_uuid(), "
+        "owner = gen_random_uuid(), acquired_at = now() "
+        "WHERE id IN (SELECT id FROM dramatiq.messages WHERE queue_name = 'reports' LIMIT 2)"
+    )
+    db.execute(
+        "INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, "
+        "finished_at, error_type, error, payload) VALUES "
+        "(-1, 'emails', 'email', 'a', 'failed', 1, now(), now() - interval '5 minutes', 'E', 'e', ''), "
+        "(-2, 'emails', 'email', 'b', 'failed', 1, now(), now() - interval '2 hours', 'E', 'e', ''), "
+        "(-3, 'reports', 'report', 'c', 'failed', 1, now(), now(), 'E', 'e', ''), "
+        "(-4, 'reports', 'report', 'd', 'completed', 1, now(), now(), NULL, NULL, '')"
+    )
+    db.execute(
+        "INSERT INTO dramatiq.workers (id, hostname, pid, heartbeat_at) VALUES "
+        "(gen_random_uuid(), 'a', 1, now()), (gen_random_uuid(), 'b', 2, now()), "
+        "(gen_random_uuid(), 'gone', 3, now() - interval '10 minutes')"
+    )
+
+
+def test_the_scraped_gauges_match_the_tables(db: Any, broker: PostgresBroker, metrics_server: Any) -> None:
+    # Given messages due, delayed and processing in two queues, dead letters and workers
+    seed(db, broker)
+    # When Prometheus scrapes the metrics command (no cache)
+    samples = metrics_server("--cache-seconds", "0").scrape()
+    # Then every gauge is what the tables say
+    expected = table_gauges(db)
+    assert {key: samples.get(key) for key in expected} == expected
+    assert expected[("dramatiq_pg_outbox_messages", (("queue_name", "emails"), ("state", "delayed")))] == 2
+    assert expected[("dramatiq_pg_outbox_live_workers", ())] == 2
+    # And the oldest due email waited the 100 s it was made to (plus the test's own seconds)
+    emails_age = samples[("dramatiq_pg_outbox_oldest_due_message_age_seconds", (("queue_name", "emails"),))]
+    db_age = float(
+        db.execute(
+            "SELECT extract(epoch FROM now() - min(next_attempt_at)) FROM dramatiq.messages "
+            "WHERE queue_name = 'emails' AND state = 'pending' AND next_attempt_at <= now()"
+        ).fetchone()[0]
+    )
+    assert 100 <= emails_age <= db_age
+    # And the example alerting rules name only metrics that are served
+    alerts = (ROOT / "docs" / "prometheus-alerts.yml").read_text()
+    assert set(re.findall(r"dramatiq_pg_outbox_\w+", alerts)) <= {name for name, _ in samples}
+    # And no other metric family appears
+    assert {name for name, _ in samples} == {
+        "dramatiq_pg_outbox_database_up",
+        "dramatiq_pg_outbox_messages",
+        "dramatiq_pg_outbox_oldest_due_message_age_seconds",
+        "dramatiq_pg_outbox_dead_letters_last_hour",
+        "dramatiq_pg_outbox_live_workers",
+    }
+
+
+def test_scrapes_within_the_cache_window_reuse_one_reading(
+    db: Any, broker: PostgresBroker, metrics_server: Any
+) -> None:
+    import dramatiq
+
+    work = dramatiq.actor(lambda: None, broker=broker, actor_name="work", queue_name="work")
+    work.send()
+    # Given the command with a long cache, scraped once
+    server = metrics_server("--cache-seconds", "600")
+    key = ("dramatiq_pg_outbox_messages", (("queue_name", "work"), ("state", "due")))
+    assert server.scrape()[key] == 1
+    # When more messages arrive and it is scraped again
+    for _ in range(4):
+        work.send()
+    # Then the second scrape is the cached reading, not a new statement
+    assert server.scrape()[key] == 1
+
+
+def test_concurrent_scrapes_share_one_statement_and_the_cache_expires(database_url: str, db: Any) -> None:
+    collector = DatabaseCollector(database_url, cache_seconds=0.5)
+    try:
+        # Given 8 scrapers at once
+        barrier = threading.Barrier(8)
+
+        def scraper() -> None:
+            barrier.wait()
+            list(collector.collect())
+
+        threads = [threading.Thread(target=scraper) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        # Then they ran one statement
+        assert collector.statements == 1
+        # And once the cache is older than cache_seconds, the next scrape reads again
+        wait_for(lambda: (list(collector.collect()), collector.statements)[1] == 2, 10, "a fresh reading")
+    finally:
+        collector.close()
+
+
+def test_a_lost_database_is_reported_as_down_and_the_next_scrape_reconnects(
+    database_url: str, db: Any
+) -> None:
+    collector = DatabaseCollector(database_url, cache_seconds=0)
+    try:
+        assert collector.read().up
+        # Given its connection is terminated (a failover, a restart)
+        db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE '%%UNION ALL%%'"
+        )
+        # Then one scrape says down, with the error kept, and the next one is up again
+        down = collector.read()
+        assert not down.up and collector.last_error
+        assert collector.read().up and collector.last_error is None
+    finally:
+        collector.close()
+
+
+def test_the_gauges_follow_a_drain_by_real_workers(
+    db: Any, producer: Any, worker_process: Any, metrics_server: Any
+) -> None:
+    # Given 300 messages waiting and the metrics command (1 s cache)
+    producer.broker.enqueue_many([producer.record.message(f"m{i}") for i in range(300)])
+    server = metrics_server("--cache-seconds", "1")
+    key = ("dramatiq_pg_outbox_messages", (("queue_name", "default"), ("state", "due")))
+    assert server.scrape()[key] == 300
+    # When a worker drains them, scraped every 0.2 s
+    worker = worker_process(threads=2)
+    seen: list[float] = []
+
+    def drained() -> bool:
+        samples = server.scrape()
+        seen.append(sum(v for (name, labels), v in samples.items() if name == "dramatiq_pg_outbox_messages"))
+        return seen[-1] == 0 and samples[("dramatiq_pg_outbox_live_workers", ())] >= 1
+
+    wait_for(drained, 120, "the gauges to show the queue drained and the worker live")
+    assert worker.stop() == 0
+    # Then the waiting count only went down, and at the end the gauges match the tables
+    assert seen == sorted(seen, reverse=True) and seen[0] == 300
+    assert count(db, "SELECT count(*) FROM received") == 300
+    expected = table_gauges(db)
+    samples = server.scrape()
+    assert {key: samples.get(key) for key in expected} == expected
+
+
+def test_worker_counters_are_served_beside_dramatiqs_own_prometheus_metrics(
+    db: Any, producer: Any, worker_process: Any, tmp_path: Path
+) -> None:
+    # Given 40 messages, 5 of them failing with max_retries=0
+    messages = [producer.record.message(f"ok{i}") for i in range(35)]
+    messages += [producer.fail.message(f"bad{i}") for i in range(5)]
+    producer.broker.enqueue_many(messages)
+    # When a `dramatiq` CLI run of 2 processes with Dramatiq's Prometheus middleware and ours drains them
+    port = free_port()
+    env = {"DPO_METRICS": "1", "dramatiq_prom_db": str(tmp_path), "dramatiq_prom_port": str(port)}
+    env["dramatiq_prom_host"] = "127.0.0.1"
+    worker = worker_process(processes=2, threads=2, env=env)
+    wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.history") == 40, 120, "40 messages finished")
+
+    def counted() -> bool:
+        try:
+            samples = scrape(port)
+        except httpx.TransportError:
+            return False
+        return (
+            total(samples, "dramatiq_pg_outbox_acked_total")
+            + total(samples, "dramatiq_pg_outbox_nacked_total")
+            == 40
+        )
+
+    wait_for(counted, 30, "the exposition server to serve 40 decisions")
+    samples = scrape(port)
+    assert worker.stop() == 0
+    # Then our counters (over both processes) match what the history table holds
+    failed = count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'")
+    assert failed == 5
+    assert samples[("dramatiq_pg_outbox_acked_total", (("queue_name", "default"),))] == 35
+    assert samples[("dramatiq_pg_outbox_nacked_total", (("queue_name", "default"),))] == 5
+    assert samples[("dramatiq_pg_outbox_claimed_total", (("queue_name", "default"),))] == 40
+    assert total(samples, "dramatiq_pg_outbox_claim_duration_seconds_count") >= 1
+    flushes = total(samples, "dramatiq_pg_outbox_flush_duration_seconds_count")
+    assert flushes >= 2  # at least one ack and one nack statement
+    assert total(samples, "dramatiq_pg_outbox_stale_decisions_total") == 0
+    # And Dramatiq's own metrics are there too, unchanged, counting the same 40 messages
+    assert total(samples, "dramatiq_messages_total") == 40
+    assert total(samples, "dramatiq_message_rejects_total") == 5
+    # And both worker processes wrote to the multiprocess directory
+    assert len(list(tmp_path.glob("counter_*.db"))) >= 2
+
+
+def test_the_command_explains_a_missing_schema_and_a_busy_port_in_one_line(
+    database_url: str, db: Any
+) -> None:
+    base = [sys.executable, "-m", "dramatiq_pg_outbox.cli", "metrics", "--url", database_url]
+    # A schema that was never migrated
+    missing = subprocess.run([*base, "--schema", "nowhere"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1
+    assert missing.stderr.count("\n") == 1 and "dramatiq-pg-outbox migrate" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    # A port something else listens on
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = subprocess.run([*base, "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 1
+    assert taken.stderr.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
+    # A negative cache
+    bad = subprocess.run([*base, "--cache-seconds", "-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "must be 0 or more" in bad.stderr
