@@ -1,4 +1,4 @@
-"""The transactional-email example runs end to end, as the README tells a newcomer to run it.
+"""The examples run end to end, as the READMEs tell a newcomer to run them.
 
 Each run is the real command in a subprocess: an SMTP server, ``dramatiq`` worker
 processes, signups that commit or roll back, and (with ``--relay``) a
@@ -61,3 +61,26 @@ def test_the_transactional_email_example_delivers_one_email_per_committed_signup
     assert "OK: every committed signup got exactly one email" in done.stdout
     if relay is not None:
         assert f"relayed to {relay}" in done.stdout
+
+
+def test_the_periodic_jobs_example_runs_each_tick_once_although_a_scheduler_is_killed(
+    admin_url: str,
+) -> None:
+    # Given the example's command: three schedulers of a one-second job, one of them killed -9
+    command = [sys.executable, "-m", "examples.periodic_jobs", "--seconds", "8", "--schedulers", "3"]
+    # When it runs
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": admin_url},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    # Then every tick from the first to the last was enqueued once and ran once
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = dict(re.findall(r"^  (\S.*?) {2,}(\S+)", done.stdout, re.MULTILINE))
+    assert int(lines["ticks enqueued"]) >= 4
+    assert lines["ticks enqueued"] == lines["jobs run"]
+    assert lines["ticks enqueued twice"] == lines["ticks missing"] == lines["jobs run twice"] == "0"
+    assert "killed scheduler" in done.stdout
