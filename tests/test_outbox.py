@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import dramatiq
+import psycopg
 import pytest
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -373,6 +374,45 @@ def test_the_readme_usage_snippet_runs_as_written(database_url: str, db: Any) ->
         namespace["broker"].close()
         dramatiq.set_broker(previous)
         db.execute("DROP TABLE IF EXISTS users")
+
+
+def test_the_readme_usage_says_how_to_install_and_migrate_before_first_use(
+    admin_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shlex
+    from importlib.metadata import metadata
+    from pathlib import Path
+
+    from dramatiq_pg_outbox.cli import main
+    from dramatiq_pg_outbox.devserver import scratch_database
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    usage = readme.split("\n## Usage\n", 1)[1].split("\n## ", 1)[0]
+    commands = [
+        line.split("#", 1)[0].strip()
+        for block in usage.split("```sh\n")[1:]
+        for line in block.split("```", 1)[0].splitlines()
+        if line.strip()
+    ]
+    install = [shlex.split(c) for c in commands if c.startswith("pip install")]
+    migrate = [shlex.split(c) for c in commands if c.startswith("dramatiq-pg-outbox migrate")]
+    assert len(install) == 1 and len(migrate) == 1, commands
+    # The install line names an extra that the package really declares.
+    requirement = install[0][2]
+    assert requirement.startswith("dramatiq-pg-outbox[") and requirement.endswith("]")
+    extras = metadata("dramatiq-pg-outbox").get_all("Provides-Extra") or []
+    assert requirement[len("dramatiq-pg-outbox[") : -1] in extras, extras
+    # The migrate command, run as printed (only the URL changes) on a database never
+    # migrated, creates the schema and says which revision it reached.
+    with scratch_database(admin_url, "dpo_test_readme") as url:
+        argv = [url if arg == "postgresql://app@db/app" else arg for arg in migrate[0][1:]]
+        assert url in argv
+        assert main(argv) == 0
+        assert "head" in capsys.readouterr().out
+        with psycopg.connect(url) as conn:
+            created = conn.execute("SELECT to_regclass('dramatiq.messages')::text").fetchone()
+            assert created == ("dramatiq.messages",)
 
 
 def args_stored(db: Any) -> list[str]:
