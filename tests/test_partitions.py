@@ -83,6 +83,17 @@ def db_today(db: psycopg.Connection[Any]) -> dt.date:
     return row[0]  # type: ignore[no-any-return]
 
 
+def age_at(db: psycopg.Connection[Any], day: dt.date, time: dt.time) -> dt.timedelta:
+    """The age (for ``insert_history``) of a row finished on ``day`` at ``time`` UTC.
+
+    A fixed age such as "30 days" lands on one day or the next depending on the hour the test
+    runs; a row meant for a given day partition is placed at a time of that day instead.
+    """
+    row = db.execute("SELECT now()").fetchone()
+    assert row is not None
+    return row[0] - dt.datetime.combine(day, time, tzinfo=dt.timezone.utc)  # type: ignore[no-any-return]
+
+
 def test_the_upgrade_to_0007_and_the_downgrade_keep_every_row(database_url: str, db: Any) -> None:
     schema = f"parts_{uuid.uuid4().hex[:10]}"
     try:
@@ -151,7 +162,7 @@ def test_prune_drops_whole_day_partitions_and_keeps_exactly_the_newer_rows(
 def test_a_drop_that_cannot_get_its_lock_is_left_for_the_next_run(database_url: str, db: Any) -> None:
     today = db_today(db)
     db.execute("SELECT dramatiq.create_history_partitions(0, %s)", (today - dt.timedelta(days=30),))
-    insert_history(db, "dramatiq", [dt.timedelta(days=30, hours=-1)])
+    insert_history(db, "dramatiq", [age_at(db, today - dt.timedelta(days=30), dt.time(12))])
     # Given a long query holding a lock on history (an analytics report)
     with psycopg.connect(database_url) as report:
         report.execute("SELECT count(*) FROM dramatiq.history")
@@ -237,7 +248,11 @@ def test_the_idempotency_lookup_is_an_index_scan_of_each_partition(db: Any) -> N
     for back in range(1, 4):
         db.execute("SELECT dramatiq.create_history_partitions(0, %s)", (today - dt.timedelta(days=back),))
     # Given 3 days of history, 3,000 rows a day, half of them keyed
-    ages = [dt.timedelta(days=d, seconds=s) for d in (1, 2, 3) for s in range(0, 30_000, 10)]
+    ages = [
+        age_at(db, today - dt.timedelta(days=d), dt.time(1)) - dt.timedelta(seconds=s)
+        for d in (1, 2, 3)
+        for s in range(0, 30_000, 10)
+    ]
     insert_history(db, "dramatiq", ages)
     db.execute("ANALYZE dramatiq.history")
     # When the enqueue statement's history check is planned
