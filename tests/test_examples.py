@@ -30,6 +30,20 @@ def _reachable(port: int) -> bool:
         return False
 
 
+def run_example(command: list[str], admin_url: str) -> tuple[str, dict[str, str]]:
+    """Run ``python -m <command>`` on the test server: its output and its report's "name  value" lines."""
+    done = subprocess.run(
+        [sys.executable, "-m", *command],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": admin_url},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout, dict(re.findall(r"^  (\S.*?) {2,}(\S+)", done.stdout, re.MULTILINE))
+
+
 @pytest.mark.parametrize("relay", [None, "rabbitmq", "redis"])
 def test_the_transactional_email_example_delivers_one_email_per_committed_signup(
     relay: str | None, admin_url: str
@@ -41,46 +55,28 @@ def test_the_transactional_email_example_delivers_one_email_per_committed_signup
         if not _reachable(port):
             pytest.skip(f"no {relay} server on 127.0.0.1:{port}")
     # Given the example's command, on the test server, with a few hundred signups
-    command = [sys.executable, "-m", "examples.transactional_email", "--signups", "300", "--processes", "1"]
+    command = ["examples.transactional_email", "--signups", "300", "--processes", "1"]
     if relay is not None:
         command += ["--relay", relay]
     # When it runs
-    done = subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**os.environ, "DATABASE_URL": admin_url},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    output, lines = run_example(command, admin_url)
     # Then it reports every committed signup emailed once, and nothing for the rolled-back ones
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = dict(re.findall(r"^  (\S.*?) {2,}(\S+)", done.stdout, re.MULTILINE))
     assert lines["signups committed"] == lines["emails received"] == "264"
     assert lines["duplicates"] == lines["missing"] == "0"
-    assert "OK: every committed signup got exactly one email" in done.stdout
+    assert "OK: every committed signup got exactly one email" in output
     if relay is not None:
-        assert f"relayed to {relay}" in done.stdout
+        assert f"relayed to {relay}" in output
 
 
 def test_the_periodic_jobs_example_runs_each_tick_once_although_a_scheduler_is_killed(
     admin_url: str,
 ) -> None:
     # Given the example's command: three schedulers of a one-second job, one of them killed -9
-    command = [sys.executable, "-m", "examples.periodic_jobs", "--seconds", "8", "--schedulers", "3"]
+    command = ["examples.periodic_jobs", "--seconds", "8", "--schedulers", "3"]
     # When it runs
-    done = subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**os.environ, "DATABASE_URL": admin_url},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    output, lines = run_example(command, admin_url)
     # Then every tick from the first to the last was enqueued once and ran once
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = dict(re.findall(r"^  (\S.*?) {2,}(\S+)", done.stdout, re.MULTILINE))
     assert int(lines["ticks enqueued"]) >= 4
     assert lines["ticks enqueued"] == lines["jobs run"]
     assert lines["ticks enqueued twice"] == lines["ticks missing"] == lines["jobs run twice"] == "0"
-    assert "killed scheduler" in done.stdout
+    assert "killed scheduler" in output

@@ -304,6 +304,16 @@ def test_the_relay_command_serves_its_metrics_to_prometheus(
         client.close()
 
 
+def _hang_up(*sockets: socket.socket) -> None:
+    """Shut down and close each socket (one the peer already closed included)."""
+    for s in sockets:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
+
+
 class Proxy:
     """A TCP proxy to RabbitMQ that the test can cut (every connection closed, new ones refused)."""
 
@@ -352,23 +362,13 @@ class Proxy:
                 dst.sendall(data)
         except OSError:
             pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        _hang_up(src, dst)
 
     def block(self) -> None:
         self.blocked.set()
         with self.lock:
             sockets, self.sockets = self.sockets, []
-        for s in sockets:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        _hang_up(*sockets)
 
     def unblock(self) -> None:
         self.blocked.clear()

@@ -114,19 +114,24 @@ def _swap_out(s: str) -> None:
     )
 
 
-def upgrade() -> None:
-    schema = schema_for_migration()
-    s = quote_ident(schema)
-    _swap_out(s)
+def _create_history(s: str, primary_key: str, partitioning: str) -> None:
+    """A new history table shaped like ``history_old`` (left by ``_swap_out``)."""
     op.execute(
         f"""
         CREATE TABLE {s}.history (
             LIKE {s}.history_old INCLUDING DEFAULTS,
             CONSTRAINT history_state_check CHECK (state IN ('completed', 'failed')),
-            PRIMARY KEY (id, finished_at)
-        ) PARTITION BY RANGE (finished_at)
+            {primary_key}
+        ) {partitioning}
         """
     )
+
+
+def upgrade() -> None:
+    schema = schema_for_migration()
+    s = quote_ident(schema)
+    _swap_out(s)
+    _create_history(s, "PRIMARY KEY (id, finished_at)", "PARTITION BY RANGE (finished_at)")
     op.execute(f"CREATE TABLE {s}.history_default PARTITION OF {s}.history DEFAULT")
     _indexes(s)
     # The function that creates day partitions ahead: the loop's own lock, then one
@@ -189,15 +194,7 @@ def downgrade() -> None:
     schema = schema_for_migration()
     s = quote_ident(schema)
     _swap_out(s)
-    op.execute(
-        f"""
-        CREATE TABLE {s}.history (
-            LIKE {s}.history_old INCLUDING DEFAULTS,
-            CONSTRAINT history_state_check CHECK (state IN ('completed', 'failed')),
-            PRIMARY KEY (id)
-        )
-        """
-    )
+    _create_history(s, "PRIMARY KEY (id)", "")
     _indexes(s)
     op.execute(f"INSERT INTO {s}.history SELECT * FROM {s}.history_old")
     op.execute(f"DROP TABLE {s}.history_old")  # and its partitions
