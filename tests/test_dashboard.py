@@ -549,6 +549,7 @@ def test_the_command_serves_with_the_token_from_the_environment_out_of_sight_of_
         (["--basic-auth", "no-colon"], {}, 2, "basic auth must be USER:PASSWORD"),
         (["--schema", "bad-name"], {}, 2, "Invalid schema name"),
         ([], {TOKEN_ENV: "a", "DRAMATIQ_PG_OUTBOX_DASHBOARD_BASIC_AUTH": "u:p"}, 2, "choose one"),
+        (["--host", "0.0.0.0"], {}, 2, "name the host names browsers use, e.g. --allowed-host"),
     ],
 )
 def test_the_command_refuses_bad_input_with_one_line(
@@ -712,3 +713,85 @@ def test_the_charts_count_an_empty_bucket_as_zero_messages_and_unknown_latency()
     (latency,) = page.latency
     assert all(len(line.dots) == 2 and not line.segments for line in latency.lines)
     assert page.totals == {"busy": (180, 0)} and page.hidden == ["rare"]
+
+
+def test_a_request_for_another_host_name_is_refused_so_dns_rebinding_reads_nothing(
+    db: Any, serve_dashboard: Serve
+) -> None:
+    # Given a dashboard without auth on 127.0.0.1 (the default)
+    server = serve_dashboard()
+    port = server.url.rsplit(":", 1)[1]
+    with httpx.Client(base_url=server.url) as browser:
+        # When a page of evil.example, rebound to 127.0.0.1, asks for it (its Host header stays)
+        rebound = browser.get("/failed", headers={"Host": f"evil.example:{port}"})
+        posted = browser.post("/failed/retry", data={"all": "1"}, headers={"Host": "evil.example"})
+        # Then nothing is served and no session is started
+        assert (rebound.status_code, posted.status_code) == (400, 400)
+        assert "set-cookie" not in rebound.headers
+        # And the loopback names still work
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost"):
+            assert browser.get("/failed", headers={"Host": host}).status_code == 200, host
+
+
+def test_the_operator_names_the_hosts_of_a_dashboard_on_every_interface(
+    database_url: str, db: Any, serve_dashboard: Serve
+) -> None:
+    from dramatiq_pg_outbox.dashboard import _allowed_hosts
+
+    allowed = _allowed_hosts("0.0.0.0", ["Dashboard.Example.com", "*.ops.example.com"])
+    assert "dashboard.example.com" in allowed and "127.0.0.1" in allowed and "0.0.0.0" not in allowed
+    assert "10.0.0.5" in _allowed_hosts("10.0.0.5", [])
+    server = serve_dashboard(allowed_hosts=allowed)
+    with httpx.Client(base_url=server.url) as browser:
+        assert browser.get("/", headers={"Host": "dashboard.example.com"}).status_code == 200
+        assert browser.get("/", headers={"Host": "q.ops.example.com"}).status_code == 200
+        assert browser.get("/", headers={"Host": "evil.example"}).status_code == 400
+
+
+def test_rotating_the_token_ends_the_sessions_logged_in_with_the_old_one(
+    db: Any, serve_dashboard: Serve
+) -> None:
+    # Given a session logged in with the token "old" (a fixed session secret, as behind a
+    # load balancer, so a restarted server still reads the cookie)
+    secret = "fixed-session-secret"
+    first = serve_dashboard(token="old", session_secret=secret)
+    with httpx.Client(base_url=first.url) as browser:
+        csrf = csrf_token(browser.get("/login").text)
+        assert browser.post("/login", data={"token": "old", "csrf_token": csrf}).status_code == 303
+        assert browser.get("/failed").status_code == 200
+        cookies = dict(browser.cookies)
+    first.stop()
+    # When the token is rotated (it leaked) and the dashboard restarted with the same secret
+    second = serve_dashboard(token="new", session_secret=secret)
+    with httpx.Client(base_url=second.url, cookies=cookies) as browser:
+        # Then the old session no longer opens any page
+        assert browser.get("/failed").status_code == 401
+        # And logging in with the new token works
+        csrf = csrf_token(browser.get("/login").text)
+        assert browser.post("/login", data={"token": "new", "csrf_token": csrf}).status_code == 303
+        assert browser.get("/failed").status_code == 200
+
+
+def test_a_retried_attempt_is_not_counted_as_completed(
+    make_broker: Any, start_worker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given a message that fails once and succeeds on its retry: two history rows
+    broker = make_broker()
+    attempts: list[int] = []
+
+    @dramatiq.actor(broker=broker, queue_name="retried", max_retries=3, min_backoff=10, max_backoff=20)
+    def flaky() -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("first attempt fails")
+
+    flaky.send()
+    run_until_finished(broker, start_worker, db, 2)
+    server = serve_dashboard()
+    # When the queues page is read
+    queues = httpx.get(server.url + "/").text
+    row = re.search(r'<tr data-queue="retried">(.*?)</tr>', queues, re.S)
+    assert row, queues
+    cells = re.findall(r'<td class="num[^"]*">([^<]*)<', row.group(1))
+    # Then one message completed in the last hour, not two, and none failed
+    assert cells[4:6] == ["1", "0"], cells

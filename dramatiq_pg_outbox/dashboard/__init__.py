@@ -65,6 +65,15 @@ def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ())
     parser.add_argument(
         "--port", type=_port, default=8080, help="port to bind (default: 8080; 0: any free port, printed)"
     )
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name browsers use to reach the dashboard (repeatable; '*.example.com' matches "
+        "subdomains). Always allowed: localhost, 127.0.0.1, [::1] and --host; "
+        "required with --host 0.0.0.0 or ::",
+    )
     parser.add_argument("--read-only", action="store_true", help="hide and refuse every action")
     auth = parser.add_mutually_exclusive_group()
     auth.add_argument(
@@ -113,9 +122,15 @@ def run(args: argparse.Namespace) -> int:
         from .app import Settings, create_app
     except ImportError as e:
         raise CliError(f"the dashboard needs its extra ({e.name} is missing): {_INSTALL_HINT}") from None
+    allowed_hosts = _allowed_hosts(args.host, args.allowed_host)
     try:
         settings = Settings(
-            url=db.conninfo, schema=args.schema, read_only=args.read_only, token=token, basic_auth=basic_auth
+            url=db.conninfo,
+            schema=args.schema,
+            read_only=args.read_only,
+            token=token,
+            basic_auth=basic_auth,
+            allowed_hosts=allowed_hosts,
         )
     except ValueError as e:
         raise CliError(str(e).rstrip("."), EXIT_USAGE) from None
@@ -141,6 +156,29 @@ def run(args: argparse.Namespace) -> int:
     with sock:
         uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+#: Addresses that listen on every interface: the Host names must be named.
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _allowed_hosts(host: str, given: list[str]) -> tuple[str, ...]:
+    """The Host names answered: the loopback names, ``--host`` unless a wildcard, ``--allowed-host``.
+
+    Raises:
+      CliError: Usage error (exit 2) for a wildcard ``--host`` without ``--allowed-host``.
+    """
+    from ..cli import EXIT_USAGE, CliError
+    from .app import LOOPBACK_HOSTS
+
+    if host in _WILDCARDS and not given:
+        raise CliError(
+            f"--host {host or '0.0.0.0'} answers on every interface: name the host names browsers use, "
+            "e.g. --allowed-host dashboard.example.com (repeatable)",
+            EXIT_USAGE,
+        )
+    names = [*LOOPBACK_HOSTS, *([] if host in _WILDCARDS else [host]), *given]
+    return tuple(dict.fromkeys(name.lower() for name in names))
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -21,8 +21,13 @@ Security:
   whose token is missing or different gets 403 (the synchronizer-token
   pattern of the OWASP CSRF cheat sheet).
 - Auth, when configured: a token (``Authorization: Bearer <token>``, or typed
-  once into ``/login``, which marks the session) or HTTP basic; anything else
-  gets 401.  Secrets are compared in constant time.
+  once into ``/login``, which marks the session with a keyed digest of that
+  token, so rotating the token ends every older session) or HTTP basic;
+  anything else gets 401.  Secrets are compared in constant time.
+- Host names: only requests whose ``Host`` is in ``Settings.allowed_hosts``
+  are answered (Starlette's ``TrustedHostMiddleware``; 400 otherwise), so a
+  page on another site cannot reach a dashboard without auth through DNS
+  rebinding (its requests carry the attacker's host name).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
+import hashlib
+import hmac
 import logging
 import re
 import secrets
@@ -49,6 +56,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.sessions import SessionMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -103,6 +111,10 @@ def broker_channel(url: str, schema: str) -> str:
     return PostgresBroker(url=url, schema=schema).channel
 
 
+#: Host names a dashboard answers by default: the loopback names a local browser uses.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
 @dataclass(frozen=True)
 class Settings:
     """How a dashboard is served.
@@ -114,7 +126,13 @@ class Settings:
       token(str|None): Require this token (``Authorization: Bearer`` or the login form).
       basic_auth(tuple[str, str]|None): Require HTTP basic auth with this (user, password).
       session_secret(str|None): Key signing the session cookie; default a random one
-        per process (sessions end when the server restarts).
+        per process (sessions end when the server restarts).  A session logged in with
+        the token carries a keyed digest of that token: once the token changes, old
+        sessions no longer count as logged in, whatever the secret.
+      allowed_hosts(tuple[str, ...]): ``Host`` header values answered (without the port;
+        a leading ``*`` matches any prefix, ``*`` alone any host); any other gets 400,
+        so a page elsewhere cannot read the dashboard through DNS rebinding.  Default
+        :data:`LOOPBACK_HOSTS`; the CLI adds its ``--host`` and ``--allowed-host`` values.
 
     Raises:
       ValueError: If both ``token`` and ``basic_auth`` are given, either is empty, or
@@ -127,8 +145,11 @@ class Settings:
     token: str | None = None
     basic_auth: tuple[str, str] | None = None
     session_secret: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.allowed_hosts:
+            object.__setattr__(self, "allowed_hosts", LOOPBACK_HOSTS)
         validate_schema_name(self.schema)
         if self.token is not None and self.basic_auth is not None:
             raise ValueError("choose one of token and basic auth, not both")
@@ -148,13 +169,25 @@ def _same(given: str, expected: str) -> bool:
     return secrets.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
 
 
+def _token_mark(token: str) -> str:
+    """What a logged-in session stores: a keyed digest of the token it logged in with.
+
+    The session cookie is signed, not encrypted, so the token itself is never put
+    in it; a session whose mark is not the current token's (the token was rotated,
+    e.g. after a leak) is logged out.
+    """
+    key = b"dramatiq-pg-outbox dashboard session"
+    return hmac.new(key, token.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
 def _authorized(request: Request, settings: Settings) -> bool:
     header = request.headers.get("authorization", "")
     scheme, _, credentials = header.partition(" ")
     if settings.token is not None:
         if scheme.lower() == "bearer" and _same(credentials.strip(), settings.token):
             return True
-        return request.session.get("authenticated") is True
+        mark = request.session.get("authenticated")
+        return isinstance(mark, str) and _same(mark, _token_mark(settings.token))
     if settings.basic_auth is not None:
         if scheme.lower() != "basic":
             return False
@@ -487,7 +520,7 @@ class Dashboard:
         if isinstance(token, str) and _same(token, self.settings.token):
             # A fresh CSRF token with the new privilege (no fixation of the old one).
             request.session.clear()
-            request.session["authenticated"] = True
+            request.session["authenticated"] = _token_mark(self.settings.token)
             return RedirectResponse(target, status_code=303)
         return self.render(request, "login.html", status_code=401, next=target, error="Wrong token.")
 
@@ -569,6 +602,8 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
         Mount("/static", StaticFiles(directory=str(resources.files(__package__) / "static")), name="static"),
     ]
     middleware = [
+        # First: a request for another host name (DNS rebinding) never reaches a page or a session.
+        Middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts)),
         Middleware(
             SessionMiddleware,
             secret_key=settings.session_secret or secrets.token_urlsafe(32),
@@ -595,4 +630,4 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
     return app
 
 
-__all__ = ["MIN_SCHEMA_REVISION", "Settings", "broker_channel", "create_app"]
+__all__ = ["LOOPBACK_HOSTS", "MIN_SCHEMA_REVISION", "Settings", "broker_channel", "create_app"]

@@ -28,7 +28,9 @@ WITH backlog AS (
 ),
 recent AS (
     SELECT queue_name,
-           count(*) FILTER (WHERE state = 'completed') AS completed,
+           -- An acked delivery whose actor raised was retried (its retry was written with
+           -- the ack): a failed attempt, not a completed message.
+           count(*) FILTER (WHERE state = 'completed' AND error_type IS NULL) AS completed,
            count(*) FILTER (WHERE state = 'failed') AS failed
     FROM {schema}.history
     WHERE finished_at >= now() - interval '1 hour'
