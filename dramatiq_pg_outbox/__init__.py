@@ -5,7 +5,7 @@ from __future__ import annotations
 from .broker import PostgresBroker
 from .errors import OutboxError, SchemaNotReady
 from .migrations import downgrade, upgrade, versions_path
-from .outbox import Outbox, outbox
+from .outbox import Outbox, outbox, outside_outbox
 from .results import PostgresBackend
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "SchemaNotReady",
     "downgrade",
     "outbox",
+    "outside_outbox",
     "upgrade",
     "versions_path",
 ]

@@ -20,6 +20,7 @@ Connections per consuming process: ``pool_size`` (pool) + 1 (listener).
 
 from __future__ import annotations
 
+import getpass
 import math
 import os
 import random
@@ -32,17 +33,18 @@ import uuid
 from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from dramatiq.common import compute_backoff
 from dramatiq.logging import get_logger
 from psycopg import sql
-from psycopg_pool import ConnectionPool
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ._queries import queries_for_schema
-from .errors import translate_errors
+from .errors import ConnectionRejected, rejection_reason, translate_errors
 from .migrations import check_schema
 
 if TYPE_CHECKING:
@@ -79,6 +81,51 @@ def format_error(exc: BaseException | None) -> tuple[str, str]:
     return type(exc).__name__, text
 
 
+#: conninfo -> why the server refused the latest connection attempt of this process to it, when
+#: retrying cannot help (see errors.rejection_reason); cleared by a successful connection.
+_rejected: dict[str, str] = {}
+
+
+def describe_rejection(error: BaseException, conninfo: str) -> str | None:
+    """:func:`~.errors.rejection_reason` for a connection attempt to ``conninfo``."""
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError:
+        params = {}
+    host = str(params.get("host") or "localhost")
+    server = f"{host}:{params.get('port') or 5432}"
+    user = str(params.get("user") or os.environ.get("PGUSER") or _login_name())
+    return rejection_reason(error, server=server, user=user, dbname=str(params.get("dbname") or user))
+
+
+def _login_name() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:
+        return "(your login name)"
+
+
+class _PoolConnection(psycopg.Connection[Any]):
+    """The pool's connections: a refusal that retrying cannot fix is recorded for ``_Runtime._checkout``.
+
+    psycopg_pool retries failed connection attempts in the background and
+    only logs them; a caller waiting for a connection would learn nothing
+    before ``pool_timeout``.
+    """
+
+    @classmethod
+    def connect(cls, conninfo: str = "", **kwargs: Any) -> _PoolConnection:
+        try:
+            conn = super().connect(conninfo, **kwargs)
+        except psycopg.OperationalError as e:
+            reason = describe_rejection(e, conninfo)
+            if reason is not None:
+                _rejected[conninfo] = reason
+            raise
+        _rejected.pop(conninfo, None)
+        return conn
+
+
 class _Runtime:
     def __init__(self, broker: PostgresBroker) -> None:
         self.logger = get_logger(__name__, type(self))
@@ -87,8 +134,10 @@ class _Runtime:
         self.queries = queries_for_schema(broker.schema)
         self.channel = broker.channel
         self.worker_id = uuid.uuid4()
-        self.pool = ConnectionPool(
+        _rejected.pop(broker.conninfo, None)
+        self.pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
             broker.conninfo,
+            connection_class=_PoolConnection,
             min_size=1,
             max_size=broker.pool_size,
             # The application name tells operators (pg_stat_activity) which
@@ -136,7 +185,7 @@ class _Runtime:
         # spurious ConnectionClosed after a server-side disconnect.  Healthy
         # idle connections have nothing to read and cost no round trip.
         for _ in range(self.broker.pool_size + 1):
-            conn = self.pool.getconn()
+            conn = self._checkout()
             if not _has_input(conn):
                 return conn
             try:
@@ -145,7 +194,34 @@ class _Runtime:
             except psycopg.Error:
                 conn.close()
                 self.pool.putconn(conn)
-        return self.pool.getconn()
+        return self._checkout()
+
+    def _checkout(self) -> psycopg.Connection[Any]:
+        """A connection from the pool within ``pool_timeout``; fail at once on a refusal retries cannot fix.
+
+        Raises:
+          ConnectionRejected: The server refused a connection attempt for good (password,
+            role, database, pg_hba.conf): raised as soon as the pool's attempt failed.
+          psycopg_pool.PoolTimeout: No connection within ``pool_timeout``.
+        """
+        conninfo = self.broker.conninfo
+        deadline = time.monotonic() + self.broker.pool_timeout / 1000
+        step = 0.05
+        while True:
+            reason = _rejected.get(conninfo)
+            if reason is not None:
+                raise ConnectionRejected(reason)
+            remaining = deadline - time.monotonic()
+            try:
+                # Short waits while the pool has no connection, so that a refusal recorded
+                # meanwhile is seen within 50 ms; a pool whose connections are all busy is
+                # waited on for the rest of pool_timeout, in its queue.
+                return self.pool.getconn(timeout=max(0.001, min(remaining, step)))
+            except PoolTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+                if self.pool.get_stats().get("pool_size", 0) > 0:
+                    step = remaining
 
     def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         return self.execute_sql(self.queries[name], params)
@@ -269,6 +345,33 @@ class _Runtime:
             except Exception as e:
                 self.logger.warning("Could not unregister worker %s: %s", self.worker_id, e)
         self.pool.close(timeout=5)
+
+
+@dataclass
+class Outcome:
+    """The end of one delivery and what its middleware sent or stored meanwhile.
+
+    Written by the flusher in one transaction, fenced by the lease: the ack or
+    nack of row ``row_id``, then ``messages`` (a retry, the next pipeline step,
+    a callback) and ``statements`` (a result) for that row only if the fence
+    held.  Either all of it commits or none does and the message is delivered
+    again (see docs/guarantees.md, "Follow-ups belong to the ack").
+    """
+
+    row_id: int
+    lease: uuid.UUID
+    #: ``"ack"``, ``"ack_with_error"`` (the actor raised and Dramatiq acked) or ``"nack"``.
+    kind: str
+    error_type: str | None = None
+    error: str | None = None
+    #: Messages enqueued while the outcome was decided, in their stored form.
+    messages: list[StoredMessage] = field(default_factory=list)
+    #: Other writes of that phase, (statement, parameters): results of PostgresBackend.
+    statements: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def fence(self) -> tuple[int, uuid.UUID, str | None, str | None]:
+        """(row id, lease, error type, error), the item form of the plain decision buffers."""
+        return self.row_id, self.lease, self.error_type, self.error
 
 
 @dataclass(frozen=True)
@@ -482,6 +585,8 @@ class _Flusher:
         self.nacks: deque[tuple[int, uuid.UUID, str, str]] = deque()
         self.failed_acks: deque[tuple[int, uuid.UUID, str, str]] = deque()
         self.requeues: deque[tuple[int, uuid.UUID]] = deque()
+        #: Decisions with follow-ups, each written with them in one transaction.
+        self.outcomes: deque[Outcome] = deque()
         self.notifications: deque[str] = deque()
         #: (transaction id, payload): sent once that transaction committed.
         self.commit_notifications: deque[tuple[str, str]] = deque()
@@ -505,6 +610,20 @@ class _Flusher:
     def ack_with_error(self, row_id: int, lease: uuid.UUID, error_type: str, error: str) -> None:
         self.failed_acks.append((row_id, lease, error_type, error))
         self._signal(len(self.failed_acks))
+
+    def finish(self, outcome: Outcome) -> None:
+        """Buffer the end of a delivery; one with follow-ups is written with them, in one transaction."""
+        if outcome.messages or outcome.statements:
+            self.outcomes.append(outcome)
+            self._signal(len(self.outcomes))
+        elif outcome.kind == "ack":
+            self.ack(outcome.row_id, outcome.lease)
+        elif outcome.kind == "ack_with_error":
+            assert outcome.error_type is not None and outcome.error is not None
+            self.ack_with_error(outcome.row_id, outcome.lease, outcome.error_type, outcome.error)
+        else:
+            assert outcome.error_type is not None and outcome.error is not None
+            self.nack(outcome.row_id, outcome.lease, outcome.error_type, outcome.error)
 
     def requeue(self, rows: Sequence[tuple[int, uuid.UUID]]) -> None:
         self.requeues.extend(rows)
@@ -548,7 +667,7 @@ class _Flusher:
                 self._thread.start()
 
     def pending(self) -> int:
-        buffers = (self.acks, self.nacks, self.failed_acks, self.requeues, self.notifications)
+        buffers = (self.acks, self.nacks, self.failed_acks, self.requeues, self.outcomes, self.notifications)
         return sum(len(b) for b in buffers)
 
     def _run(self) -> None:
@@ -628,6 +747,23 @@ class _Flusher:
                     )
                 for queue_name in woken:
                     self.runtime.wake(queue_name)
+        while self.outcomes:
+            outcomes = [self.outcomes.popleft() for _ in range(min(len(self.outcomes), batch))]
+            try:
+                finished = self._write_outcomes(outcomes)
+            except Exception:
+                self.outcomes.extendleft(reversed(outcomes))
+                raise
+            self.runtime.untrack([o.fence() for o in outcomes])
+            done["acked"] += sum(o.kind != "nack" for o in finished)
+            done["nacked"] += sum(o.kind == "nack" for o in finished)
+            if len(outcomes) > len(finished):
+                done["stale"] += len(outcomes) - len(finished)
+                self.logger.warning(
+                    "%d stale decision(s) with follow-ups ignored, follow-ups included: their lease "
+                    "expired and the message was released (it will be, or was, delivered again)",
+                    len(outcomes) - len(finished),
+                )
         if self.notifications:
             queues = sorted({self.notifications.popleft() for _ in range(len(self.notifications))})
             try:
@@ -659,10 +795,9 @@ class _Flusher:
             self.commit_notifications.extend(waiting)
             self._wake.set()
 
-    def _write(self, name: str, items: list[Any]) -> tuple[int, list[str]]:
-        ids = [item[0] for item in items]
-        leases = [item[1] for item in items]
-        params: dict[str, Any] = {"ids": ids, "leases": leases}
+    def _statement(self, name: str, items: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+        """(SQL, parameters) of one fenced decision statement for ``(row id, lease, ...)`` items."""
+        params: dict[str, Any] = {"ids": [item[0] for item in items], "leases": [item[1] for item in items]}
         query = name
         if name == "requeue":
             params["notify"] = self.runtime.broker.notify != "off"
@@ -672,12 +807,50 @@ class _Flusher:
             params["state"] = "failed" if name == "nack" else "completed"
             params["error_types"] = [item[2] for item in items]
             params["errors"] = [item[3] for item in items]
+        return self.runtime.queries[query], params
+
+    def _write(self, name: str, items: list[Any]) -> tuple[int, list[str]]:
+        query, params = self._statement(name, items)
         with self.runtime.connection() as conn:
-            cur = conn.execute(self.runtime.queries[query], params)
+            cur = conn.execute(query, params)
             if name != "requeue":
                 return cur.rowcount, []
             rows = cur.fetchall()
             return sum(int(n) for _, n, _ in rows), [str(q) for q, _, _ in rows]
+
+    def _write_outcomes(self, outcomes: list[Outcome]) -> list[Outcome]:
+        """Write decisions and their follow-ups in one transaction; the outcomes whose fence held.
+
+        The fenced ack/archive statements return the ids they archived; only
+        those rows' follow-ups are written.  A stale decision (its message was
+        released and will run again) takes its follow-ups with it, so they are
+        written once, by the delivery that is acked.  ``after_enqueue`` runs for
+        the stored follow-ups once the transaction has committed.
+        """
+        runtime = self.runtime
+        broker = runtime.broker
+        with runtime.connection() as conn, conn.transaction():
+            archived: set[int] = set()
+            for kind in ("ack", "ack_with_error", "nack"):
+                group = [o.fence() for o in outcomes if o.kind == kind]
+                if group:
+                    query, params = self._statement(kind, group)
+                    archived.update(int(row[0]) for row in conn.execute(query, params).fetchall())
+            written = [o for o in outcomes if o.row_id in archived]
+            messages = [m for o in written for m in o.messages]
+            stored: list[StoredMessage] = []
+            if messages:
+                name, params = enqueue_statement(
+                    messages, runtime.channel, broker.notify != "off", broker.max_fetch_interval
+                )
+                rows = conn.execute(runtime.queries[name], params).fetchall()
+                stored = enqueue_result(name, messages, rows).stored
+            for outcome in written:
+                for query, params in outcome.statements:
+                    conn.execute(query, params)
+        for item in stored:
+            broker.emit_after("enqueue", item.message, item.delay or None)
+        return written
 
     def stop(self, timeout: float = 10.0) -> None:
         """Final flush (retried until ``timeout`` seconds), then stop the thread."""
@@ -718,10 +891,30 @@ class _Maintenance(_Loop):
         self.hostname = socket.gethostname()
         self._next_rescue = 0.0
         self._next_partitions = 0.0
+        #: time.monotonic() from which this process may judge others dead (see tick).
+        self._rescue_from = 0.0
+        self._failing = False
 
     def tick(self) -> None:
+        try:
+            self._tick()
+        except Exception:
+            self._failing = True
+            raise
+
+    def _tick(self) -> None:
         self.heartbeat()
         now = time.monotonic()
+        if self._failing:
+            # Back after an outage of its own: the others' heartbeats are stale because the
+            # database was out of reach for them too, not because they died.  Judge nobody
+            # before they have had a full heartbeat_timeout to heartbeat again; otherwise the
+            # first process back would release the running messages of every other one
+            # (measured: 131 duplicates in a --quick run of chaos scenario 9 without this).
+            self._failing = False
+            self._rescue_from = now + self.runtime.broker.heartbeat_timeout / 1000
+        if now < self._rescue_from:
+            return
         if now >= self._next_partitions:
             self._next_partitions = now + PARTITIONS_INTERVAL_S * random.uniform(0.8, 1.2)
             self.create_partitions()

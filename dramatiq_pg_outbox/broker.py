@@ -18,17 +18,20 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+import psycopg
 from dramatiq import Message
 from dramatiq.broker import Broker, Consumer, MessageProxy
 from dramatiq.common import dq_name, q_name, xq_name
 from dramatiq.errors import DecodeError, QueueJoinTimeout, QueueNotFound
 from dramatiq.logging import get_logger
 from dramatiq.middleware import Middleware
+from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL, Engine, make_url
 
 from ._config import BrokerOptions, NotifyMode, channel_for
-from ._runtime import StoredMessage, _Runtime, format_error
+from ._runtime import Outcome, StoredMessage, _Runtime, describe_rejection, format_error
 from ._urls import safe_url
+from .errors import libpq_detail
 from .migrations import DEFAULT_SCHEMA, libpq_url, validate_schema_name
 from .outbox import current_outbox
 
@@ -41,6 +44,27 @@ MAX_QUEUE_NAME = 200
 SUSPECT_AT_DELIVERY = 3
 #: Upcoming delayed rows a claim reads to find the next due time of its consumer (see _mine).
 LOOK_AHEAD = 64
+
+#: Signals whose middleware hooks run while a delivery's outcome is decided:
+#: what they enqueue or store is written with the ack or nack (see PostgresBroker.emit_after).
+FOLLOW_UP_SIGNALS = frozenset({"process_message", "skip_message", "ack", "nack"})
+
+#: Per thread: the claimed message whose outcome this thread is deciding, if any.
+_deciding = threading.local()
+
+
+def deciding(conninfo: str) -> _PostgresMessage | None:
+    """The message whose follow-ups this thread is collecting, if it lives in the database ``conninfo``.
+
+    Set by :meth:`PostgresBroker.emit_after` while the ``after_process_message``,
+    ``after_skip_message``, ``after_ack`` and ``after_nack`` hooks of a claimed
+    message run on a worker thread; None elsewhere (in particular inside the
+    actor's own body).
+    """
+    message: _PostgresMessage | None = getattr(_deciding, "message", None)
+    if message is not None and message.consumer.broker.conninfo == conninfo:
+        return message
+    return None
 
 
 def validate_queue_name(queue_name: str) -> str:
@@ -300,7 +324,10 @@ class PostgresBroker(Broker):
             raise ValueError(f"batch_size must be at least 1, not {batch_size!r}")
         prepared = [_stored_form(message) for message in messages]
         delay_ms = int(delay or 0)
-        binding = current_outbox(self)
+        finishing = getattr(_deciding, "message", None)
+        if finishing is not None and finishing.consumer.broker is not self:
+            finishing = None
+        binding = current_outbox(self) if finishing is None else None
         for start in range(0, len(prepared), batch_size):
             batch = prepared[start : start + batch_size]
             self.logger.debug("Enqueueing %d message(s), first %r.", len(batch), batch[0].message_id)
@@ -308,12 +335,89 @@ class PostgresBroker(Broker):
             for message in batch:
                 self.emit_before("enqueue", message, delay)
                 stored.append(StoredMessage.of(message, delay_ms))
-            if binding is not None:
+            if finishing is not None:
+                # A follow-up: written with the ack or nack (see emit_after); after_enqueue
+                # runs once that transaction has committed.
+                finishing.follow_ups.extend(stored)
+            elif binding is not None:
                 binding.add(self, stored)
             else:
                 for item in self.runtime.enqueue(stored, notify=self.notify != "off"):
                     self.emit_after("enqueue", item.message, item.delay or None)
         return prepared
+
+    def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        # Dramatiq's worker calls emit_before("ack"/"nack"), then Consumer.ack/nack, then
+        # emit_after: the decision waits for emit_after, so what after_ack/after_nack
+        # hooks store (Results stores a failure in after_nack) is written with it.
+        if signal in ("ack", "nack") and args and isinstance(args[0], _PostgresMessage):
+            args[0].deferred = True
+        super().emit_before(signal, *args, **kwargs)
+
+    def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        """Run the ``after_<signal>`` hooks; for a delivery's outcome, collect what they send.
+
+        While the ``after_process_message``, ``after_skip_message``,
+        ``after_ack`` and ``after_nack`` hooks of a message claimed from this
+        broker run, ``enqueue`` (Retries' retry, Pipelines' next step,
+        Callbacks, GroupCallbacks' completion) and
+        :class:`~dramatiq_pg_outbox.results.PostgresBackend` stores on the same
+        database do not write: they join the message's ack or nack, which the
+        flusher writes with them in one transaction fenced by the message's
+        lease.  This wraps every hook, whatever its place in the middleware
+        list (Dramatiq runs ``after_*`` hooks in reverse order, so a marker
+        middleware could not see them all).  Sends from the actor's own body
+        are written at once.
+        """
+        if signal == "process_boot":
+            super().emit_after(signal, *args, **kwargs)
+            self._refuse_to_boot_if_rejected()
+            return
+        message = args[0] if args else None
+        if (
+            signal not in FOLLOW_UP_SIGNALS
+            or not isinstance(message, _PostgresMessage)
+            or message.consumer.broker is not self
+        ):
+            super().emit_after(signal, *args, **kwargs)
+            return
+        previous = getattr(_deciding, "message", None)
+        _deciding.message = message
+        try:
+            super().emit_after(signal, *args, **kwargs)
+        finally:
+            _deciding.message = previous
+        if signal in ("ack", "nack") and message.deferred:
+            message.deferred = False
+            if message.outcome is not None:
+                message.consumer.submit(message)
+
+    def _refuse_to_boot_if_rejected(self) -> None:
+        """In a ``dramatiq`` worker process at boot: exit at once if PostgreSQL refuses us for good.
+
+        One connection attempt.  A wrong password, a missing role or database
+        or no ``pg_hba.conf`` entry logs one line and exits with Dramatiq's
+        ``RET_CONNECT`` (3), which stops the whole ``dramatiq`` command; a
+        transient failure (server down or starting) logs a warning and the
+        worker starts, waiting for the server as usual.
+
+        Raises:
+          SystemExit: With code 3, on a refusal that retrying cannot fix.
+        """
+        kwargs: dict[str, Any] = {"autocommit": True, "application_name": f"dramatiq-pg-outbox:{os.getpid()}"}
+        if not conninfo_to_dict(self.conninfo).get("connect_timeout"):
+            kwargs["connect_timeout"] = 10
+        try:
+            psycopg.connect(self.conninfo, **kwargs).close()
+        except psycopg.OperationalError as e:
+            reason = describe_rejection(e, self.conninfo)
+            if reason is None:
+                self.logger.warning(
+                    "PostgreSQL is not reachable yet, the worker keeps trying: %s", libpq_detail(e)
+                )
+                return
+            self.logger.critical("%s", reason)
+            raise SystemExit(3) from None
 
     def get_declared_queues(self) -> set[str]:
         return self.queues.copy()
@@ -384,6 +488,14 @@ class _PostgresMessage(MessageProxy):
         self.lease = lease
         #: Claims of this stored message so far, this one included.
         self.attempts = attempts
+        #: Messages enqueued by middleware while its outcome is decided (see PostgresBroker.emit_after).
+        self.follow_ups: list[StoredMessage] = []
+        #: Other writes of that phase (results), as (statement, parameters).
+        self.statements: list[tuple[str, dict[str, Any]]] = []
+        #: Set by emit_before("ack"/"nack"): the decision waits for emit_after.
+        self.deferred = False
+        #: The decision taken by ack or nack: (kind, error type, error).
+        self.outcome: tuple[str, str | None, str | None] | None = None
 
 
 class _PostgresConsumer(Consumer):
@@ -634,22 +746,37 @@ class _PostgresConsumer(Consumer):
         assert isinstance(message, _PostgresMessage)
         exception = getattr(message, "_exception", None)
         if exception is None:
-            self.runtime.flusher.ack(message.row_id, message.lease)
+            message.outcome = ("ack", None, None)
         else:
-            # The actor raised but Dramatiq acks: Retries enqueued a retry (or
-            # the exception is in `throws`).  Keep the error in history.
-            self.runtime.flusher.ack_with_error(message.row_id, message.lease, *format_error(exception))
-        message.consumer._release(message.row_id)
+            # The actor raised but Dramatiq acks: Retries enqueued a retry (a
+            # follow-up of this outcome).  Keep the error in history.
+            message.outcome = ("ack_with_error", *format_error(exception))
+        self._decided(message)
         if self.broker._metrics is not None:
             self.broker._metrics.acked.labels(self.queue_name).inc()
 
     def nack(self, message: MessageProxy) -> None:
         assert isinstance(message, _PostgresMessage)
-        error_type, error = format_error(getattr(message, "_exception", None))
-        self.runtime.flusher.nack(message.row_id, message.lease, error_type, error)
-        message.consumer._release(message.row_id)
+        message.outcome = ("nack", *format_error(getattr(message, "_exception", None)))
+        self._decided(message)
         if self.broker._metrics is not None:
             self.broker._metrics.nacked.labels(self.queue_name).inc()
+
+    def _decided(self, message: _PostgresMessage) -> None:
+        message.consumer._release(message.row_id)
+        if not message.deferred:
+            # Called outside Dramatiq's worker (no emit_before): write it now.
+            self.submit(message)
+
+    def submit(self, message: _PostgresMessage) -> None:
+        """Hand a decided message, with its follow-ups, to the flusher."""
+        assert message.outcome is not None
+        kind, error_type, error = message.outcome
+        follow_ups, statements = message.follow_ups, message.statements
+        message.follow_ups, message.statements = [], []
+        self.runtime.flusher.finish(
+            Outcome(message.row_id, message.lease, kind, error_type, error, follow_ups, statements)
+        )
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Hand unstarted messages back at once, without charging them an attempt."""

@@ -61,7 +61,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from . import dashboard, periodic
 from ._urls import mask_password
-from .errors import SchemaNotReady
+from .errors import URL_SHAPE, SchemaNotReady, libpq_detail, rejection_reason
 from .migrations import (
     DEFAULT_SCHEMA,
     VERSION_TABLE,
@@ -91,7 +91,7 @@ EXIT_INTERRUPTED = 130
 #: Narrowest the error column of ``failed`` gets, in characters.
 MIN_ERROR_WIDTH = 40
 
-_URL_SHAPE = "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+_URL_SHAPE = URL_SHAPE
 _SECRET_PARAMETERS = ("password", "sslpassword")
 _AGE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([smhd]?)\s*$")
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3_600, "d": 86_400, "": 86_400}
@@ -542,31 +542,9 @@ def _connection_error(e: psycopg.OperationalError, db: _Database) -> CliError:
     user = db.params.get("user") or _login_name()
     dbname = db.params.get("dbname") or user
     where = f"PostgreSQL at {db.server}"
-    if "password authentication failed" in text:
-        return CliError(
-            f"{where} refused user {user!r}: password authentication failed. "
-            "Check the user name and password in the URL"
-        )
-    if "no password supplied" in text:
-        return CliError(
-            f"{where} wants a password for user {user!r} and the URL has none. "
-            f"Add it to the URL: {_URL_SHAPE}"
-        )
-    if re.search(r'role ".*" does not exist', text):
-        return CliError(
-            f"{where} refused user {user!r}: the role does not exist. Check the user name in the URL, "
-            "or create the role (CREATE ROLE ... LOGIN PASSWORD ...)"
-        )
-    if re.search(r'database ".*" does not exist', text):
-        return CliError(
-            f"{where} has no database {dbname!r}. Check the database name in the URL, "
-            f"or create it (createdb {shlex.quote(str(dbname))})"
-        )
-    if "no pg_hba.conf entry" in text:
-        return CliError(
-            f"{where} does not let user {user!r} connect to database {dbname!r} from this host "
-            f"({detail}). Check the URL, or ask the DBA to allow it in pg_hba.conf"
-        )
+    reason = rejection_reason(e, server=db.server, user=str(user), dbname=str(dbname))
+    if reason is not None:
+        return CliError(reason)
     if "Connection refused" in text or "No such file or directory" in text:
         return CliError(
             f"cannot connect to {where}: connection refused. "
@@ -592,10 +570,7 @@ def _login_name() -> str:
 
 def _libpq_detail(e: psycopg.Error) -> str:
     """libpq's message on one line, without its ``connection to server at ... failed:`` prefixes."""
-    text = str(e).removeprefix("connection failed: ")
-    text = re.sub(r'connection to server (at "[^"]*"(, port \d+)?|on socket "[^"]*") failed: ', "", text)
-    text = text.replace("FATAL:  ", "")
-    return " ".join(text.split()).rstrip(".")
+    return libpq_detail(e)
 
 
 @contextmanager
@@ -820,7 +795,7 @@ def _relay(args: argparse.Namespace) -> int:
     import signal
 
     from .broker import PostgresBroker, validate_queue_name
-    from .relay import Relay, target_broker
+    from .relay import Relay, TargetUnusable, check_target, target_broker
 
     queues = [q.strip() for q in args.queues.split(",") if q.strip()]
     try:
@@ -839,7 +814,13 @@ def _relay(args: argparse.Namespace) -> int:
     with _checked_connection(args):
         pass  # the server, the credentials and the schema are fine
     db = _database(args)
+    try:
+        check_target(target, mask_password(args.to))
+    except TargetUnusable as e:
+        raise CliError(str(e)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Alembic logs its plugin set-up at INFO when first imported: not the relay's business.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     try:
         broker = PostgresBroker(
             url=args.url or os.environ[URL_ENV_VAR],
@@ -860,6 +841,8 @@ def _relay(args: argparse.Namespace) -> int:
     )
     try:
         relay.run(report_every=args.report_every)
+    except TargetUnusable as e:
+        raise CliError(str(e)) from None
     finally:
         if server is not None:
             server.shutdown()

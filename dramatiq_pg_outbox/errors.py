@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,6 +29,78 @@ class OutboxError(BrokerError):
         super().__init__(message)  # type: ignore[no-untyped-call]
 
 
+class ConnectionRejected(ConnectionFailed):
+    """PostgreSQL refused the connection for a reason that waiting cannot fix.
+
+    A wrong password, a missing role or database, no ``pg_hba.conf`` entry.
+    Raised at once instead of after ``pool_timeout``; its message is one line
+    naming the cause and what to check.  A subclass of Dramatiq's
+    ``ConnectionFailed``, so code that handles connection errors still does.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)  # type: ignore[no-untyped-call]
+
+
+#: Template of a PostgreSQL URL, for messages.
+URL_SHAPE = "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+
+
+def rejection_reason(error: BaseException, *, server: str, user: str, dbname: str) -> str | None:
+    """One line on why PostgreSQL refused a connection, if retrying cannot help; else None.
+
+    psycopg reports connection failures without a SQLSTATE (libpq gets no
+    error fields before the session exists), so this reads libpq's message:
+    the server's ``FATAL`` text (``password authentication failed``, ``role
+    "..." does not exist``, ``database "..." does not exist``, ``no pg_hba.conf
+    entry``) or libpq's own ``no password supplied``.  Those are PostgreSQL's
+    English messages: a server with another ``lc_messages`` yields None, and
+    the caller keeps waiting as for any transient failure (refused
+    connection, server starting, timeout), which is the safe side.
+
+    Parameters:
+      error(BaseException): The ``psycopg.OperationalError`` of the connection attempt.
+      server(str): ``host:port`` as shown to the user.
+      user(str): The user name of the attempt.
+      dbname(str): The database name of the attempt.
+    """
+    text = str(error)
+    where = f"PostgreSQL at {server}"
+    if "password authentication failed" in text:
+        return (
+            f"{where} refused user {user!r}: password authentication failed. "
+            "Check the user name and password in the URL"
+        )
+    if "no password supplied" in text:
+        return (
+            f"{where} wants a password for user {user!r} and the URL has none. Add it to the URL: {URL_SHAPE}"
+        )
+    if re.search(r'role ".*" does not exist', text):
+        return (
+            f"{where} refused user {user!r}: the role does not exist. Check the user name in the URL, "
+            "or create the role (CREATE ROLE ... LOGIN PASSWORD ...)"
+        )
+    if re.search(r'database ".*" does not exist', text):
+        return (
+            f"{where} has no database {dbname!r}. Check the database name in the URL, "
+            f"or create it (createdb {shlex.quote(str(dbname))})"
+        )
+    if "no pg_hba.conf entry" in text:
+        return (
+            f"{where} does not let user {user!r} connect to database {dbname!r} from this host "
+            f"({libpq_detail(error)}). Check the URL, or ask the DBA to allow it in pg_hba.conf"
+        )
+    return None
+
+
+def libpq_detail(error: BaseException) -> str:
+    """libpq's message on one line, without its ``connection to server at ... failed:`` prefixes."""
+    text = str(error).removeprefix("connection failed: ")
+    text = re.sub(r'connection to server (at "[^"]*"(, port \d+)?|on socket "[^"]*") failed: ', "", text)
+    text = text.replace("FATAL:  ", "")
+    return " ".join(text.split()).rstrip(".")
+
+
 @contextmanager
 def translate_errors() -> Iterator[None]:
     """Turn psycopg connection errors into Dramatiq's ``ConnectionClosed``/``ConnectionFailed``.
@@ -37,6 +111,8 @@ def translate_errors() -> Iterator[None]:
     """
     try:
         yield
+    except ConnectionRejected:
+        raise
     except psycopg_pool.PoolTimeout as e:
         raise ConnectionFailed(f"could not get a PostgreSQL connection from the pool: {e}") from e
     except (psycopg.OperationalError, psycopg.InterfaceError) as e:

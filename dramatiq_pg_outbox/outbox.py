@@ -72,7 +72,8 @@ from __future__ import annotations
 import shlex
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -81,6 +82,8 @@ from typing import TYPE_CHECKING, Any
 from dramatiq import Middleware
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Dialect, Engine, Transaction
+from sqlalchemy.engine.base import TwoPhaseTransaction
+from sqlalchemy.exc import UnboundExecutionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.pool import PoolProxiedConnection
@@ -102,11 +105,42 @@ _bindings: ContextVar[tuple[Outbox, ...]] = ContextVar("dramatiq_pg_outbox_bindi
 
 
 def current_outbox(broker: PostgresBroker) -> Outbox | None:
-    """The innermost binding active in this context that applies to ``broker``, if any."""
+    """The innermost binding in this context that applies to ``broker``, if any.
+
+    Raises:
+      OutboxError: If that binding's block has ended: this context was copied
+        from inside the block (``asyncio.create_task``, ``asyncio.to_thread``,
+        ``contextvars.copy_context().run``) and outlived it.  Its transaction
+        may be committed and closed; buffering the message there would drop it
+        without a word.
+    """
     for binding in reversed(_bindings.get()):
         if binding.broker is None or binding.broker is broker:
+            if binding.ended:
+                raise OutboxError(
+                    f"send() through an outbox() binding whose block has ended ({binding.bind!r}): "
+                    "this code runs in a task, thread or context started inside `with outbox(...)`, "
+                    "which copied the binding. Send inside the block so the message joins that "
+                    "transaction, or wrap the send in `with outside_outbox():` to send it on its own."
+                )
             return binding
     return None
+
+
+@contextmanager
+def outside_outbox() -> Iterator[None]:
+    """Send outside every :func:`outbox` binding for the duration of a ``with`` block.
+
+    For code that runs in a task, thread or context copied from inside an
+    ``outbox()`` block and must send on purpose through the broker's own
+    pool (committed at once, whatever happens to that block's transaction).
+    Works in ``async`` code too (it does no I/O).
+    """
+    token = _bindings.set(())
+    try:
+        yield
+    finally:
+        _bindings.reset(token)
 
 
 def outbox(bind: Bind, broker: PostgresBroker | None = None) -> Outbox:
@@ -140,6 +174,9 @@ class Outbox:
             )
         self.bind = bind
         self.broker = broker
+        #: True once the ``with`` block has exited: a copy of the context that outlived it
+        #: (a task or thread started inside) must not buffer into its transaction.
+        self.ended = False
         self._token: Token[tuple[Outbox, ...]] | None = None
 
     @property
@@ -165,9 +202,11 @@ class Outbox:
 
     def _push(self) -> None:
         _install_session_listeners()
+        self.ended = False
         self._token = _bindings.set((*_bindings.get(), self))
 
     def _pop(self) -> None:
+        self.ended = True
         if self._token is not None:
             _bindings.reset(self._token)
             self._token = None
@@ -209,8 +248,16 @@ class _Written:
     #: (row id, message id) of the rows, when they were written inside a savepoint that
     #: may still roll back (connections only): checked at commit.
     ids: list[tuple[int, str]] = field(default_factory=list)
-    #: The transaction id, for ``notify="after_commit"`` on a Connection.
+    #: The transaction id, for ``notify="after_commit"`` (or two-phase) on a Connection.
     xid: str | None = None
+    #: Written in a two-phase transaction: PostgreSQL cannot PREPARE a transaction that ran
+    #: NOTIFY, so the wake-up is sent after the second phase, from the broker's connection.
+    twophase: bool = False
+
+    @property
+    def notify_after_commit(self) -> bool:
+        """Whether the wake-up is sent after the commit (never in the transaction)."""
+        return self.broker.notify == "after_commit" or (self.twophase and self.broker.notify != "off")
 
 
 #: (engine URL, schema) pairs whose revision was checked, per broker.
@@ -237,12 +284,17 @@ def _write(
 ) -> _Written:
     """Insert ``items`` through ``conn``, in its transaction, with one statement."""
     _check_schema(conn, broker)
+    twophase = isinstance(conn.get_transaction(), TwoPhaseTransaction)
     name, params = enqueue_statement(
-        items, broker.channel, broker.notify == "transaction", broker.max_fetch_interval, return_ids
+        items,
+        broker.channel,
+        broker.notify == "transaction" and not twophase,
+        broker.max_fetch_interval,
+        return_ids,
     )
     rows = conn.exec_driver_sql(queries_for_schema(broker.schema)[name], params).fetchall()
     result = enqueue_result(name, items, rows)
-    return _Written(broker, result.stored, result.payloads, result.ids)
+    return _Written(broker, result.stored, result.payloads, result.ids, twophase=twophase)
 
 
 def _by_broker(
@@ -303,6 +355,14 @@ def _install_session_listeners() -> None:
 
 
 def _session_add(session: Session, broker: PostgresBroker, items: list[StoredMessage]) -> None:
+    try:
+        session.get_bind()  # no I/O: the default bind, where the messages are written at commit
+    except UnboundExecutionError:
+        raise OutboxError(
+            f"outbox() cannot tell which database of {session!r} the messages belong to: it has no "
+            "default bind (only binds={...} per mapper or table). Give it one for the broker's database, "
+            "Session(bind=engine, binds={...}), or bind outbox() to a Connection of that database"
+        ) from None
     root = session.get_transaction() or session.begin()
     scope = session.get_nested_transaction() or root
     buffer = _session_buffers.get(root)
@@ -356,7 +416,7 @@ def _session_after_commit(session: Session) -> None:
         return
     for written in buffer.written:
         _after_enqueue(written)
-        if written.broker.notify == "after_commit" and written.payloads:
+        if written.notify_after_commit and written.payloads:
             # Non-blocking: the flush loop sends it from the broker's own connection.
             written.broker.runtime.flusher.notify_later(written.payloads)
 
@@ -442,6 +502,9 @@ def _install_engine_listeners(engine: Engine) -> None:
             event.listen(engine, "rollback_savepoint", _connection_rollback_savepoint)
             event.listen(engine, "commit", _connection_commit)
             event.listen(engine, "rollback", _connection_rollback)
+            event.listen(engine, "prepare_twophase", _connection_prepare_twophase)
+            event.listen(engine, "commit_twophase", _connection_commit_twophase)
+            event.listen(engine, "rollback_twophase", _connection_rollback_twophase)
             _hook_commit(engine.dialect)
             _engines_listened.add(engine)
 
@@ -463,6 +526,7 @@ def _hook_commit(dialect: Dialect) -> None:
     if dialect in _dialects_hooked:
         return
     commit, rollback = dialect.do_commit, dialect.do_rollback
+    commit_twophase, rollback_twophase = dialect.do_commit_twophase, dialect.do_rollback_twophase
 
     def do_commit(dbapi_connection: PoolProxiedConnection) -> None:
         stored = _take_after_commit(dbapi_connection)
@@ -474,8 +538,25 @@ def _hook_commit(dialect: Dialect) -> None:
         _take_after_commit(dbapi_connection)
         rollback(dbapi_connection)
 
+    # Two-phase: COMMIT PREPARED / ROLLBACK PREPARED (a commit without PREPARE goes through do_commit).
+    def do_commit_twophase(
+        connection: Connection, xid: Any, is_prepared: bool = True, recover: bool = False
+    ) -> None:
+        stored = _take_after_commit(connection.connection)
+        commit_twophase(connection, xid, is_prepared, recover)
+        for written in stored:
+            _after_enqueue(written)
+
+    def do_rollback_twophase(
+        connection: Connection, xid: Any, is_prepared: bool = True, recover: bool = False
+    ) -> None:
+        _take_after_commit(connection.connection)
+        rollback_twophase(connection, xid, is_prepared, recover)
+
     dialect.do_commit = do_commit  # type: ignore[method-assign]
     dialect.do_rollback = do_rollback  # type: ignore[method-assign]
+    dialect.do_commit_twophase = do_commit_twophase  # type: ignore[method-assign]
+    dialect.do_rollback_twophase = do_rollback_twophase  # type: ignore[method-assign]
     _dialects_hooked.add(dialect)
 
 
@@ -529,6 +610,22 @@ def _connection_rollback(conn: Connection) -> None:
         buffer.reset()
 
 
+def _connection_prepare_twophase(conn: Connection, xid: Any) -> None:
+    # Fired before PREPARE TRANSACTION: the messages go in first, as before a COMMIT.
+    _connection_commit(conn)
+
+
+def _connection_commit_twophase(conn: Connection, xid: Any, is_prepared: bool) -> None:
+    # A two-phase transaction committed without prepare() is a plain COMMIT; once
+    # prepared, its messages were written before the PREPARE.
+    if not is_prepared:
+        _connection_commit(conn)
+
+
+def _connection_rollback_twophase(conn: Connection, xid: Any, is_prepared: bool) -> None:
+    _connection_rollback(conn)
+
+
 def _connection_commit(conn: Connection) -> None:
     # Fired before COMMIT is sent: the buffer is written in the transaction, and after_enqueue
     # is left for the dialect's do_commit to run once the COMMIT succeeded (_hook_commit).
@@ -542,7 +639,7 @@ def _connection_commit(conn: Connection) -> None:
         buffer.reset()
         for w in written:
             announce = _wants_after_enqueue(w.broker)
-            after_commit_notify = w.broker.notify == "after_commit"
+            after_commit_notify = w.notify_after_commit
             if w.ids and (announce or after_commit_notify):
                 # Written inside a savepoint: keep only the rows that survived it.
                 query = queries_for_schema(w.broker.schema)["surviving_ids"]

@@ -225,18 +225,27 @@ WHERE %(queue_name)s = ANY (queues)
 -- Archives completed messages: the DELETE and the INSERT into history are one
 -- statement.  Fenced by lease: a row that was released and claimed again
 -- elsewhere (new lease) is not touched; the caller counts those as stale.
+-- Returns the ids archived: the flusher writes a message's follow-ups (retry,
+-- next pipeline step, callbacks, result) in the same transaction, for these
+-- ids only.
+-- The ids come from the DELETE, not from "INSERT ... RETURNING", which would need
+-- SELECT on history (docs/security.md grants the worker role INSERT only); a
+-- data-modifying CTE runs to completion whether or not its rows are read.
 WITH done AS (
     DELETE FROM {schema}.messages AS m
     USING unnest(%(ids)s::bigint[], %(leases)s::uuid[]) AS a(id, lease)
     WHERE m.id = a.id AND m.lease = a.lease AND m.state = 'processing'
     RETURNING m.*
+),
+archived AS (
+    INSERT INTO {schema}.history
+        (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at, payload,
+         idempotency_key)
+    SELECT id, queue_name, actor_name, message_id, 'completed', attempts, enqueued_at, acquired_at, payload,
+           idempotency_key
+    FROM done
 )
-INSERT INTO {schema}.history
-    (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at, payload,
-     idempotency_key)
-SELECT id, queue_name, actor_name, message_id, 'completed', attempts, enqueued_at, acquired_at, payload,
-       idempotency_key
-FROM done;
+SELECT id FROM done;
 
 -- name: archive --
 -- Moves messages to history in state %(state)s with their error: failed for a
@@ -248,13 +257,16 @@ WITH failed AS (
         AS a(id, lease, error_type, error)
     WHERE m.id = a.id AND m.lease = a.lease AND m.state = 'processing'
     RETURNING m.*, a.error_type AS failure_type, a.error AS failure
+),
+archived AS (
+    INSERT INTO {schema}.history
+        (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
+         error_type, error, payload, idempotency_key)
+    SELECT id, queue_name, actor_name, message_id, %(state)s, attempts, enqueued_at, acquired_at,
+           failure_type, failure, payload, idempotency_key
+    FROM failed
 )
-INSERT INTO {schema}.history
-    (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
-     error_type, error, payload, idempotency_key)
-SELECT id, queue_name, actor_name, message_id, %(state)s, attempts, enqueued_at, acquired_at,
-       failure_type, failure, payload, idempotency_key
-FROM failed;
+SELECT id FROM failed;
 
 -- name: requeue --
 -- Hands claimed but unstarted messages back at once, without charging them

@@ -48,6 +48,7 @@ time of its queues), so the target never holds our delayed messages.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -125,6 +126,79 @@ class TargetError(Exception):
     def __init__(self, text: str, confirmed: set[int] | None = None) -> None:
         super().__init__(text)
         self.confirmed = confirmed or set()
+
+
+class TargetUnusable(Exception):
+    """The target broker cannot be used for a reason a retry cannot fix; the text is one line.
+
+    Raised by :func:`check_target` (at start: wrong host, refused connection,
+    refused credentials) and by :meth:`Relay.run` when the target refuses the
+    credentials later (they were changed): retrying forever would only hide it.
+    """
+
+
+#: Exception class names of pika and redis-py that mean "credentials refused".
+_AUTH_ERRORS = frozenset({
+    "ProbableAuthenticationError", "AuthenticationError", "ProbableAccessDeniedError",
+    "AuthenticationWrongNumberOfArgsError",
+})  # fmt: skip
+
+
+def refused_credentials(error: BaseException | None) -> bool:
+    """Whether ``error`` (or an error it wraps) says the target refused the relay's credentials."""
+    while error is not None:
+        if type(error).__name__ in _AUTH_ERRORS:
+            return True
+        text = str(error)
+        if "ACCESS_REFUSED" in text or "WRONGPASS" in text or "NOAUTH" in text:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def check_target(target: Broker, shown: str) -> None:
+    """Connect and authenticate to a RabbitMQ or Redis target once (other brokers: nothing to do).
+
+    Parameters:
+      target(Broker): The target broker, from :func:`target_broker`.
+      shown(str): Its URL with the password masked, for the message.
+
+    Raises:
+      TargetUnusable: One line: what failed and what to check in ``--to``.
+    """
+    kind = type(target).__name__
+    try:
+        if kind == "RabbitmqBroker":
+            # Opens and authenticates this thread's connection (the relay publishes on it).
+            _ = target.connection  # type: ignore[attr-defined]
+        elif kind == "RedisBroker":
+            target.client.ping()  # type: ignore[attr-defined]
+    except Exception as e:
+        chain: list[BaseException] = []
+        cause: BaseException | None = e
+        while cause is not None and len(chain) < 5:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        detail = " ".join(" ".join(f"{type(x).__name__}: {x}" for x in chain).split())[:300]
+        if not any(str(x) for x in chain):
+            # pika's AMQPConnectionError may carry nothing once its connection attempts ran out.
+            raise TargetUnusable(
+                f"cannot connect to {shown}: no connection ({type(e).__name__}). "
+                "Check that the server runs and the host and port in --to"
+            ) from None
+        if refused_credentials(e):
+            raise TargetUnusable(
+                f"{shown} refused the relay's credentials ({detail}). "
+                "Check the user name and password in --to"
+            ) from None
+        if isinstance(e, socket.gaierror) or "Name or service not known" in detail:
+            raise TargetUnusable(f"cannot connect to {shown}: unknown host. Check the host in --to") from None
+        if "refused" in detail.lower():
+            raise TargetUnusable(
+                f"cannot connect to {shown}: connection refused. "
+                "Check that the server runs and the host and port in --to"
+            ) from None
+        raise TargetUnusable(f"cannot connect to {shown}: {detail}. Check --to") from None
 
 
 class _Publisher:
@@ -476,6 +550,11 @@ class Relay:
                     relayed = self.run_once()
                     backoff = 0.0
                 except TargetError as e:
+                    if refused_credentials(e.__cause__):
+                        raise TargetUnusable(
+                            f"the target refused the relay's credentials ({e}). Check the user name and "
+                            "password in --to"
+                        ) from None
                     backoff = min(max(backoff * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
                     self.logger.warning(
                         "Publishing to the target failed (%s); retrying in %.1f s", e, backoff
@@ -642,4 +721,13 @@ def target_broker(url: str) -> Broker:
     raise ValueError(f"--to must be an amqp://, amqps://, redis:// or rediss:// URL, not {scheme or url!r}")
 
 
-__all__ = ["DEFAULT_BATCH_SIZE", "Relay", "RelayCollector", "RelayStats", "TargetError", "target_broker"]
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "Relay",
+    "RelayCollector",
+    "RelayStats",
+    "TargetError",
+    "TargetUnusable",
+    "check_target",
+    "target_broker",
+]

@@ -67,7 +67,7 @@ from psycopg import sql
 from sqlalchemy.engine import URL, Engine
 
 from ._queries import queries_for_schema
-from .broker import PostgresBroker
+from .broker import PostgresBroker, deciding
 from .errors import SchemaNotReady
 from .migrations import DEFAULT_SCHEMA
 
@@ -288,8 +288,14 @@ class PostgresBackend(ResultBackend):
             "payload": payload,
             "notify": self.notify,
         }
-        with self._connection() as conn:
-            conn.execute(self._queries["results_store"], params)
+        finishing = deciding(self._broker.conninfo)
+        if finishing is not None:
+            # Stored by the Results middleware while a message's outcome is decided:
+            # written with its ack or nack, in one transaction (PostgresBroker.emit_after).
+            finishing.statements.append((self._queries["results_store"], params))
+        else:
+            with self._connection() as conn:
+                conn.execute(self._queries["results_store"], params)
         if self.cleanup_interval is not None:
             self._state().start_cleaner()
 

@@ -142,9 +142,9 @@ def make_broker(database_url: str, db: psycopg.Connection[Any]) -> Iterator[Any]
     brokers: list[PostgresBroker] = []
     workers: list[dramatiq.Worker] = []
 
-    def factory(**options: Any) -> PostgresBroker:
+    def factory(url: str | None = None, **options: Any) -> PostgresBroker:
         settings = {**FAST, **options}
-        broker = PostgresBroker(url=database_url, **settings)
+        broker = PostgresBroker(url=url or database_url, **settings)
         brokers.append(broker)
         dramatiq.set_broker(broker)
         return broker

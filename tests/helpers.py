@@ -1,4 +1,4 @@
-"""Helpers shared by the process and chaos tests: waiting, counting, supervising and reaping processes."""
+"""Helpers shared by the process and chaos tests: waiting, counting, processes, a TCP proxy."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+# The TCP proxy lives with the chaos suite, which cuts connections with it too.
+from benchmarks.chaos.harness import Proxy as Proxy
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:

@@ -475,3 +475,120 @@ def test_after_enqueue_follows_the_database_transaction_when_a_later_commit_list
     # Then after_enqueue ran for every message the database stored, and for no other
     assert sorted(recorded) == args_stored(db)
     assert "1" not in recorded
+
+
+# -- a binding ends with its block ---------------------------------------------------------------
+# asyncio.create_task, asyncio.to_thread and contextvars.copy_context().run copy the context, and
+# the binding with it.  A send from such a copy after the block ended would be buffered into a
+# transaction that was committed (or closed) already and dropped without a word: it raises instead.
+
+
+def test_a_task_created_inside_the_block_cannot_send_through_it_after_the_block(
+    db: Any, database_url: str, actor: Any
+) -> None:
+    async def scenario() -> None:
+        engine = create_async_engine(normalize_sqlalchemy_url(database_url))
+        block_ended = asyncio.Event()
+
+        async def late_send() -> None:
+            await block_ended.wait()
+            actor.send(2)
+
+        async def early_send() -> None:
+            actor.send(1)
+
+        async with AsyncSession(engine) as session:
+            async with outbox(session):
+                late = asyncio.create_task(late_send())
+                await asyncio.create_task(early_send())  # while the block is open: joins it
+            block_ended.set()
+            await session.commit()
+        with pytest.raises(OutboxError, match="whose block has ended"):
+            await late
+        await engine.dispose()
+
+    asyncio.run(scenario())
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 1
+
+
+def test_a_thread_started_by_to_thread_inside_the_block_cannot_send_through_it_after_the_block(
+    db: Any, database_url: str, actor: Any
+) -> None:
+    import threading
+
+    block_ended = threading.Event()
+    errors: list[BaseException] = []
+
+    def late_send() -> None:
+        block_ended.wait(10)
+        try:
+            actor.send(1)
+        except OutboxError as e:
+            errors.append(e)
+
+    async def scenario() -> None:
+        engine = create_async_engine(normalize_sqlalchemy_url(database_url))
+        async with AsyncSession(engine) as session:
+            async with outbox(session):
+                thread = asyncio.ensure_future(asyncio.to_thread(late_send))
+                await asyncio.sleep(0.05)
+            block_ended.set()
+            await session.commit()
+        await thread
+        await engine.dispose()
+
+    asyncio.run(scenario())
+    assert len(errors) == 1 and "whose block has ended" in str(errors[0])
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 0
+
+
+def test_a_context_copied_inside_the_block_cannot_send_through_it_after_the_block(
+    db: Any, engine: Any, actor: Any
+) -> None:
+    import contextvars
+
+    from dramatiq_pg_outbox import outside_outbox
+
+    with Session(engine) as session:
+        with outbox(session):
+            copied = contextvars.copy_context()
+        session.commit()
+    with pytest.raises(OutboxError, match="outside_outbox"):
+        copied.run(actor.send, 1)
+    assert stored(db) == []
+
+    # On purpose, outside every binding: written at once through the broker's pool.
+    def send_on_its_own() -> None:
+        with outside_outbox():
+            actor.send(2)
+
+    copied.run(send_on_its_own)
+    assert stored(db) == ["welcome"]
+
+
+def test_a_session_with_binds_and_no_default_bind_is_a_clear_error_and_loses_nothing(
+    db: Any, engine: Any, actor: Any
+) -> None:
+    from sqlalchemy import Column, Integer, MetaData, Table
+
+    orders = Table("outbox_binds_orders", MetaData(), Column("id", Integer, primary_key=True))
+    orders.create(engine, checkfirst=True)
+    try:
+        # Given a Session with binds per table only
+        with Session(binds={orders: engine}) as session:
+            with outbox(session):
+                session.execute(orders.insert().values(id=1))
+                # When a message is sent, Then the send says what to do, at once
+                with pytest.raises(OutboxError, match="no default bind"):
+                    actor.send(1)
+            session.commit()
+        assert stored(db) == []
+        # And with a default bind as well, the message commits with the rows
+        with Session(bind=engine, binds={orders: engine}) as session:
+            with outbox(session):
+                session.execute(orders.insert().values(id=2))
+                actor.send(2)
+            session.commit()
+        assert stored(db) == ["welcome"]
+    finally:
+        orders.drop(engine)

@@ -30,7 +30,7 @@ from dramatiq_pg_outbox import PostgresBroker, outbox
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
 from dramatiq_pg_outbox.relay import Relay
 
-from .helpers import count, wait_for
+from .helpers import Proxy, count, wait_for
 
 pika = pytest.importorskip("pika", reason="the relay tests need pika (pip install 'dramatiq[rabbitmq]')")
 redis = pytest.importorskip("redis", reason="the relay tests need redis (pip install 'dramatiq[redis]')")
@@ -304,81 +304,6 @@ def test_the_relay_command_serves_its_metrics_to_prometheus(
         client.close()
 
 
-def _hang_up(*sockets: socket.socket) -> None:
-    """Shut down and close each socket (one the peer already closed included)."""
-    for s in sockets:
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        s.close()
-
-
-class Proxy:
-    """A TCP proxy to RabbitMQ that the test can cut (every connection closed, new ones refused)."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.server = socket.socket()
-        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen()
-        self.port = self.server.getsockname()[1]
-        self.blocked = threading.Event()
-        self.closed = threading.Event()
-        self.sockets: list[socket.socket] = []
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            if self.blocked.is_set():
-                client.close()
-                continue
-            try:
-                upstream = socket.create_connection(self.upstream, timeout=5)
-            except OSError:
-                client.close()
-                continue
-            for s in (client, upstream):
-                # Forward each AMQP frame at once: with Nagle's algorithm against the peer's
-                # delayed ACKs, every publish-and-confirm round trip would wait ~40 ms.
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            upstream.settimeout(None)
-            with self.lock:
-                self.sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                if self.blocked.is_set():
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        _hang_up(src, dst)
-
-    def block(self) -> None:
-        self.blocked.set()
-        with self.lock:
-            sockets, self.sockets = self.sockets, []
-        _hang_up(*sockets)
-
-    def unblock(self) -> None:
-        self.blocked.clear()
-
-    def close(self) -> None:
-        self.closed.set()
-        self.block()
-        self.server.close()
-
-
 def test_a_target_cut_off_for_10_seconds_loses_nothing(
     db: Any, broker: PostgresBroker, make_target: Any
 ) -> None:
@@ -420,3 +345,67 @@ def test_the_command_explains_bad_input_in_one_line(database_url: str) -> None:
         done = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60)
         assert done.returncode in (1, 2), done.stderr
         assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+@pytest.fixture
+def redis_user() -> Iterator[str]:
+    """A Redis ACL user with a password, deleted after the test; its name."""
+    if not _reachable("127.0.0.1", 6379):
+        pytest.skip("no redis server at 127.0.0.1:6379")
+    client = redis.Redis.from_url(REDIS)
+    name = f"relay_{uuid.uuid4().hex[:8]}"
+    client.acl_setuser(name, enabled=True, passwords=["+right"], keys=["*"], commands=["+@all"])
+    try:
+        yield name
+    finally:
+        client.acl_deluser(name)
+        client.close()
+
+
+def test_a_target_the_relay_cannot_use_stops_it_at_start_with_one_line(
+    database_url: str, db: Any, redis_user: str
+) -> None:
+    # Given targets with a refused password, a closed port or an unknown host
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    base = [sys.executable, "-m", "dramatiq_pg_outbox.cli", "relay", "--url", database_url, "--queues", "a"]
+    for to, message in (
+        (AMQP.replace("guest:guest@", "guest:wrong-secret@"), "refused the relay's credentials"),
+        (f"redis://{redis_user}:wrong-secret@127.0.0.1:6379/0", "refused the relay's credentials"),
+        (f"amqp://guest:guest@127.0.0.1:{closed}/%2F", "Check that the server runs"),
+        (f"redis://127.0.0.1:{closed}/0", "connection refused"),
+        ("amqp://guest:guest@no-such-host.invalid:5672/%2F", "unknown host"),
+    ):
+        # When the relay command starts
+        done = subprocess.run([*base, "--to", to], capture_output=True, text=True, timeout=60)
+        # Then it exits 1 at once with one line (the password masked), never "relaying ..."
+        assert done.returncode == 1, (to, done.stdout, done.stderr)
+        assert done.stderr.count("\n") == 1 and message in done.stderr, (to, done.stderr)
+        assert "wrong-secret" not in done.stderr and "relaying" not in done.stdout
+    # And the right password of the same Redis user works
+    right = f"redis://{redis_user}:right@127.0.0.1:6379/0"
+    from dramatiq_pg_outbox.relay import check_target, target_broker
+
+    target = target_broker(right)
+    try:
+        check_target(target, right)
+    finally:
+        target.close()
+
+
+def test_a_busy_metrics_port_is_one_line_without_alembic_chatter(database_url: str, db: Any) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "dramatiq_pg_outbox.cli", "relay", "--url", database_url,
+             "--to", AMQP, "--queues", "a", "--metrics-port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        f"dramatiq-pg-outbox relay: error: cannot listen on 127.0.0.1:{port}: "
+        "Address already in use. Choose another --metrics-port"
+    ]

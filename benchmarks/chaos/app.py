@@ -57,8 +57,10 @@ RECORD = (
 )
 
 
-def execute(query: str, params: tuple[Any, ...]) -> None:
+def execute(query: str, params: tuple[Any, ...]) -> Any:
     """Run one autocommit statement on this process's own connection, reconnecting until it works.
+
+    Returns the first column of its first row, or None.
 
     The actors' bookkeeping must survive the faults the suite injects
     (terminated connections, a database restart); 60 s of retries is more than
@@ -70,8 +72,9 @@ def execute(query: str, params: tuple[Any, ...]) -> None:
         try:
             if conn is None or conn.closed:
                 conn = _conn[os.getpid()] = psycopg.connect(URL, autocommit=True, connect_timeout=5)
-            conn.execute(query, params)
-            return
+            cur = conn.execute(query, params)
+            row = cur.fetchone() if cur.description else None
+            return None if row is None else row[0]
         except psycopg.OperationalError:
             _conn.pop(os.getpid(), None)
             if time.monotonic() > deadline:
@@ -94,3 +97,44 @@ def long_task(key: str, seconds: float) -> None:
     execute("INSERT INTO chaos_started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
     time.sleep(seconds)
     execute(RECORD, (key,))
+
+
+# -- scenario 9: follow-ups written with the ack -----------------------------------------------
+# Each delivery is counted in chaos_attempts; the business key lands in chaos_received only once
+# the follow-up it depends on ran: the retry (flaky), the next pipeline step (step_two) or the
+# on_success callback (on_done).
+
+ATTEMPT = (
+    "INSERT INTO chaos_attempts (key, n) VALUES (%s, 1) "
+    "ON CONFLICT (key) DO UPDATE SET n = chaos_attempts.n + 1 RETURNING n"
+)
+
+
+@dramatiq.actor(max_retries=10, min_backoff=100, max_backoff=1_000)
+def flaky(key: str) -> None:
+    """Fails at its first delivery; Retries stores the retry as the actor ends."""
+    if int(execute(ATTEMPT, (key,))) == 1:
+        raise RuntimeError(f"first delivery of {key} fails on purpose")
+    execute(RECORD, (key,))
+
+
+@dramatiq.actor(max_retries=0)
+def step_one(key: str) -> str:
+    """First step of a pipeline: its result is the next step's argument."""
+    return key
+
+
+@dramatiq.actor(max_retries=0)
+def step_two(key: str) -> None:
+    execute(RECORD, (key,))
+
+
+@dramatiq.actor(max_retries=0)
+def succeed(key: str) -> str:
+    """Sent with on_success=on_done."""
+    return key
+
+
+@dramatiq.actor(max_retries=0)
+def on_done(message: dict[str, Any], result: str) -> None:
+    execute(RECORD, (result,))

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +37,7 @@ CREATE TABLE IF NOT EXISTS chaos_received (
 );
 CREATE TABLE IF NOT EXISTS chaos_started (key text NOT NULL, pid int NOT NULL, at timestamptz DEFAULT now());
 CREATE TABLE IF NOT EXISTS chaos_orders (key text PRIMARY KEY, created_at timestamptz DEFAULT now());
+CREATE TABLE IF NOT EXISTS chaos_attempts (key text PRIMARY KEY, n int NOT NULL);
 """
 
 
@@ -89,7 +91,7 @@ class Db:
         self.rows(TABLES)
         self.rows(
             "TRUNCATE dramatiq.messages, dramatiq.history, dramatiq.workers, "
-            "chaos_received, chaos_started, chaos_orders"
+            "chaos_received, chaos_started, chaos_orders, chaos_attempts"
         )
 
     def close(self) -> None:
@@ -114,6 +116,16 @@ class Producer:
                     conn.execute(INSERT_ORDERS, {"keys": chunk})
                     for key in chunk:
                         self.broker.enqueue(work_message(key))
+                conn.commit()
+
+    def send_messages(self, pairs: list[tuple[str, Message[Any]]], batch: int = 1_000) -> None:
+        """Send ``(business key, message)`` pairs, ``batch`` per transaction with their business rows."""
+        for start in range(0, len(pairs), batch):
+            chunk = pairs[start : start + batch]
+            with self.engine.connect() as conn:
+                with outbox(conn, self.broker):
+                    conn.execute(INSERT_ORDERS, {"keys": [key for key, _ in chunk]})
+                    self.broker.enqueue_many([message for _, message in chunk])
                 conn.commit()
 
     def send_message(self, message: Message[Any], key: str) -> None:
@@ -337,3 +349,81 @@ def producer_stats(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
 
 def jitter(seconds: float) -> float:
     return seconds * random.uniform(0.8, 1.2)
+
+
+# -- a TCP proxy the suite (and the tests) can cut ------------------------------
+
+
+def _hang_up(*sockets: socket.socket) -> None:
+    """Shut down and close each socket (one the peer already closed included)."""
+    for s in sockets:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
+
+
+class Proxy:
+    """A TCP proxy that a test can cut: every connection closed, new ones refused (PostgreSQL, RabbitMQ)."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.server = socket.socket()
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen()
+        self.port = self.server.getsockname()[1]
+        self.blocked = threading.Event()
+        self.closed = threading.Event()
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            if self.blocked.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            for s in (client, upstream):
+                # Forward each frame at once: with Nagle's algorithm against the peer's delayed
+                # ACKs, every request-and-reply round trip would wait ~40 ms.
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            upstream.settimeout(None)
+            with self.lock:
+                self.sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                if self.blocked.is_set():
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        _hang_up(src, dst)
+
+    def block(self) -> None:
+        self.blocked.set()
+        with self.lock:
+            sockets, self.sockets = self.sockets, []
+        _hang_up(*sockets)
+
+    def unblock(self) -> None:
+        self.blocked.clear()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.block()
+        self.server.close()

@@ -1,4 +1,4 @@
-"""The eight scenarios of the chaos suite.  Each returns a :class:`Result`."""
+"""The nine scenarios of the chaos suite.  Each returns a :class:`Result`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from dramatiq import Message
+from sqlalchemy.engine import make_url
 
 from dramatiq_pg_outbox.devserver import ThrowawayPostgres
 
 from .harness import (
+    QUEUE,
     Db,
     Producer,
+    Proxy,
     cluster,
     counts,
     held_by,
@@ -615,6 +619,119 @@ def pressure(ctx: Context) -> Result:
     )
 
 
+# -- 9 ------------------------------------------------------------------------
+
+
+def _follow_up_messages(n: int) -> tuple[list[tuple[str, Message[Any]]], list[str]]:
+    """(business key, message) pairs: half ``flaky`` (fails once, retried), a quarter two-step
+    pipelines, a quarter ``succeed`` with an ``on_success`` callback; and the keys expected in
+    ``chaos_received`` (each recorded only by the follow-up: the retry, step two, the callback)."""
+    pairs: list[tuple[str, Message[Any]]] = []
+    for i in range(n):
+        key = f"f{i:06d}"
+        kind = i % 4
+        if kind < 2:
+            message = Message(queue_name=QUEUE, actor_name="flaky", args=(key,), kwargs={}, options={})
+        elif kind == 2:
+            second = Message(queue_name=QUEUE, actor_name="step_two", args=(), kwargs={}, options={})
+            message = Message(
+                queue_name=QUEUE, actor_name="step_one", args=(key,), kwargs={},
+                options={"pipe_target": second.asdict()},
+            )  # fmt: skip
+        else:
+            message = Message(
+                queue_name=QUEUE,
+                actor_name="succeed",
+                args=(key,),
+                kwargs={},
+                options={"on_success": "on_done"},
+            )
+        pairs.append((key, message))
+    return pairs, [key for key, _ in pairs]
+
+
+def outage_follow_ups(ctx: Context) -> Result:
+    """Database outages while actors fail and are retried, pipelines advance and callbacks fire.
+
+    The workers reach PostgreSQL through a TCP proxy that the suite cuts (every connection
+    closed, new ones refused) for a few seconds, twice; then, with the suite's own server, a
+    fast restart.  Every retry, next step and callback is written in the transaction of the
+    ack that caused it, so each key must arrive.
+    """
+    n = ctx.n(20_000)
+    pairs, keys = _follow_up_messages(n)
+    ctx.producer.send_messages(pairs)
+    url = make_url(ctx.url)
+    proxy = Proxy((url.host or "127.0.0.1", url.port or 5432))
+    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    # Shorter than heartbeat_timeout: the workers are alive throughout, so any duplicate would be a defect.
+    cut_s = 2.0 if ctx.quick else 5.0
+    env = {**ctx.liveness, "CHAOS_WORK_MS": "5"}
+    cuts: list[str] = []
+    recoveries: list[float] = []
+    try:
+        with cluster(proxied, ctx.logdir, env=env) as sup:
+            for fraction in (0.2, 0.45):
+                wait_until(lambda f=fraction: counts(ctx.db).received >= n * f, 300, "progress")
+                proxy.block()
+                time.sleep(cut_s)
+                proxy.unblock()
+                db_now = ctx.db.value("SELECT now()")
+                recoveries.append(
+                    wait_until(
+                        lambda t=db_now: bool(
+                            ctx.db.value("SELECT count(*) FROM dramatiq.history WHERE finished_at > %s", (t,))
+                        ),
+                        120,
+                        "an ack after the outage",
+                        poll=0.05,
+                    )
+                )
+                cuts.append(f"proxy cut {cut_s:.0f} s")
+            if ctx.server is not None:
+                wait_until(lambda: counts(ctx.db).received >= n * 0.7, 300, "progress")
+                ctx.db.close()
+                ctx.producer.close()
+                ctx.server.restart("fast")
+                db_now = ctx.db.value("SELECT now()")
+                recoveries.append(
+                    wait_until(
+                        lambda t=db_now: bool(
+                            ctx.db.value("SELECT count(*) FROM dramatiq.history WHERE finished_at > %s", (t,))
+                        ),
+                        120,
+                        "an ack after the restart",
+                        poll=0.05,
+                    )
+                )
+                cuts.append("PostgreSQL restart")
+            wait_until(lambda: counts(ctx.db).received >= n, 600, "every key's follow-up")
+            wait_until(ctx.drained, 120, "the queue to drain")
+            restarts = sup.restarts
+    finally:
+        proxy.close()
+    c = counts(ctx.db)
+    lost = len(lost_keys(ctx.db, keys))
+    flaky_keys = [k for i, k in enumerate(keys) if i % 4 < 2]
+    retried = int(ctx.db.value("SELECT count(*) FROM chaos_attempts WHERE n >= 2"))
+    history = dict(
+        ctx.db.rows(
+            "SELECT state || coalesce('/' || error_type, ''), count(*) FROM dramatiq.history GROUP BY 1"
+        )
+    )
+    return Result(
+        "9. outage while retrying (follow-ups)",
+        n,
+        lost,
+        c.duplicates,
+        f"acks again {_fmt(recoveries)} after each outage ended",
+        f"outages: {', '.join(cuts)}; {retried} of {len(flaky_keys)} failing messages retried and run, "
+        f"{n - len(flaky_keys)} pipeline steps and callbacks run; history {history}; "
+        f"{restarts} worker restarts",
+        lost == 0 and retried == len(flaky_keys),
+    )
+
+
 SCENARIOS = {
     1: worker_kill,
     2: graceful_restart,
@@ -624,4 +741,5 @@ SCENARIOS = {
     6: long_task,
     7: producer_failure,
     8: pressure,
+    9: outage_follow_ups,
 }
