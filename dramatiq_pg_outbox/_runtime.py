@@ -893,26 +893,22 @@ class _Maintenance(_Loop):
         self._next_partitions = 0.0
         #: time.monotonic() from which this process may judge others dead (see tick).
         self._rescue_from = 0.0
-        self._failing = False
+        #: time.monotonic() of the last heartbeat of this process (the runtime heartbeats before
+        #: it starts this loop).
+        self._beat_at = time.monotonic()
 
     def tick(self) -> None:
-        try:
-            self._tick()
-        except Exception:
-            self._failing = True
-            raise
-
-    def _tick(self) -> None:
         self.heartbeat()
         now = time.monotonic()
-        if self._failing:
-            # Back after an outage of its own: the others' heartbeats are stale because the
-            # database was out of reach for them too, not because they died.  Judge nobody
-            # before they have had a full heartbeat_timeout to heartbeat again; otherwise the
-            # first process back would release the running messages of every other one
+        broker = self.runtime.broker
+        if now - self._beat_at > 2 * broker.heartbeat_interval / 1000:
+            # Its own heartbeat was late (the database was out of reach, or slow to answer): the
+            # others' heartbeats are probably stale for the same reason, not because they died.
+            # Judge nobody before they have had a full heartbeat_timeout to heartbeat again;
+            # otherwise the first process back releases the running messages of the others
             # (measured: 131 duplicates in a --quick run of chaos scenario 9 without this).
-            self._failing = False
-            self._rescue_from = now + self.runtime.broker.heartbeat_timeout / 1000
+            self._rescue_from = now + broker.heartbeat_timeout / 1000
+        self._beat_at = now
         if now < self._rescue_from:
             return
         if now >= self._next_partitions:

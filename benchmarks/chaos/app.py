@@ -8,6 +8,7 @@ real ``dramatiq`` CLI processes:
   ``CHAOS_HEARTBEAT_TIMEOUT=2000``.  Unset options keep the broker's defaults,
   which is what most scenarios measure.
 - ``CHAOS_WORK_MS``: time each ``work`` message spends "working" (default 0).
+- ``CHAOS_RECORD_URL``: where the actors record deliveries (default ``CHAOS_URL``).
 
 Every delivery of a ``work`` or ``long_task`` message adds one to its key's
 count in the table ``chaos_received`` (unique key + count), in its own
@@ -40,6 +41,9 @@ OPTIONS = (
 )
 
 URL = os.environ["CHAOS_URL"]
+#: Where the actors record their deliveries: the broker's database, reached directly even when the
+#: broker goes through the suite's proxy (scenario 9), so that a cut never hits the record itself.
+RECORD_URL = os.environ.get("CHAOS_RECORD_URL", URL)
 settings = {
     name: int(os.environ[f"CHAOS_{name.upper()}"])
     for name in OPTIONS
@@ -71,7 +75,7 @@ def execute(query: str, params: tuple[Any, ...]) -> Any:
         conn = _conn.get(os.getpid())
         try:
             if conn is None or conn.closed:
-                conn = _conn[os.getpid()] = psycopg.connect(URL, autocommit=True, connect_timeout=5)
+                conn = _conn[os.getpid()] = psycopg.connect(RECORD_URL, autocommit=True, connect_timeout=5)
             cur = conn.execute(query, params)
             row = cur.fetchone() if cur.description else None
             return None if row is None else row[0]

@@ -666,7 +666,7 @@ def outage_follow_ups(ctx: Context) -> Result:
     proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     # Shorter than heartbeat_timeout: the workers are alive throughout, so any duplicate would be a defect.
     cut_s = 2.0 if ctx.quick else 5.0
-    env = {**ctx.liveness, "CHAOS_WORK_MS": "5"}
+    env = {**ctx.liveness, "CHAOS_WORK_MS": "5", "CHAOS_RECORD_URL": ctx.url}
     cuts: list[str] = []
     recoveries: list[float] = []
     try:
