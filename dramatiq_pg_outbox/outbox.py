@@ -63,6 +63,22 @@ reports the transaction committed).
 Savepoints must be made through SQLAlchemy (``begin_nested()``): a
 ``SAVEPOINT`` sent as raw SQL is invisible to the buffer.
 
+Two-phase transactions (``Connection.begin_twophase()``, ``Session(twophase=True)``):
+the messages are written before ``PREPARE TRANSACTION`` (the ``prepare_twophase``
+event; a two-phase transaction committed without ``prepare()`` is written at
+its ``commit_twophase`` event, like a plain commit), never with a NOTIFY in
+them (PostgreSQL cannot prepare a transaction that ran NOTIFY): the wake-up is
+sent from the broker's connection once ``pg_xact_status`` reports the
+transaction committed (sessions: in ``after_commit``).  ``after_enqueue`` runs
+after ``COMMIT PREPARED`` (the dialect's ``do_commit_twophase`` is wrapped too).
+
+A binding ends with its ``with`` block.  ``asyncio.create_task``,
+``asyncio.to_thread`` and ``contextvars.copy_context().run`` copy it into the
+task or thread they start; a send there after the block has ended raises
+:class:`~dramatiq_pg_outbox.errors.OutboxError` instead of buffering into a
+transaction that may be committed and closed already.  :func:`outside_outbox`
+sends on purpose through the broker's pool from such code.
+
 Supported binds: SQLAlchemy ``Session``, ``Connection``, ``AsyncSession`` and
 ``AsyncConnection`` using the psycopg (3) or psycopg2 driver.
 """

@@ -409,3 +409,49 @@ def test_a_busy_metrics_port_is_one_line_without_alembic_chatter(database_url: s
         f"dramatiq-pg-outbox relay: error: cannot listen on 127.0.0.1:{port}: "
         "Address already in use. Choose another --metrics-port"
     ]
+
+
+def test_a_relay_whose_credentials_are_refused_later_stops_instead_of_retrying_forever(
+    db: Any, broker: PostgresBroker, redis_user: str
+) -> None:
+    from dramatiq.brokers.redis import RedisBroker
+
+    from dramatiq_pg_outbox.relay import TargetUnusable
+
+    # Given a relay to Redis as a user whose password is then changed (rotated), its connections cut
+    queue = f"relay_{uuid.uuid4().hex[:10]}"
+    namespace = f"dpo-relay-{uuid.uuid4().hex[:8]}"
+    target = RedisBroker(url=f"redis://{redis_user}:right@127.0.0.1:6379/0", namespace=namespace)
+    relay = Relay(broker, target, [queue], batch_size=10)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            relay.run()
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    admin = redis.Redis.from_url(REDIS)
+    try:
+        send = producer_actor(broker, queue)
+        send.send("first")
+        wait_for(lambda: relay.stats.relayed == 1, 30, "the first message relayed")
+        admin.acl_setuser(redis_user, enabled=True, reset_passwords=True, passwords=["+rotated"])
+        admin.client_kill_filter(user=redis_user)
+        # When the next message is published
+        send.send("second")
+        # Then the relay stops with the reason instead of backing off forever
+        thread.join(30)
+        assert not thread.is_alive(), "the relay kept retrying"
+        assert len(raised) == 1 and isinstance(raised[0], TargetUnusable), raised
+        assert "refused the relay's credentials" in str(raised[0]) and "right" not in str(raised[0])
+        assert count(db, "SELECT count(*) FROM dramatiq.messages") == 1  # the second waits, not lost
+    finally:
+        relay.stop()
+        thread.join(10)
+        for key in admin.scan_iter(f"{namespace}*"):
+            admin.delete(key)
+        admin.close()
+        target.close()

@@ -63,6 +63,14 @@ def engine2(twophase_url: str) -> Iterator[Any]:
 
 
 @pytest.fixture
+def welcome(broker2: PostgresBroker) -> Any:
+    @dramatiq.actor(broker=broker2)
+    def welcome(name: str) -> None: ...
+
+    return welcome
+
+
+@pytest.fixture
 def listener(twophase_url: str, broker2: PostgresBroker) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(twophase_url, autocommit=True) as conn:
         conn.execute(f'LISTEN "{broker2.channel}"')
@@ -84,11 +92,8 @@ def _notified(conn: psycopg.Connection[Any], timeout: float) -> list[str]:
 
 
 def test_a_prepared_then_committed_connection_transaction_stores_its_message(
-    db2: Any, broker2: PostgresBroker, engine2: Any, listener: Any
+    db2: Any, welcome: Any, engine2: Any, listener: Any
 ) -> None:
-    @dramatiq.actor(broker=broker2)
-    def welcome(name: str) -> None: ...
-
     with engine2.connect() as conn:
         # Given a two-phase transaction with a business row and a message
         trans = conn.begin_twophase(xid=f"dpo-{uuid.uuid4().hex}")
@@ -105,11 +110,8 @@ def test_a_prepared_then_committed_connection_transaction_stores_its_message(
 
 
 def test_a_prepared_then_rolled_back_connection_transaction_leaves_no_message(
-    db2: Any, broker2: PostgresBroker, engine2: Any
+    db2: Any, welcome: Any, engine2: Any
 ) -> None:
-    @dramatiq.actor(broker=broker2)
-    def welcome(name: str) -> None: ...
-
     with engine2.connect() as conn:
         trans = conn.begin_twophase(xid=f"dpo-{uuid.uuid4().hex}")
         with outbox(conn):
@@ -127,11 +129,8 @@ def test_a_prepared_then_rolled_back_connection_transaction_leaves_no_message(
 
 
 def test_a_two_phase_transaction_committed_without_prepare_stores_its_message(
-    db2: Any, broker2: PostgresBroker, engine2: Any
+    db2: Any, welcome: Any, engine2: Any
 ) -> None:
-    @dramatiq.actor(broker=broker2)
-    def welcome(name: str) -> None: ...
-
     with engine2.connect() as conn:
         trans = conn.begin_twophase(xid=f"dpo-{uuid.uuid4().hex}")
         with outbox(conn):

@@ -650,6 +650,13 @@ def _follow_up_messages(n: int) -> tuple[list[tuple[str, Message[Any]]], list[st
     return pairs, [key for key, _ in pairs]
 
 
+def _until_an_ack(ctx: Context, what: str) -> float:
+    """Seconds from now until a message is archived (acked) after now on the database clock."""
+    db_now = ctx.db.value("SELECT now()")
+    query = "SELECT count(*) FROM dramatiq.history WHERE finished_at > %s"
+    return wait_until(lambda: bool(ctx.db.value(query, (db_now,))), 120, what, poll=0.05)
+
+
 def outage_follow_ups(ctx: Context) -> Result:
     """Database outages while actors fail and are retried, pipelines advance and callbacks fire.
 
@@ -676,34 +683,14 @@ def outage_follow_ups(ctx: Context) -> Result:
                 proxy.block()
                 time.sleep(cut_s)
                 proxy.unblock()
-                db_now = ctx.db.value("SELECT now()")
-                recoveries.append(
-                    wait_until(
-                        lambda t=db_now: bool(
-                            ctx.db.value("SELECT count(*) FROM dramatiq.history WHERE finished_at > %s", (t,))
-                        ),
-                        120,
-                        "an ack after the outage",
-                        poll=0.05,
-                    )
-                )
+                recoveries.append(_until_an_ack(ctx, "an ack after the outage"))
                 cuts.append(f"proxy cut {cut_s:.0f} s")
             if ctx.server is not None:
                 wait_until(lambda: counts(ctx.db).received >= n * 0.7, 300, "progress")
                 ctx.db.close()
                 ctx.producer.close()
                 ctx.server.restart("fast")
-                db_now = ctx.db.value("SELECT now()")
-                recoveries.append(
-                    wait_until(
-                        lambda t=db_now: bool(
-                            ctx.db.value("SELECT count(*) FROM dramatiq.history WHERE finished_at > %s", (t,))
-                        ),
-                        120,
-                        "an ack after the restart",
-                        poll=0.05,
-                    )
-                )
+                recoveries.append(_until_an_ack(ctx, "an ack after the restart"))
                 cuts.append("PostgreSQL restart")
             wait_until(lambda: counts(ctx.db).received >= n, 600, "every key's follow-up")
             wait_until(ctx.drained, 120, "the queue to drain")
