@@ -773,8 +773,12 @@ class _PostgresConsumer(Consumer):
         assert message.outcome is not None
         kind, error_type, error = message.outcome
         follow_ups, statements = message.follow_ups, message.statements
+        flusher = self.runtime.flusher
+        if kind == "ack" and not follow_ups and not statements:
+            flusher.ack(message.row_id, message.lease)  # the common case, kept cheap
+            return
         message.follow_ups, message.statements = [], []
-        self.runtime.flusher.finish(
+        flusher.finish(
             Outcome(message.row_id, message.lease, kind, error_type, error, follow_ups, statements)
         )
 
