@@ -7,12 +7,11 @@ builds one in its constructor and copies the values to its attributes.
 Oban and River give each plugin the same shape: an options struct, then
 validate, then start.
 
-Also here: the NOTIFY channel name of a schema (:func:`channel_for`).
+Names (schemas, queues, channels) are in :mod:`dramatiq_pg_outbox.names`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import numbers
 from dataclasses import dataclass
@@ -26,39 +25,6 @@ NOTIFY_MODES: tuple[NotifyMode, ...] = ("transaction", "after_commit", "off")
 #: live worker whose heartbeat is one period late (a slow statement, a pause)
 #: must not count as dead, or its messages would be released and run twice.
 MIN_HEARTBEATS_PER_TIMEOUT = 2
-
-#: Prefix of the NOTIFY channel of every schema.
-CHANNEL_PREFIX = "dramatiq_pg_outbox."
-#: Longest channel name PostgreSQL accepts, in bytes (``NAMEDATALEN - 1``).
-MAX_CHANNEL_BYTES = 63
-#: Hex digits of the hash that ends a shortened channel name (64 bits).
-CHANNEL_HASH_DIGITS = 16
-
-
-def channel_for(schema: str) -> str:
-    """The LISTEN/NOTIFY channel of the broker tables in ``schema``.
-
-    ``dramatiq_pg_outbox.<schema>`` when that fits PostgreSQL's 63-byte limit
-    on channel names (schemas of up to 44 characters: unchanged, so brokers
-    of older versions and of this one still hear each other).  A longer
-    schema name gets ``dramatiq_pg_outbox.<its first 27 characters>.<16 hex
-    digits of its SHA-256>``: exactly 63 bytes, different for different
-    schemas, and never equal to an unshortened channel (a schema name
-    contains no ``.``).  Without this, ``pg_notify`` fails with "channel name
-    too long" and every send fails with it.
-
-    Parameters:
-      schema(str): A valid schema name (ASCII letters, digits, ``_``).
-
-    Returns:
-      str: The channel name, at most 63 bytes.
-    """
-    channel = CHANNEL_PREFIX + schema
-    if len(channel.encode()) <= MAX_CHANNEL_BYTES:
-        return channel
-    digest = hashlib.sha256(schema.encode()).hexdigest()[:CHANNEL_HASH_DIGITS]
-    keep = MAX_CHANNEL_BYTES - len(CHANNEL_PREFIX) - 1 - CHANNEL_HASH_DIGITS
-    return f"{CHANNEL_PREFIX}{schema[:keep]}.{digest}"
 
 
 def _invalid(name: str, value: Any, rule: str) -> ValueError:

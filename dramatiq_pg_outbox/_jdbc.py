@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 from sqlalchemy.engine import make_url
 
-from ._urls import safe_url
+from .urls import safe_url
 
 #: The JDBC driver class.
 JDBC_DRIVER = "org.postgresql.Driver"

@@ -6,7 +6,7 @@ import re
 from functools import lru_cache
 from importlib import resources
 
-from .migrations import quote_ident
+from .names import quote_ident
 
 _HEADER = re.compile(r"^-- name: ([a-z_]+) --$", re.MULTILINE)
 

@@ -34,7 +34,7 @@ from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 from dramatiq.common import compute_backoff
@@ -50,7 +50,66 @@ from .migrations import check_schema
 if TYPE_CHECKING:
     from dramatiq import Message
 
-    from .broker import PostgresBroker, _PostgresConsumer
+
+class RuntimeHost(Protocol):
+    """What a runtime reads of its broker (:class:`~dramatiq_pg_outbox.PostgresBroker`).
+
+    Times are in milliseconds, as the broker's options.  A protocol, so that
+    this module never imports the broker's.
+    """
+
+    @property
+    def conninfo(self) -> str: ...
+    @property
+    def safe_url(self) -> str: ...
+    @property
+    def schema(self) -> str: ...
+    @property
+    def channel(self) -> str: ...
+    @property
+    def pool_size(self) -> int: ...
+    @property
+    def pool_timeout(self) -> int: ...
+    @property
+    def max_deliveries(self) -> int: ...
+    @property
+    def max_fetch_interval(self) -> int: ...
+    @property
+    def flush_interval(self) -> int: ...
+    @property
+    def flush_batch_size(self) -> int: ...
+    @property
+    def heartbeat_interval(self) -> int: ...
+    @property
+    def heartbeat_timeout(self) -> int: ...
+    @property
+    def rescue_interval(self) -> int: ...
+    @property
+    def max_lease(self) -> int | None: ...
+    @property
+    def notify(self) -> str: ...
+    @property
+    def listen(self) -> bool: ...
+    @property
+    def check_schema(self) -> bool: ...
+    @property
+    def _metrics(self) -> Any: ...
+
+    def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None: ...
+
+
+class Wakeable(Protocol):
+    """A consumer as the runtime sees it: woken by notifications (``_PostgresConsumer``)."""
+
+    @property
+    def queue_name(self) -> str: ...
+
+    def notify(self) -> None: ...
+
+    def notify_due(self, due_ms: int, at: float) -> None: ...
+
+    def close(self) -> None: ...
+
 
 #: Claims younger than this are never treated as orphans, in milliseconds.
 ORPHAN_GRACE_MS = 30_000
@@ -127,7 +186,7 @@ class _PoolConnection(psycopg.Connection[Any]):
 
 
 class _Runtime:
-    def __init__(self, broker: PostgresBroker) -> None:
+    def __init__(self, broker: RuntimeHost) -> None:
         self.logger = get_logger(__name__, type(self))
         self.broker = broker
         self.pid = os.getpid()
@@ -151,7 +210,7 @@ class _Runtime:
         # Reentrant: register() heartbeats, and the heartbeat reads queue_names().
         self._lock = threading.RLock()
         self._schema_ok = not broker.check_schema
-        self.consumers: dict[str, set[_PostgresConsumer]] = defaultdict(set)
+        self.consumers: dict[str, set[Wakeable]] = defaultdict(set)
         #: Claims this process holds: row id -> lease.  Removed once the
         #: flusher has written the outcome of that lease (see untrack).
         self.inflight: dict[int, uuid.UUID] = {}
@@ -249,7 +308,7 @@ class _Runtime:
         return enqueue_result(name, items, rows).stored
 
     # -- consuming ----------------------------------------------------------
-    def register(self, consumer: _PostgresConsumer) -> None:
+    def register(self, consumer: Wakeable) -> None:
         with self._lock:
             self.consumers[consumer.queue_name].add(consumer)
             if self.maintenance is None:
@@ -267,7 +326,7 @@ class _Runtime:
                 self.listener = _Listener(self)
                 self.listener.start()
 
-    def unregister(self, consumer: _PostgresConsumer) -> None:
+    def unregister(self, consumer: Wakeable) -> None:
         with self._lock:
             self.consumers[consumer.queue_name].discard(consumer)
 

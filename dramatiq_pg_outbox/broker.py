@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import threading
 import time
 import uuid
@@ -28,17 +27,12 @@ from dramatiq.middleware import Middleware
 from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL, Engine, make_url
 
-from ._config import BrokerOptions, NotifyMode, channel_for
+from ._binding import current_binding
+from ._config import BrokerOptions, NotifyMode
 from ._runtime import Outcome, StoredMessage, _Runtime, describe_rejection, format_error
-from ._urls import safe_url
 from .errors import libpq_detail
-from .migrations import DEFAULT_SCHEMA, libpq_url, validate_schema_name
-from .outbox import current_outbox
-
-#: Dramatiq's queue-name rule.
-_QUEUE_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
-#: Longest queue name accepted (NOTIFY payloads and index entries stay small), in characters.
-MAX_QUEUE_NAME = 200
+from .names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
+from .urls import libpq_url, safe_url
 
 #: Delivery number from which a message runs alone in its consumer (or at its last allowed delivery).
 SUSPECT_AT_DELIVERY = 3
@@ -65,24 +59,6 @@ def deciding(conninfo: str) -> _PostgresMessage | None:
     if message is not None and message.consumer.broker.conninfo == conninfo:
         return message
     return None
-
-
-def validate_queue_name(queue_name: str) -> str:
-    """Check a queue name before it reaches any SQL.
-
-    Raises:
-      ValueError: If it does not match ``[a-zA-Z_][a-zA-Z0-9._-]*`` or is too long.
-    """
-    if (
-        not isinstance(queue_name, str)
-        or not _QUEUE_NAME.match(queue_name)
-        or len(queue_name) > MAX_QUEUE_NAME
-    ):
-        raise ValueError(
-            f"Invalid queue name {queue_name!r}: Dramatiq queue names match [a-zA-Z_][a-zA-Z0-9._-]* "
-            f"(at most {MAX_QUEUE_NAME} characters)."
-        )
-    return queue_name
 
 
 class PostgresBroker(Broker):
@@ -327,7 +303,7 @@ class PostgresBroker(Broker):
         finishing = getattr(_deciding, "message", None)
         if finishing is not None and finishing.consumer.broker is not self:
             finishing = None
-        binding = current_outbox(self) if finishing is None else None
+        binding = current_binding(self) if finishing is None else None
         for start in range(0, len(prepared), batch_size):
             batch = prepared[start : start + batch_size]
             self.logger.debug("Enqueueing %d message(s), first %r.", len(batch), batch[0].message_id)

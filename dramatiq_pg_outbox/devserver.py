@@ -41,7 +41,7 @@ from typing import Any
 
 import psycopg
 
-from ._urls import mask_password
+from .urls import mask_password
 
 __all__ = [
     "ThrowawayPostgres",

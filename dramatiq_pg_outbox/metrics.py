@@ -58,7 +58,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from dramatiq.middleware import Middleware
 
-from .migrations import libpq_url, quote_ident
+from .names import quote_ident
+from .urls import libpq_url
 
 if TYPE_CHECKING:
     from dramatiq import Broker

@@ -23,10 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import create_engine, pool
-from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine
 
-from ._urls import safe_url
 from .errors import SchemaNotReady
+from .names import DEFAULT_SCHEMA as DEFAULT_SCHEMA
+from .names import quote_ident as quote_ident
+from .names import validate_schema_name as validate_schema_name
+from .urls import libpq_url as libpq_url
+from .urls import normalize_sqlalchemy_url as normalize_sqlalchemy_url
 
 if TYPE_CHECKING:
     import psycopg
@@ -34,7 +38,6 @@ if TYPE_CHECKING:
 #: Name of the alembic version table of our own environment.
 VERSION_TABLE = "dramatiq_pg_outbox_version"
 #: Schema used when none is configured.
-DEFAULT_SCHEMA = "dramatiq"
 #: Revision number of the newest migration; the broker requires it.
 SCHEMA_REVISION = 7
 #: Key of the advisory lock that serialises concurrent upgrades.
@@ -42,34 +45,7 @@ MIGRATION_LOCK_KEY = 7_261_533_180_214_001
 #: Environment variable naming the schema for alembic runs.
 SCHEMA_ENV_VAR = "DRAMATIQ_PG_OUTBOX_SCHEMA"
 
-_IDENTIFIER = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]{0,62}$")
 _COMMENT = re.compile(r"dramatiq-pg-outbox schema revision (\d+)")
-
-
-def validate_schema_name(schema: str) -> str:
-    """Check a schema name before it reaches any SQL.
-
-    Parameters:
-      schema(str): A PostgreSQL schema name: ``[a-zA-Z_][a-zA-Z0-9_]*``, at most 63 characters.
-
-    Raises:
-      ValueError: If the name is not of that form.
-
-    Returns:
-      str: The name, unchanged.
-    """
-    if not isinstance(schema, str) or not _IDENTIFIER.match(schema):
-        raise ValueError(
-            f"Invalid schema name {schema!r}: use letters, digits and underscores, "
-            "starting with a letter or underscore, at most 63 characters."
-        )
-    return schema
-
-
-def quote_ident(name: str) -> str:
-    """Return ``name`` as a double-quoted SQL identifier (after :func:`validate_schema_name`)."""
-    validate_schema_name(name)
-    return '"' + name.replace('"', '""') + '"'
 
 
 def create_schema_sql(schema: str) -> str:
@@ -97,31 +73,6 @@ def script_location() -> str:
 def versions_path() -> str:
     """Path of the folder holding our revisions, for an application's ``version_locations``."""
     return str(Path(script_location()) / "versions")
-
-
-def normalize_sqlalchemy_url(url: str | URL) -> URL:
-    """Return a SQLAlchemy URL that uses the psycopg 3 driver.
-
-    ``postgresql://`` and ``postgres://`` URLs would otherwise select psycopg2.
-
-    Raises:
-      ValueError: If the URL is not a PostgreSQL URL.
-    """
-    parsed = make_url(url) if isinstance(url, str) else url
-    backend = parsed.get_backend_name()
-    if backend not in ("postgresql", "postgres"):
-        raise ValueError(f"Not a PostgreSQL URL: {safe_url(parsed)}")
-    if parsed.drivername in ("postgresql", "postgres"):
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    return parsed
-
-
-def libpq_url(url: str | URL) -> str:
-    """Return a libpq connection URL (``postgresql://...``) for psycopg from any PostgreSQL URL."""
-    parsed = make_url(url) if isinstance(url, str) else url
-    if parsed.get_backend_name() not in ("postgresql", "postgres"):
-        raise ValueError(f"Not a PostgreSQL URL: {safe_url(parsed)}")
-    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def schema_for_migration() -> str:

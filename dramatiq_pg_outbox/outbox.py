@@ -88,12 +88,11 @@ from __future__ import annotations
 import shlex
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar, Token
+from collections.abc import Iterable
+from contextvars import Token
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dramatiq import Middleware
 from sqlalchemy import event
@@ -104,59 +103,18 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.pool import PoolProxiedConnection
 
+from ._binding import Binding, _bindings
+from ._binding import outside_outbox as outside_outbox
 from ._queries import queries_for_schema
 from ._runtime import StoredMessage, enqueue_result, enqueue_statement
-from ._urls import safe_url
+from .broker import PostgresBroker
 from .errors import OutboxError
-from .migrations import quote_ident, schema_not_ready
-
-if TYPE_CHECKING:
-    from .broker import PostgresBroker
+from .migrations import schema_not_ready
+from .names import quote_ident
+from .urls import safe_url
 
 #: What :func:`outbox` binds to.
 Bind = Session | Connection | AsyncSession | AsyncConnection
-
-#: The bindings active in this context (thread or asyncio task), innermost last.
-_bindings: ContextVar[tuple[Outbox, ...]] = ContextVar("dramatiq_pg_outbox_bindings", default=())
-
-
-def current_outbox(broker: PostgresBroker) -> Outbox | None:
-    """The innermost binding in this context that applies to ``broker``, if any.
-
-    Raises:
-      OutboxError: If that binding's block has ended: this context was copied
-        from inside the block (``asyncio.create_task``, ``asyncio.to_thread``,
-        ``contextvars.copy_context().run``) and outlived it.  Its transaction
-        may be committed and closed; buffering the message there would drop it
-        without a word.
-    """
-    for binding in reversed(_bindings.get()):
-        if binding.broker is None or binding.broker is broker:
-            if binding.ended:
-                raise OutboxError(
-                    f"send() through an outbox() binding whose block has ended ({binding.bind!r}): "
-                    "this code runs in a task, thread or context started inside `with outbox(...)`, "
-                    "which copied the binding. Send inside the block so the message joins that "
-                    "transaction, or wrap the send in `with outside_outbox():` to send it on its own."
-                )
-            return binding
-    return None
-
-
-@contextmanager
-def outside_outbox() -> Iterator[None]:
-    """Send outside every :func:`outbox` binding for the duration of a ``with`` block.
-
-    For code that runs in a task, thread or context copied from inside an
-    ``outbox()`` block and must send on purpose through the broker's own
-    pool (committed at once, whatever happens to that block's transaction).
-    Works in ``async`` code too (it does no I/O).
-    """
-    token = _bindings.set(())
-    try:
-        yield
-    finally:
-        _bindings.reset(token)
 
 
 def outbox(bind: Bind, broker: PostgresBroker | None = None) -> Outbox:
@@ -173,8 +131,6 @@ def outbox(bind: Bind, broker: PostgresBroker | None = None) -> Outbox:
     Returns:
       Outbox: A context manager: ``with`` for sync binds, ``async with`` for async ones.
     """
-    from .broker import PostgresBroker
-
     if broker is not None and not isinstance(broker, PostgresBroker):
         raise OutboxError(f"outbox() needs a PostgresBroker, not {broker!r}.")
     return Outbox(bind, broker)
@@ -193,7 +149,7 @@ class Outbox:
         #: True once the ``with`` block has exited: a copy of the context that outlived it
         #: (a task or thread started inside) must not buffer into its transaction.
         self.ended = False
-        self._token: Token[tuple[Outbox, ...]] | None = None
+        self._token: Token[tuple[Binding, ...]] | None = None
 
     @property
     def is_async(self) -> bool:

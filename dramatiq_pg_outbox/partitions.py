@@ -30,7 +30,7 @@ from typing import Any
 
 import psycopg
 
-from .migrations import quote_ident
+from .names import quote_ident
 
 #: Days ahead that :func:`create_partitions` makes by default (today included as day 0).
 DEFAULT_DAYS_AHEAD = 7

@@ -74,16 +74,11 @@ project's maintenance loops.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
-import importlib
-import logging
 import os
 import random
 import re
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -91,11 +86,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-import dramatiq.broker as _dramatiq_broker
 import psycopg
 from dramatiq import Actor, Message
 from dramatiq.common import compute_backoff
-from dramatiq.errors import ActorNotFound, BrokerConnectionError
+from dramatiq.errors import ActorNotFound
 from dramatiq.logging import get_logger
 from dramatiq.middleware import Middleware
 
@@ -106,7 +100,6 @@ from .broker import PostgresBroker
 if TYPE_CHECKING:
     from dramatiq import Broker, Worker
 
-    from .cli import _Database
 
 #: What happens to ticks more than ``grace`` late: ``"once"`` (the newest is enqueued) or ``"skip"``.
 MissedPolicy = Literal["once", "skip"]
@@ -867,222 +860,3 @@ def _cronsim() -> tuple[Any, type[Exception]]:
     except ImportError:
         raise ImportError("cron schedules need cronsim: pip install 'dramatiq-pg-outbox[periodic]'") from None
     return CronSim, CronSimError
-
-
-# -- the command line: ``scheduler`` and ``schedules`` ------------------------------------
-
-#: A URL in an error message (``scheme://...``), to mask its password.
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
-
-
-def add_parser(sub: Any) -> None:
-    """Register the ``scheduler`` and ``schedules`` subcommands (see ``cli._parser``)."""
-    from .cli import common_options
-
-    scheduler = sub.add_parser(
-        "scheduler",
-        parents=[common_options()],
-        help="enqueue an application's periodic jobs (run any number of them)",
-        description="Enqueue the ticks of the schedules of an application (@periodic on its actors, "
-        "Periodic(schedules=...) on its broker), each exactly once however many schedulers run, "
-        "until SIGTERM or Ctrl-C. The database is the application's broker's; --url and --schema, "
-        "if given, must name the same.",
-    )
-    scheduler.add_argument(
-        "--app",
-        required=True,
-        metavar="MODULE[:BROKER]",
-        help="module that sets up the broker and imports the actors (as for the dramatiq command); "
-        "BROKER: the module attribute holding the broker (default: the global broker)",
-    )
-    scheduler.set_defaults(run=run_scheduler, schema=None)
-    schedules = sub.add_parser(
-        "schedules", parents=[common_options()], help="periodic jobs with their last and next run"
-    )
-    schedules.set_defaults(run=run_schedules)
-
-
-def run_scheduler(args: argparse.Namespace) -> int:
-    """``dramatiq-pg-outbox scheduler --app MODULE[:BROKER]``: schedule until SIGTERM (exit 0) or Ctrl-C.
-
-    The database and the schema are checked with one direct connection before
-    the broker's pool is used, so that an unreachable server, refused
-    credentials or a missing or old schema are one line (as for every
-    subcommand); logging is configured only once the scheduler has synced.
-    """
-    from .cli import EXIT_USAGE, CliError, _connect, _database
-    from .migrations import check_schema
-
-    given = _database(args) if args.url is not None else None
-    broker, middleware = _load_app(args.app)
-    try:
-        if given is not None and given.conninfo != broker.conninfo:
-            raise CliError(
-                f"--url names another database than the broker of --app {args.app} ({broker.safe_url}): "
-                "the scheduler writes where the application's broker does; drop --url",
-                EXIT_USAGE,
-            )
-        if args.schema is not None and args.schema != broker.schema:
-            raise CliError(
-                f"--schema {args.schema} is not the schema of the broker of --app {args.app} "
-                f"({broker.schema!r}); drop --schema",
-                EXIT_USAGE,
-            )
-        db = given or _broker_database(broker, args.app)
-        with _connect(db) as conn:
-            check_schema(conn, broker.schema, url=db.shown, fix_url=db.fix_url)
-        try:
-            if middleware is not None:
-                scheduler = Scheduler(broker, middleware.schedules, **middleware.options)
-            else:
-                scheduler = Scheduler(broker)
-        except ValueError as e:
-            raise CliError(f"{e} (in --app {args.app})") from e
-        try:
-            scheduler.sync(define=True)
-        except BrokerConnectionError as e:
-            raise CliError(
-                f"cannot reach PostgreSQL at {broker.safe_url}: {e}. Check that it runs and the URL of "
-                "the application's broker"
-            ) from e
-        if not logging.getLogger().handlers:
-            logging.basicConfig(
-                level=logging.INFO,
-                format="[%(asctime)s] [PID %(process)d] [%(threadName)s] [%(name)s] [%(levelname)s] "
-                "%(message)s",
-            )
-        print(
-            f"scheduling {len(scheduler.schedules)} schedule(s) of {args.app} in schema "
-            f"{broker.schema!r} of {broker.safe_url}: {', '.join(scheduler.schedules) or 'none'}",
-            flush=True,
-        )
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: scheduler.request_stop())
-        try:
-            scheduler.run()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-    finally:
-        broker.close()
-    return 0
-
-
-def _broker_database(broker: PostgresBroker, app: str) -> _Database:
-    """The CLI's view (``cli._Database``) of the database of the broker of ``--app``."""
-    import shlex
-
-    from psycopg.conninfo import conninfo_to_dict
-
-    from .cli import CliError, _Database, _one_line
-
-    try:
-        params = conninfo_to_dict(broker.conninfo)
-    except psycopg.ProgrammingError as e:
-        raise CliError(
-            f"cannot use the database URL of the broker of --app {app} ({broker.safe_url}): {_one_line(e)}. "
-            "Fix the application's configuration"
-        ) from None
-    return _Database(broker.conninfo, broker.safe_url, shlex.quote(broker.safe_url), params)
-
-
-def _load_app(spec: str) -> tuple[PostgresBroker, Periodic | None]:
-    """(broker, its Periodic middleware or None) of ``--app MODULE[:BROKER]``.
-
-    Raises:
-      CliError: If the module cannot be imported, raises while it is imported, or holds no
-        PostgresBroker.
-    """
-    from ._urls import mask_password
-    from .cli import EXIT_USAGE, CliError, _one_line
-
-    module_name, _, attribute = spec.partition(":")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise CliError(
-            f"cannot import --app {spec}: {e}. Run from the directory that holds it, or set PYTHONPATH",
-            EXIT_USAGE,
-        ) from e
-    except Exception as e:
-        # The application's own code failed (a bad URL or option of its broker, a missing
-        # environment variable...): its message, with any URL's password masked.
-        text = _URL_IN_TEXT.sub(lambda found: mask_password(found.group(0)), _one_line(e))
-        raise CliError(
-            f"--app {spec} failed while it was imported: {type(e).__name__}: {text}. "
-            "Fix the application's configuration (--debug shows where it failed)"
-        ) from e
-    if attribute:
-        broker = getattr(module, attribute, None)
-        where = f"{module_name}.{attribute}"
-    else:
-        broker = _dramatiq_broker.global_broker
-        where = f"the global broker after importing {module_name} (dramatiq.set_broker)"
-    if not isinstance(broker, PostgresBroker):
-        found = "nothing" if broker is None else f"a {type(broker).__name__}"
-        raise CliError(
-            f"--app {spec}: {where} is {found}, not a PostgresBroker; point --app at the module that "
-            "creates it (MODULE:ATTRIBUTE to name it)",
-            EXIT_USAGE,
-        )
-    middleware = next((m for m in broker.middleware if isinstance(m, Periodic)), None)
-    return broker, middleware
-
-
-def run_schedules(args: argparse.Namespace) -> int:
-    """``dramatiq-pg-outbox schedules``: one table, active schedules first."""
-    from .cli import _checked_connection, _duration, _table
-
-    with _checked_connection(args) as (conn, _, _db):
-        rows = conn.execute(queries_for_schema(args.schema)["periodic_list"]).fetchall()
-    if not rows:
-        print(f"no schedules in schema {args.schema!r}: declare them with @periodic and run a scheduler")
-        return 0
-    table = []
-    for (
-        name,
-        actor,
-        queue,
-        cron,
-        every_ms,
-        tz,
-        missed,
-        grace_ms,
-        last_run_at,
-        next_run_at,
-        runs,
-        missed_ticks,
-        late_s,
-        removed_s,
-    ) in rows:
-        if removed_s is not None:
-            status = f"removed {_duration(removed_s)} ago"
-        elif late_s * 1000 > grace_ms:
-            status = f"late {_duration(late_s)}: is a scheduler running?"
-        else:
-            status = "ok"
-        table.append(
-            (
-                name,
-                actor,
-                queue,
-                cron if cron is not None else f"every {every_ms} ms",
-                tz,
-                missed,
-                _utc(last_run_at),
-                "" if removed_s is not None else _utc(next_run_at),
-                runs,
-                missed_ticks,
-                status,
-            )
-        )
-    header = ["name", "actor", "queue", "schedule", "tz", "if missed", "last run (UTC)", "next run (UTC)"]
-    _table(table, [*header, "runs", "missed ticks", "status"], numeric=(8, 9))
-    return 0
-
-
-def _utc(at: dt.datetime | None) -> str:
-    if at is None:
-        return ""
-    at = at.astimezone(dt.timezone.utc)
-    return f"{at:%Y-%m-%d %H:%M:%S}" + (f".{at.microsecond // 1000:03d}" if at.microsecond else "")

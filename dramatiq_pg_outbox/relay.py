@@ -65,8 +65,8 @@ from dramatiq.logging import get_logger
 from psycopg import sql
 
 from ._runtime import _Maintenance, format_error, parse_notification
-from .broker import PostgresBroker, validate_queue_name
-from .migrations import quote_ident
+from .broker import PostgresBroker
+from .names import quote_ident, validate_queue_name
 
 #: Messages per claim (default).
 DEFAULT_BATCH_SIZE = 500

@@ -47,7 +47,6 @@ blocked on a result (none with ``listen=False``).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import threading
@@ -69,29 +68,12 @@ from sqlalchemy.engine import URL, Engine
 from ._queries import queries_for_schema
 from .broker import PostgresBroker, deciding
 from .errors import SchemaNotReady
-from .migrations import DEFAULT_SCHEMA
+from .names import DEFAULT_SCHEMA
+from .names import results_channel as results_channel
 
-#: Prefix of the results NOTIFY channel of a schema.
-RESULTS_CHANNEL_PREFIX = "dramatiq_pg_outbox_results."
-#: Longest channel name PostgreSQL accepts, in bytes.
-MAX_CHANNEL_BYTES = 63
 #: Longest NOTIFY payload sent, in bytes (PostgreSQL refuses 8000 and more).
 #: A longer message key is announced with an empty payload, which wakes every reader.
 MAX_PAYLOAD_BYTES = 7_999
-
-
-def results_channel(schema: str) -> str:
-    """The NOTIFY channel of the results table in ``schema``.
-
-    ``dramatiq_pg_outbox_results.<schema>``, or, when that exceeds
-    PostgreSQL's 63 bytes, the prefix followed by 16 hex digits of the
-    schema's SHA-256 (distinct schemas, distinct channels).  It differs
-    from the broker's channel, so result notifications never wake consumers.
-    """
-    channel = RESULTS_CHANNEL_PREFIX + schema
-    if len(channel.encode()) <= MAX_CHANNEL_BYTES:
-        return channel
-    return RESULTS_CHANNEL_PREFIX + hashlib.sha256(schema.encode()).hexdigest()[:16]
 
 
 class PostgresBackend(ResultBackend):

@@ -74,9 +74,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._config import channel_for
 from ._jdbc import jdbc_options
-from .migrations import DEFAULT_SCHEMA, libpq_url, quote_ident, validate_schema_name
+from .names import DEFAULT_SCHEMA, channel_for, quote_ident, validate_schema_name
+from .urls import libpq_url
 
 if TYPE_CHECKING:
     from dramatiq import Actor
@@ -227,7 +227,8 @@ def enqueue_dataframe(
     import dramatiq
     from dramatiq.common import q_name
 
-    from .broker import PostgresBroker, validate_queue_name
+    from .broker import PostgresBroker
+    from .names import validate_queue_name
 
     plan_args = tuple(args)
     plan_kwargs = tuple((kwargs or {}).items())

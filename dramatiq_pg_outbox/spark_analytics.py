@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .migrations import DEFAULT_SCHEMA, libpq_url, quote_ident, validate_schema_name
+from .names import DEFAULT_SCHEMA, quote_ident, validate_schema_name
+from .urls import libpq_url
 
 __all__ = ["Analytics", "compute", "main", "read_backlog", "read_history", "write_report"]
 

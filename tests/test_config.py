@@ -15,10 +15,11 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
-from dramatiq_pg_outbox._config import MAX_CHANNEL_BYTES, BrokerOptions, channel_for
-from dramatiq_pg_outbox._urls import mask_password
+from dramatiq_pg_outbox._config import BrokerOptions
 from dramatiq_pg_outbox.errors import SchemaNotReady
 from dramatiq_pg_outbox.migrations import libpq_url
+from dramatiq_pg_outbox.names import MAX_CHANNEL_BYTES, channel_for
+from dramatiq_pg_outbox.urls import mask_password
 from tests.helpers import wait_for
 
 #: Nothing listens there: constructing a broker must not connect.

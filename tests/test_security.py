@@ -26,9 +26,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from dramatiq_pg_outbox import PostgresBroker, outbox, upgrade
-from dramatiq_pg_outbox._config import channel_for
 from dramatiq_pg_outbox.devserver import scratch_database
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
+from dramatiq_pg_outbox.names import channel_for
 from dramatiq_pg_outbox.spark import _Plan, write_partition
 from tests.helpers import count, wait_for
 

@@ -63,8 +63,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from ..devserver import mask_password
-from ..migrations import DEFAULT_SCHEMA, validate_schema_name
+from ..names import DEFAULT_SCHEMA, validate_schema_name
+from ..urls import mask_password
 from . import charts
 from .store import MIN_SCHEMA_REVISION, FailedFilter, Store, decode_payload
 

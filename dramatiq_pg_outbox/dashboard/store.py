@@ -22,7 +22,9 @@ from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
 from .._queries import _HEADER
-from ..migrations import libpq_url, parse_schema_revision, quote_ident
+from ..migrations import parse_schema_revision
+from ..names import quote_ident
+from ..urls import libpq_url
 
 #: The oldest schema revision the dashboard reads: the analytics views of migration 0003.
 MIN_SCHEMA_REVISION = 3

@@ -12,7 +12,7 @@ import urllib.parse
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, make_url
 
 #: libpq parameters whose values are secrets (``sslpassword`` unlocks the client key).
 SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
@@ -70,3 +70,28 @@ def safe_url(url: str | URL) -> str:
     """The URL as text with every secret masked (see :func:`mask_password`)."""
     text = url.render_as_string(hide_password=False) if isinstance(url, URL) else url
     return mask_password(text)
+
+
+def normalize_sqlalchemy_url(url: str | URL) -> URL:
+    """Return a SQLAlchemy URL that uses the psycopg 3 driver.
+
+    ``postgresql://`` and ``postgres://`` URLs would otherwise select psycopg2.
+
+    Raises:
+      ValueError: If the URL is not a PostgreSQL URL.
+    """
+    parsed = make_url(url) if isinstance(url, str) else url
+    backend = parsed.get_backend_name()
+    if backend not in ("postgresql", "postgres"):
+        raise ValueError(f"Not a PostgreSQL URL: {safe_url(parsed)}")
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def libpq_url(url: str | URL) -> str:
+    """Return a libpq connection URL (``postgresql://...``) for psycopg from any PostgreSQL URL."""
+    parsed = make_url(url) if isinstance(url, str) else url
+    if parsed.get_backend_name() not in ("postgresql", "postgres"):
+        raise ValueError(f"Not a PostgreSQL URL: {safe_url(parsed)}")
+    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)

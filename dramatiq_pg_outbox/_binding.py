@@ -1,0 +1,75 @@
+"""Where ``send()`` looks for an :func:`~dramatiq_pg_outbox.outbox` binding.
+
+The broker asks :func:`current_binding` whether a send joins an application
+transaction; :mod:`dramatiq_pg_outbox.outbox` pushes and pops the bindings.
+Kept below both so that the broker never imports the outbox module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .errors import OutboxError
+
+if TYPE_CHECKING:
+    from ._runtime import StoredMessage
+
+
+class Binding(Protocol):
+    """What the broker needs of a binding (:class:`~dramatiq_pg_outbox.outbox.Outbox` is one)."""
+
+    #: The broker whose messages join it, or None for every broker.
+    broker: Any
+    #: The bound Session or Connection, for messages.
+    bind: Any
+    #: Whether its ``with`` block has ended.
+    ended: bool
+
+    def add(self, broker: Any, items: list[StoredMessage]) -> None:
+        """Buffer encoded messages in the bound transaction."""
+
+
+#: The bindings active in this context (thread or asyncio task), innermost last.
+_bindings: ContextVar[tuple[Binding, ...]] = ContextVar("dramatiq_pg_outbox_bindings", default=())
+
+
+def current_binding(broker: Any) -> Binding | None:
+    """The innermost binding in this context that applies to ``broker``, if any.
+
+    Raises:
+      OutboxError: If that binding's block has ended: this context was copied
+        from inside the block (``asyncio.create_task``, ``asyncio.to_thread``,
+        ``contextvars.copy_context().run``) and outlived it.  Its transaction
+        may be committed and closed; buffering the message there would drop it
+        without a word.
+    """
+    for binding in reversed(_bindings.get()):
+        if binding.broker is None or binding.broker is broker:
+            if binding.ended:
+                raise OutboxError(
+                    f"send() through an outbox() binding whose block has ended ({binding.bind!r}): "
+                    "this code runs in a task, thread or context started inside `with outbox(...)`, "
+                    "which copied the binding. Send inside the block so the message joins that "
+                    "transaction, or wrap the send in `with outside_outbox():` to send it on its own."
+                )
+            return binding
+    return None
+
+
+@contextmanager
+def outside_outbox() -> Iterator[None]:
+    """Send outside every :func:`outbox` binding for the duration of a ``with`` block.
+
+    For code that runs in a task, thread or context copied from inside an
+    ``outbox()`` block and must send on purpose through the broker's own
+    pool (committed at once, whatever happens to that block's transaction).
+    Works in ``async`` code too (it does no I/O).
+    """
+    token = _bindings.set(())
+    try:
+        yield
+    finally:
+        _bindings.reset(token)

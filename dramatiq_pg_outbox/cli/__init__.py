@@ -1,0 +1,23 @@
+"""``dramatiq-pg-outbox``: the operators' command line (see :mod:`.main` for the subcommands).
+
+Layout: :mod:`.main` builds the parser and runs a subcommand; :mod:`.common` holds what every
+subcommand shares (errors and exit codes, the database URL and connection, tables);
+:mod:`.commands` the subcommands on the broker's tables; :mod:`.dashboard` and
+:mod:`.periodic` the ``dashboard``, ``scheduler`` and ``schedules`` subcommands.  The rest of
+the package never imports this one.
+"""
+
+from __future__ import annotations
+
+from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, CliError, common_options, exception_line
+from .main import main
+
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_USAGE",
+    "CliError",
+    "common_options",
+    "exception_line",
+    "main",
+]

@@ -1,0 +1,336 @@
+"""The subcommands that read and repair the broker's tables: migrate, status, failed, retry-failed,
+prune, maintain, metrics, relay."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+from typing import Any
+
+import psycopg
+
+from ..migrations import VERSION_TABLE, script_location, upgrade, upgrade_sql
+from ..names import quote_ident
+from ..urls import mask_password
+from .common import (
+    EXIT_USAGE,
+    MIN_ERROR_WIDTH,
+    PROG,
+    URL_ENV_VAR,
+    CliError,
+    _checked_connection,
+    _clip,
+    _connect,
+    _database,
+    _duration,
+    _queue_list,
+    _table,
+    exception_line,
+)
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    if args.sql:
+        upgrade_sql(args.schema, args.revision)
+        return 0
+    db = _database(args)
+    with _connect(db) as conn:
+        before = _applied_revisions(conn, args.schema)
+        if before is None:
+            row = conn.execute(
+                "SELECT to_regclass(%s) IS NOT NULL", (f"{quote_ident(args.schema)}.messages",)
+            ).fetchone()
+            if row is not None and row[0]:
+                raise CliError(
+                    f"schema {args.schema!r} already holds the tables, but not our version table "
+                    f"{VERSION_TABLE}: your application's alembic history manages them; "
+                    "run `alembic upgrade heads` there instead"
+                )
+        upgrade(db.conninfo, schema=args.schema, revision=args.revision)
+        after = _applied_revisions(conn, args.schema) or []
+    from alembic.script import ScriptDirectory
+
+    heads = set(ScriptDirectory(script_location()).get_heads())
+    reached = ", ".join(after) or "base"
+    head = " (head)" if after and set(after) == heads else ""
+    if not before:
+        change = "created" if after else "nothing to do"
+    elif before == after:
+        change = "already current" if args.revision == "head" else f"already at or past {args.revision}"
+    else:
+        change = f"upgraded from {', '.join(before)}"
+    print(f"schema {args.schema!r} is at revision {reached}{head}, {change}")
+    return 0
+
+
+def _applied_revisions(conn: psycopg.Connection[Any], schema: str) -> list[str] | None:
+    """Revisions recorded in our version table, or ``None`` if it does not exist."""
+    table = f"{quote_ident(schema)}.{VERSION_TABLE}"
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+    if row is None or not row[0]:
+        return None
+    return [str(r[0]) for r in conn.execute(f"SELECT version_num FROM {table} ORDER BY 1").fetchall()]  # noqa: S608
+
+
+def _status(args: argparse.Namespace) -> int:
+    with _checked_connection(args) as (conn, s, _):
+        messages = conn.execute(
+            f"SELECT queue_name, state, count(*), count(*) FILTER (WHERE next_attempt_at > now()), "  # noqa: S608
+            f"extract(epoch FROM now() - min(enqueued_at)) FROM {s}.messages GROUP BY 1, 2 ORDER BY 1, 2"
+        ).fetchall()
+        failed = conn.execute(
+            f"SELECT queue_name, count(*) FILTER (WHERE finished_at > now() - interval '1 hour'), "  # noqa: S608
+            f"count(*) FROM {s}.history WHERE state = 'failed' GROUP BY 1 ORDER BY 1"
+        ).fetchall()
+        workers = conn.execute(
+            f"SELECT hostname, pid, queues, extract(epoch FROM now() - heartbeat_at) "  # noqa: S608
+            f"FROM {s}.workers ORDER BY hostname, pid"
+        ).fetchall()
+    if messages:
+        _table(
+            [(q, state, n, delayed, _duration(age)) for q, state, n, delayed, age in messages],
+            ["queue", "state", "messages", "delayed", "oldest"],
+            numeric=(2, 3, 4),
+        )
+    else:
+        print(f"no messages waiting or running in schema {args.schema!r}")
+    print()
+    if failed:
+        _table(failed, ["queue", "failed last hour", "failed in history"], numeric=(1, 2))
+    else:
+        print("no dead letters")
+    print()
+    if workers:
+        _table(
+            [(host, pid, _queue_list(queues), f"{_duration(age)} ago") for host, pid, queues, age in workers],
+            ["host", "pid", "queues", "last heartbeat"],
+            numeric=(1, 3),
+        )
+    else:
+        print("no workers")
+    return 0
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise CliError(
+            "the metrics command needs prometheus_client: pip install 'dramatiq-pg-outbox[metrics]'"
+        ) from None
+    import signal
+    import threading
+
+    from ..metrics import DatabaseCollector
+
+    with _checked_connection(args):
+        pass  # the server, the credentials and the schema are fine: serve
+    db = _database(args)
+    collector = DatabaseCollector(
+        db.conninfo,
+        args.schema,
+        cache_seconds=args.cache_seconds,
+        heartbeat_timeout=args.heartbeat_timeout,
+    )
+    registry = CollectorRegistry()
+    registry.register(collector)
+    try:
+        server, thread = start_http_server(args.port, args.host, registry)
+    except OSError as e:
+        raise CliError(
+            f"cannot listen on {args.host}:{args.port}: {e.strerror or e}. Choose another --port"
+        ) from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(
+        f"metrics of {db.shown} schema {args.schema!r} on http://{args.host}:{args.port}/metrics "
+        f"(cached {args.cache_seconds:g} s)",
+        flush=True,
+    )
+    try:
+        while not stop.wait(1):
+            pass
+    finally:
+        server.shutdown()
+        thread.join(5)
+        collector.close()
+    return 0
+
+
+def _relay(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    from ..broker import PostgresBroker
+    from ..names import validate_queue_name
+    from ..relay import Relay, TargetUnusable, check_target, target_broker
+
+    queues = [q.strip() for q in args.queues.split(",") if q.strip()]
+    try:
+        queues = [validate_queue_name(q) for q in queues]
+    except ValueError as e:
+        raise CliError(f"--queues: {e}", EXIT_USAGE) from None
+    if not queues:
+        raise CliError("--queues names no queue", EXIT_USAGE)
+    try:
+        target = target_broker(args.to)
+    except ValueError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    except ImportError as e:
+        extra = "rabbitmq" if args.to.lower().startswith("amqp") else "redis"
+        raise CliError(f"the relay to {extra} needs {e.name}: pip install 'dramatiq[{extra}]'") from None
+    with _checked_connection(args):
+        pass  # the server, the credentials and the schema are fine
+    db = _database(args)
+    try:
+        check_target(target, mask_password(args.to))
+    except TargetUnusable as e:
+        raise CliError(str(e)) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Alembic logs its plugin set-up at INFO when first imported: not the relay's business.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        broker = PostgresBroker(
+            url=args.url or os.environ[URL_ENV_VAR],
+            schema=args.schema,
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+        )
+    except ValueError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    relay = Relay(broker, target, queues, batch_size=args.batch_size)
+    server = None
+    if args.metrics_port is not None:
+        server = _serve_relay_metrics(relay, args.metrics_host, args.metrics_port)
+    signal.signal(signal.SIGTERM, lambda *_: relay.stop())
+    print(
+        f"relaying {', '.join(queues)} of {db.shown} schema {args.schema!r} to {mask_password(args.to)}",
+        flush=True,
+    )
+    try:
+        relay.run(report_every=args.report_every)
+    except TargetUnusable as e:
+        raise CliError(str(e)) from None
+    finally:
+        if server is not None:
+            server.shutdown()
+        broker.close()
+        target.close()
+    print(f"relayed {relay.stats.relayed} message(s)", flush=True)
+    return 0
+
+
+def _serve_relay_metrics(relay: Any, host: str, port: int) -> Any:
+    """Serve :class:`~dramatiq_pg_outbox.relay.RelayCollector` over HTTP; the server (``shutdown()``)."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise CliError(
+            "--metrics-port needs prometheus_client: pip install 'dramatiq-pg-outbox[metrics]'"
+        ) from None
+    from ..relay import RelayCollector
+
+    registry = CollectorRegistry()
+    registry.register(RelayCollector(relay))
+    try:
+        server, _ = start_http_server(port, host, registry)
+    except OSError as e:
+        raise CliError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}. Choose another --metrics-port"
+        ) from None
+    return server
+
+
+def _failed(args: argparse.Namespace) -> int:
+    with _checked_connection(args) as (conn, s, _):
+        rows = conn.execute(
+            f"SELECT id, queue_name, actor_name, attempts, finished_at, error_type, error "  # noqa: S608
+            f"FROM {s}.history WHERE state = 'failed' "
+            f"AND (%(queue)s::text IS NULL OR queue_name = %(queue)s) "
+            f"ORDER BY finished_at DESC, id DESC LIMIT %(limit)s",
+            {"queue": args.queue, "limit": args.limit},
+        ).fetchall()
+    if not rows:
+        only = f" of queue {args.queue!r}" if args.queue else ""
+        print(f"no dead letters{only} in schema {args.schema!r}")
+        return 0
+    utc = datetime.timezone.utc
+    table = [
+        (
+            row_id,
+            queue,
+            actor,
+            attempts,
+            f"{finished.astimezone(utc):%Y-%m-%d %H:%M:%S}",
+            exception_line(kind, error),
+        )
+        for row_id, queue, actor, attempts, finished, kind, error in rows
+    ]
+    header = ["id", "queue", "actor", "attempts", "finished (UTC)", "error"]
+    used = sum(max(len(str(r[i])) for r in [header, *table]) + 2 for i in range(len(header) - 1))
+    width = max(MIN_ERROR_WIDTH, shutil.get_terminal_size((120, 24)).columns - used)
+    _table([(*row[:-1], _clip(row[-1], width)) for row in table], header, numeric=(0, 3))
+    return 0
+
+
+def _retry_failed(args: argparse.Namespace) -> int:
+    with _checked_connection(args) as (conn, s, db):
+        row = conn.execute(
+            f"""WITH moved AS (
+                    DELETE FROM {s}.history
+                    WHERE state = 'failed'
+                      AND (%(queue)s::text IS NULL OR queue_name = %(queue)s)
+                      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+                    RETURNING id, queue_name, actor_name, message_id, payload, idempotency_key
+                ), inserted AS (
+                    INSERT INTO {s}.messages (queue_name, actor_name, message_id, payload, idempotency_key)
+                    SELECT queue_name, actor_name, message_id, payload, idempotency_key FROM moved RETURNING 1
+                ) SELECT (SELECT count(*) FROM inserted), (SELECT array_agg(id) FROM moved)""",  # noqa: S608
+            {"queue": args.queue, "ids": args.ids},
+        ).fetchone()
+    count, moved = (int(row[0]), set(row[1] or ())) if row else (0, set())
+    print(f"re-enqueued {count} failed message(s)")
+    missing = sorted(set(args.ids or ()) - moved)
+    if missing:
+        only = f" of queue {args.queue!r}" if args.queue else ""
+        raise CliError(
+            f"no dead letter{only} with id {', '.join(map(str, missing))} in schema {args.schema!r}. "
+            f"List them with: {PROG} failed --url {db.fix_url} --schema {args.schema}"
+        )
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from ..partitions import prune
+
+    with _checked_connection(args) as (conn, _, _):
+        result = prune(conn, args.schema, args.older_than, lock_timeout=args.lock_timeout)
+    age = _duration(args.older_than.total_seconds())
+    days = f" ({result.dropped[0].day} to {result.dropped[-1].day})" if result.dropped else ""
+    print(
+        f"dropped {len(result.dropped)} day partition(s){days} of about {result.dropped_rows} row(s), "
+        f"deleted {result.deleted} history row(s) older than {age}"
+    )
+    if result.kept:
+        raise CliError(
+            f"{len(result.kept)} partition(s) older than {age} were kept: their lock was not granted within "
+            f"{args.lock_timeout} ms (a long query on history?). Run the same prune again later"
+        )
+    return 0
+
+
+def _maintain(args: argparse.Namespace) -> int:
+    from ..partitions import create_partitions, day_partitions
+
+    with _checked_connection(args) as (conn, s, _):
+        created = create_partitions(conn, args.schema, args.days_ahead)
+        parts = day_partitions(conn, args.schema)
+        row = conn.execute(f"SELECT count(*) FROM {s}.history_default").fetchone()  # noqa: S608
+    span = f"from {parts[0].day} to {parts[-1].day}" if parts else "none"
+    print(
+        f"created {created} history partition(s); {len(parts)} day partition(s) {span}; "
+        f"{row[0] if row else 0} row(s) in history_default"
+    )
+    return 0

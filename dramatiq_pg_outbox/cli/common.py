@@ -1,0 +1,446 @@
+"""What every subcommand shares: errors and exit codes, the database URL and connection, tables."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import getpass
+import math
+import os
+import re
+import shlex
+import sys
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import psycopg
+from dramatiq.common import q_name
+from psycopg.conninfo import conninfo_to_dict
+
+from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, rejection_reason
+from ..migrations import check_schema
+from ..names import DEFAULT_SCHEMA, quote_ident, validate_schema_name
+from ..urls import SECRET_PARAMETERS, libpq_url, mask_password
+
+#: Name of the program in messages.
+PROG = "dramatiq-pg-outbox"
+#: Environment variable that turns ``--debug`` on for every subcommand (any value but ``0`` or empty).
+DEBUG_ENV_VAR = "DRAMATIQ_PG_OUTBOX_DEBUG"
+#: Environment variable read when ``--url`` is not given.
+URL_ENV_VAR = "DATABASE_URL"
+#: Seconds to wait for the server to answer, unless the URL sets ``connect_timeout``.
+CONNECT_TIMEOUT = 10
+#: Exit code of a runtime failure.
+EXIT_FAILURE = 1
+#: Exit code of a usage error (argparse's).
+EXIT_USAGE = 2
+#: Exit code after Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+#: Narrowest the error column of ``failed`` gets, in characters.
+MIN_ERROR_WIDTH = 40
+
+_URL_SHAPE = URL_SHAPE
+_AGE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([smhd]?)\s*$")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3_600, "d": 86_400, "": 86_400}
+
+
+class CliError(Exception):
+    """An expected failure, reported as one line on standard error.
+
+    Parameters:
+      message(str): What went wrong and what to do, one line.
+      exit_code(int): :data:`EXIT_FAILURE` (default) or :data:`EXIT_USAGE`.
+      prog(str|None): The (sub)command to name in the report; default: the one that ran.
+    """
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE, prog: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors reported on one line (no usage block) by :func:`main`."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{message}; see '{self.prog} --help'", EXIT_USAGE, self.prog)
+
+
+# -- argument types (argparse ``type=``) --------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= 3660:
+        raise argparse.ArgumentTypeError(f"must be within 0..3660, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    port = _positive_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 1-65535, got {port}")
+    return port
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _age(text: str) -> datetime.timedelta:
+    """``30`` (days), ``30d``, ``12h``, ``90m`` or ``45s``: a positive age."""
+    found = _AGE.match(text)
+    if not found:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of days, or a number with a unit s, m, h or d (30, 12h), got {text!r}"
+        )
+    seconds = float(found.group(1)) * _AGE_UNITS[found.group(2)]
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+    try:
+        return datetime.timedelta(seconds=seconds)
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"too large: {text!r}") from None
+
+
+def _schema(text: str) -> str:
+    try:
+        return validate_schema_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
+
+
+# -- the parser -----------------------------------------------------------------
+
+
+def common_options() -> argparse.ArgumentParser:
+    """The options of every subcommand (``--url``, ``--schema``, ``--debug``), as an argparse parent."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url", help=f"PostgreSQL URL, {_URL_SHAPE} (default: ${URL_ENV_VAR})", metavar="URL"
+    )
+    common.add_argument(
+        "--schema", type=_schema, default=DEFAULT_SCHEMA, help="schema of the tables (default: dramatiq)"
+    )
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=f"on errors, print the traceback too (also: {DEBUG_ENV_VAR}=1)",
+    )
+    return common
+
+
+def _report(prog: str, message: str, secrets: Sequence[str]) -> None:
+    line = " ".join(_scrub(message, secrets).split())
+    print(f"{prog}: error: {line}", file=sys.stderr)
+
+
+def _explain(e: BaseException) -> CliError:
+    """The one line (and exit code) that reports ``e``."""
+    import sqlalchemy.exc
+    from alembic.util import CommandError
+
+    if isinstance(e, CliError):
+        return e
+    if isinstance(e, sqlalchemy.exc.DBAPIError) and isinstance(e.orig, BaseException):
+        e = e.orig
+    if isinstance(e, SchemaNotReady):
+        return CliError(str(e))
+    if isinstance(e, CommandError):
+        return CliError(f"alembic: {_one_line(e)}", EXIT_USAGE)
+    if isinstance(e, psycopg.errors.InsufficientPrivilege):
+        return CliError(
+            f"permission denied: {_one_line(e)}. Use a role with the privileges this command needs "
+            "(see docs/security.md)"
+        )
+    if isinstance(e, psycopg.OperationalError) and (e.sqlstate or "08").startswith(("08", "57P")):
+        return CliError(f"lost the connection to PostgreSQL: {_libpq_detail(e)}. Run the command again")
+    if isinstance(e, psycopg.Error):
+        state = f" (SQLSTATE {e.sqlstate})" if e.sqlstate else ""
+        return CliError(f"database error{state}: {_one_line(e)}. Run with --debug for the traceback")
+    return CliError(
+        f"unexpected error: {type(e).__name__}: {_one_line(e)}. "
+        "Run with --debug for the traceback, and please report it"
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+# -- passwords --------------------------------------------------------------------
+
+
+def _secrets_in(argv: Sequence[str], env_url: str | None) -> list[str]:
+    """Every password of the URLs in ``argv`` and ``$DATABASE_URL``, to scrub them from any output."""
+    urls = [env_url] if env_url else []
+    for i, arg in enumerate(argv):
+        if arg == "--url" and i + 1 < len(argv):
+            urls.append(argv[i + 1])
+        elif arg.startswith("--url="):
+            urls.append(arg.removeprefix("--url="))
+    found: set[str] = set()
+    for url in urls:
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError:
+            continue
+        userinfo, at, _ = parts.netloc.rpartition("@")
+        if at and ":" in userinfo:
+            found.add(userinfo.split(":", 1)[1])
+        found.update(v for k, v in urllib.parse.parse_qsl(parts.query) if k in SECRET_PARAMETERS)
+        for piece in parts.query.split("&"):
+            key, _, value = piece.partition("=")
+            if key in SECRET_PARAMETERS:
+                found.add(value)
+    found |= {urllib.parse.unquote(s) for s in found}
+    # Longest first, so that a password containing another is replaced whole.
+    return sorted((s for s in found if len(s) >= 3), key=len, reverse=True)
+
+
+def _scrub(text: str, secrets: Sequence[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def _shown(url: str) -> str:
+    try:
+        return mask_password(url)
+    except ValueError:
+        return "(not shown: it cannot be parsed)"
+
+
+# -- the database ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Database:
+    """Where a subcommand connects, and how to name it without the password."""
+
+    #: libpq URL (holds the password).
+    conninfo: str
+    #: The URL as it may be printed.
+    shown: str
+    #: What to pass to ``--url`` in a suggested command.
+    fix_url: str
+    #: libpq parameters (``host``, ``port``, ``user``, ``dbname``...).
+    params: dict[str, Any]
+
+    @property
+    def server(self) -> str:
+        host = self.params.get("host") or self.params.get("hostaddr") or "the local socket"
+        return f"{host}:{self.params.get('port') or 5432}"
+
+
+def _database(args: argparse.Namespace) -> _Database:
+    """The validated URL of ``--url`` or ``$DATABASE_URL``.
+
+    Raises:
+      CliError: (usage) If there is none, or it is not a PostgreSQL URL psycopg accepts.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    url: str | None = args.url
+    from_env = url is None
+    if url is None:
+        url = os.environ.get(URL_ENV_VAR)
+    if not url:
+        raise CliError(f"no database URL: pass --url {_URL_SHAPE} or set {URL_ENV_VAR}", EXIT_USAGE)
+    source = f"${URL_ENV_VAR}" if from_env else "--url"
+    shown = _shown(url)
+    netloc = urllib.parse.urlsplit(url).netloc if "://" in url and "[" not in url else ""
+    if netloc.count("@") > 1:
+        raise CliError(
+            f"cannot parse the database URL of {source} ({shown}): it has more than one '@'; "
+            f"expected {_URL_SHAPE}, with an '@' in the user name or password written as %40",
+            EXIT_USAGE,
+        )
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        raise CliError(
+            f"cannot parse the database URL of {source} ({shown}): expected {_URL_SHAPE}", EXIT_USAGE
+        ) from None
+    if parsed.get_backend_name() not in ("postgresql", "postgres"):
+        raise CliError(
+            f"the database URL of {source} is not a PostgreSQL URL ({shown}): expected {_URL_SHAPE}",
+            EXIT_USAGE,
+        )
+    conninfo = libpq_url(parsed)
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError as e:
+        raise CliError(
+            f"cannot use the database URL of {source} ({shown}): {_one_line(e)}; expected {_URL_SHAPE}",
+            EXIT_USAGE,
+        ) from None
+    fix_url = f'"${URL_ENV_VAR}"' if from_env else shlex.quote(shown)
+    return _Database(conninfo, shown, fix_url, params)
+
+
+def _connect(db: _Database) -> psycopg.Connection[Any]:
+    """An autocommit connection.
+
+    Raises:
+      CliError: If the server cannot be reached or refuses the connection.
+    """
+    try:
+        if db.params.get("connect_timeout"):  # the URL's own, checked by libpq
+            return psycopg.connect(db.conninfo, autocommit=True)
+        return psycopg.connect(db.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT)
+    except psycopg.OperationalError as e:
+        raise _connection_error(e, db) from e
+
+
+def _connection_error(e: psycopg.OperationalError, db: _Database) -> CliError:
+    detail = _libpq_detail(e)
+    text = str(e)
+    user = db.params.get("user") or _login_name()
+    dbname = db.params.get("dbname") or user
+    where = f"PostgreSQL at {db.server}"
+    reason = rejection_reason(e, server=db.server, user=str(user), dbname=str(dbname))
+    if reason is not None:
+        return CliError(reason)
+    if "Connection refused" in text or "No such file or directory" in text:
+        return CliError(
+            f"cannot connect to {where}: connection refused. "
+            "Check that PostgreSQL is running and that the host and port in the URL are right"
+        )
+    if "resolve host" in text or "translate host name" in text:
+        return CliError(f"cannot connect to {where}: unknown host ({detail}). Check the host in the URL")
+    if "timeout expired" in text:
+        return CliError(
+            f"cannot connect to {where}: no answer within the connect timeout. "
+            "Check the host and port in the URL and any firewall between"
+        )
+    return CliError(f"cannot connect to {where}: {detail}. Check the URL and that the server runs")
+
+
+def _login_name() -> str:
+    """libpq's default user name."""
+    try:
+        return getpass.getuser()
+    except Exception:
+        return "(your login name)"
+
+
+def _libpq_detail(e: psycopg.Error) -> str:
+    """libpq's message on one line, without its ``connection to server at ... failed:`` prefixes."""
+    return libpq_detail(e)
+
+
+@contextmanager
+def _checked_connection(
+    args: argparse.Namespace,
+) -> Iterator[tuple[psycopg.Connection[Any], str, _Database]]:
+    """(connection, quoted schema, database) once the schema is known to be current."""
+    db = _database(args)
+    with _connect(db) as conn:
+        check_schema(conn, args.schema, url=db.shown, fix_url=db.fix_url)
+        yield conn, quote_ident(args.schema), db
+
+
+# -- output helpers ---------------------------------------------------------------------
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], numeric: Sequence[int] = ()) -> None:
+    """Print ``rows`` under ``header`` in aligned columns; the ``numeric`` columns right-aligned."""
+    cells = [list(header)] + [["" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for row in cells:
+        line = "  ".join(
+            v.rjust(w) if i in numeric else v.ljust(w)
+            for i, (v, w) in enumerate(zip(row, widths, strict=True))
+        )
+        print(line.rstrip())
+
+
+def _duration(seconds: float | None) -> str:
+    """``0.4s``, ``42s``, ``5m03s``, ``2h05m``, ``3d04h``."""
+    if seconds is None:
+        return ""
+    seconds = max(0.0, float(seconds))
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3_600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86_400:
+        return f"{whole // 3_600}h{whole % 3_600 // 60:02d}m"
+    return f"{whole // 86_400}d{whole % 86_400 // 3_600:02d}h"
+
+
+def _queue_list(queues: Sequence[str]) -> str:
+    """``default, emails``: Dramatiq's delay queues (``emails.DQ``) are the same rows as their queue."""
+    return ", ".join(dict.fromkeys(q_name(q) for q in queues))
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 3)].rstrip() + "..."
+
+
+def exception_line(error_type: str | None, error: str | None) -> str:
+    """The line that says what failed: ``KeyError: 'no such customer'``.
+
+    For a stored traceback, its exception line (the last line naming
+    ``error_type``, else its last unindented line); for any other error text
+    (``MaxDeliveriesExceeded``, ``DecodeError``), the type and the text's first
+    line.
+
+    Parameters:
+      error_type(str|None): ``history.error_type``, the exception's class name.
+      error(str|None): ``history.error``, a traceback or a message.
+
+    Returns:
+      str: One line.
+    """
+    lines = [line.rstrip() for line in (error or "").splitlines() if line.strip()]
+    kind = error_type or ""
+    named = re.compile(rf"^(?:[\w.]+\.)?{re.escape(kind)}(?::|$)") if kind else None
+    if any(line.startswith("Traceback (most recent call last):") for line in lines):
+        if named is not None:
+            for line in reversed(lines):
+                if named.match(line):
+                    return line
+        for line in reversed(lines):
+            if not line[:1].isspace() and line != "[...]":
+                return f"{kind}: {line}" if kind and not line.startswith(kind) else line
+    if not lines:
+        return kind
+    first = lines[0].strip()
+    if not kind or (named is not None and named.match(first)):
+        return first
+    return f"{kind}: {first}"
+
+
+# -- subcommands ------------------------------------------------------------------------------

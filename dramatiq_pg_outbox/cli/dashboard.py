@@ -1,0 +1,225 @@
+"""``dramatiq-pg-outbox dashboard``: serve the web dashboard (the application is
+:func:`dramatiq_pg_outbox.dashboard.app.create_app`; this module imports it only when the
+subcommand runs, so ``dramatiq-pg-outbox --help`` works without the ``dashboard`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..dashboard import BASIC_AUTH_ENV, TOKEN_ENV
+from .common import EXIT_USAGE, CliError, _connect, _database
+
+_INSTALL_HINT = "pip install 'dramatiq-pg-outbox[dashboard]'"
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535 (0: any free port), not {port}")
+    return port
+
+
+def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    """Register the ``dashboard`` subcommand on an ``argparse`` subparsers object.
+
+    Parameters:
+      subparsers: What ``ArgumentParser.add_subparsers()`` returned.
+      parents(Sequence[ArgumentParser]): Shared options (the CLI's ``--url``, ``--schema``,
+        ``--debug``); without them the subcommand defines its own ``--url`` and ``--schema``.
+
+    Returns:
+      argparse.ArgumentParser: The subcommand's parser (``args.command == "dashboard"``).
+    """
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "dashboard",
+        help="serve the web dashboard",
+        description="Serve the web dashboard (queues, workers, dead letters, charts; retry, purge, cancel).",
+        parents=list(parents),
+    )
+    parser.set_defaults(run=run)
+    if not parents:
+        parser.add_argument(
+            "--url", default=os.environ.get("DATABASE_URL"), help="PostgreSQL URL ($DATABASE_URL)"
+        )
+        parser.add_argument("--schema", default="dramatiq", help="schema of the tables (default: dramatiq)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=_port, default=8080, help="port to bind (default: 8080; 0: any free port, printed)"
+    )
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name browsers use to reach the dashboard (repeatable; '*.example.com' matches "
+        "subdomains). Always allowed: localhost, 127.0.0.1, [::1] and --host; "
+        "required with --host 0.0.0.0 or ::",
+    )
+    parser.add_argument("--read-only", action="store_true", help="hide and refuse every action")
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--token",
+        help=f"require this token (Bearer header or the login page); prefer ${TOKEN_ENV}, "
+        "which does not show in ps",
+    )
+    auth.add_argument(
+        "--basic-auth",
+        metavar="USER:PASSWORD",
+        help=f"require HTTP basic auth; prefer ${BASIC_AUTH_ENV}, which does not show in ps",
+    )
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the dashboard until interrupted (Ctrl-C, SIGTERM).  Returns the exit code.
+
+    Expected failures (no URL or a bad one, bad options, the extra missing, the
+    database unreachable, the schema missing or too old, the port taken) raise
+    the CLI's ``CliError``: one line on stderr and exit code 1 or 2, reported by
+    ``dramatiq_pg_outbox.cli.main.main`` as for every subcommand.
+
+    The dashboard reads schemas of revision :data:`~.store.MIN_SCHEMA_REVISION`
+    (3) or later on purpose (its queries use only the tables and views of
+    0001-0003), so it can be deployed before a schema is upgraded.
+    """
+
+    # An option given on the command line wins; otherwise the environment (both set: an error).
+    token, basic = args.token, args.basic_auth
+    if token is None and basic is None:
+        token, basic = os.environ.get(TOKEN_ENV) or None, os.environ.get(BASIC_AUTH_ENV) or None
+        if token and basic:
+            raise CliError(f"both ${TOKEN_ENV} and ${BASIC_AUTH_ENV} are set: choose one", EXIT_USAGE)
+    basic_auth = None
+    if basic is not None:
+        user, sep, password = basic.partition(":")
+        if not sep or not user or not password:
+            raise CliError("basic auth must be USER:PASSWORD, both non-empty", EXIT_USAGE)
+        basic_auth = (user, password)
+    db = _database(args)
+    try:
+        import uvicorn
+
+        from ..dashboard.app import Settings, create_app
+    except ImportError as e:
+        raise CliError(f"the dashboard needs its extra ({e.name} is missing): {_INSTALL_HINT}") from None
+    allowed_hosts = _allowed_hosts(args.host, args.allowed_host)
+    try:
+        settings = Settings(
+            url=db.conninfo,
+            schema=args.schema,
+            read_only=args.read_only,
+            token=token,
+            basic_auth=basic_auth,
+            allowed_hosts=allowed_hosts,
+        )
+    except ValueError as e:
+        raise CliError(str(e).rstrip("."), EXIT_USAGE) from None
+    with _connect(db) as conn:
+        _check_schema(conn, settings.schema, url=db.shown, fix_url=db.fix_url)
+    sock = _listen(args.host, args.port)
+    port = sock.getsockname()[1]
+    if settings.auth == "none" and not _is_loopback(args.host):
+        print(
+            f"dramatiq-pg-outbox dashboard: warning: serving on {args.host} without auth; "
+            f"set ${TOKEN_ENV} or ${BASIC_AUTH_ENV}",
+            file=sys.stderr,
+        )
+    mode = "read-only" if settings.read_only else "actions enabled"
+    print(
+        f"dashboard of {db.shown} schema {settings.schema!r} ({mode}, auth: {settings.auth}) "
+        f"on http://{args.host}:{port}/",
+        flush=True,
+    )
+    config = uvicorn.Config(
+        create_app(settings), host=args.host, port=port, log_level="info", server_header=False
+    )
+    with sock:
+        uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+#: Addresses that listen on every interface: the Host names must be named.
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _allowed_hosts(host: str, given: list[str]) -> tuple[str, ...]:
+    """The Host names answered: the loopback names, ``--host`` unless a wildcard, ``--allowed-host``.
+
+    Raises:
+      CliError: Usage error (exit 2) for a wildcard ``--host`` without ``--allowed-host``.
+    """
+    from ..dashboard.app import LOOPBACK_HOSTS
+
+    if host in _WILDCARDS and not given:
+        raise CliError(
+            f"--host {host or '0.0.0.0'} answers on every interface: name the host names browsers use, "
+            "e.g. --allowed-host dashboard.example.com (repeatable)",
+            EXIT_USAGE,
+        )
+    names = [*LOOPBACK_HOSTS, *([] if host in _WILDCARDS else [host]), *given]
+    return tuple(dict.fromkeys(name.lower() for name in names))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket for uvicorn, bound here so that a taken port is one line (as ``metrics``)."""
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}. Choose another --port") from None
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_schema(conn: Any, schema: str, *, url: str, fix_url: str) -> None:
+    """Refuse a schema that is missing or older than :data:`~.store.MIN_SCHEMA_REVISION`.
+
+    Raises:
+      SchemaNotReady: Naming the ``dramatiq-pg-outbox migrate`` command that fixes it.
+    """
+    from ..dashboard.store import MIN_SCHEMA_REVISION, queries_for_schema
+    from ..errors import SchemaNotReady
+    from ..migrations import SCHEMA_REVISION, parse_schema_revision, schema_not_ready
+    from ..names import quote_ident
+
+    row = conn.execute(
+        queries_for_schema(schema)["schema_revision"], {"table": f"{quote_ident(schema)}.messages"}
+    ).fetchone()
+    exists, comment = (bool(row[0]), row[1]) if row else (False, None)
+    revision = parse_schema_revision(comment)
+    if exists and revision is not None and revision >= MIN_SCHEMA_REVISION:
+        return
+    if not exists:
+        error = schema_not_ready(schema, row, url=url, fix_url=fix_url)
+        assert error is not None
+        raise error
+    at = "an unknown revision" if revision is None else f"revision {revision}"
+    raise SchemaNotReady(
+        f"The dramatiq-pg-outbox schema {schema!r} of {url} is at {at}, the dashboard needs "
+        f"{MIN_SCHEMA_REVISION} or later (and this version's workers {SCHEMA_REVISION}). "
+        f"Run: dramatiq-pg-outbox migrate --url {fix_url} --schema {schema}"
+    )
+
+
+__all__ = ["add_parser", "run"]

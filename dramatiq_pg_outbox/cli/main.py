@@ -1,0 +1,244 @@
+"""``dramatiq-pg-outbox``: the operators' command line.
+
+Subcommands::
+
+    migrate       create or upgrade the tables (alembic), print the revision reached;
+                  --sql prints the SQL instead
+    status        messages per queue and state, dead letters per queue, workers
+    failed        the newest dead letters with their exception lines
+    retry-failed  put dead letters back on their queue (fresh attempts)
+    prune         drop the history partitions (and delete the rows) older than a given age
+    maintain      create the history partitions of the next days (workers do it hourly)
+    dashboard     serve the web dashboard (extra: dashboard)
+    metrics       serve the database gauges to Prometheus (extra: metrics)
+    relay         move the messages of chosen queues to RabbitMQ or Redis (outbox relay)
+
+The database URL comes from ``--url`` or ``$DATABASE_URL``; the schema from
+``--schema`` (default ``dramatiq``).
+
+Errors.  An expected failure (server unreachable, credentials refused, unknown
+database, bad URL or argument, schema missing or older than this package needs)
+is reported as one line on standard error that says what went wrong and what
+to do, never as a traceback; no password is ever printed.  ``--debug`` (on the
+command or on any subcommand) or ``DRAMATIQ_PG_OUTBOX_DEBUG=1`` prints the
+traceback as well.
+
+Exit codes::
+
+    0    success
+    1    runtime failure: the server, the credentials, the database or its schema
+    2    usage error: a bad or missing argument or URL (argparse's code)
+    130  interrupted (Ctrl-C)
+
+A subcommand defined in another module registers with one line in
+:func:`_parser`: ``module.add_parser(sub)`` adds a parser with
+``parents=[common_options()]`` and ``set_defaults(run=module.run)``, where
+``run(args) -> int`` returns the exit code; its errors are reported like the
+built-in ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import dashboard, periodic
+from .commands import (
+    _failed,
+    _maintain,
+    _metrics,
+    _migrate,
+    _prune,
+    _relay,
+    _retry_failed,
+    _status,
+)
+from .common import (
+    DEBUG_ENV_VAR,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    PROG,
+    URL_ENV_VAR,
+    CliError,
+    _age,
+    _explain,
+    _non_negative_float,
+    _non_negative_int,
+    _Parser,
+    _port,
+    _positive_int,
+    _report,
+    _scrub,
+    _secrets_in,
+    common_options,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        epilog="exit codes: 0 success, 1 runtime failure (server, credentials, database, schema), "
+        "2 usage error, 130 interrupted",
+    )
+    parser.add_argument("--debug", action="store_true", help="on errors, print the traceback too")
+    common: Any = common_options()  # argparse's stubs want the subparsers' own class here
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    migrate = sub.add_parser("migrate", parents=[common], help="create or upgrade the tables")
+    migrate.add_argument("--revision", default="head", help="target revision (default: head)")
+    migrate.add_argument("--sql", action="store_true", help="print the SQL instead of running it")
+    migrate.set_defaults(run=_migrate)
+
+    status = sub.add_parser("status", parents=[common], help="messages, dead letters and workers")
+    status.set_defaults(run=_status)
+
+    failed = sub.add_parser("failed", parents=[common], help="newest dead letters")
+    failed.add_argument("--queue", help="only this queue")
+    failed.add_argument("--limit", type=_positive_int, default=20, help="rows to show (default: 20)")
+    failed.set_defaults(run=_failed)
+
+    retry = sub.add_parser("retry-failed", parents=[common], help="re-enqueue dead letters")
+    retry.add_argument("--queue", help="only this queue")
+    retry.add_argument(
+        "--id",
+        type=_positive_int,
+        action="append",
+        dest="ids",
+        metavar="ID",
+        help="only this history id (repeatable)",
+    )
+    retry.set_defaults(run=_retry_failed)
+
+    prune = sub.add_parser("prune", parents=[common], help="drop history older than an age")
+    prune.add_argument(
+        "--older-than",
+        type=_age,
+        required=True,
+        metavar="AGE",
+        help="age in days (30), or with a unit: 12h, 90m, 45s",
+    )
+    prune.add_argument(
+        "--lock-timeout",
+        type=_positive_int,
+        default=2_000,
+        metavar="MS",
+        help="how long each partition DROP may wait for its lock (default: 2000)",
+    )
+    prune.set_defaults(run=_prune)
+    maintain = sub.add_parser(
+        "maintain", parents=[common], help="create the history partitions of the next days"
+    )
+    maintain.add_argument(
+        "--days-ahead",
+        type=_non_negative_int,
+        default=7,
+        metavar="N",
+        help="create the partitions of today and the next N days (default: 7; 3660 at most)",
+    )
+    maintain.set_defaults(run=_maintain)
+    dashboard.add_parser(sub, parents=[common])
+    metrics = sub.add_parser(
+        "metrics", parents=[common], help="serve the database gauges to Prometheus (extra: metrics)"
+    )
+    metrics.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    metrics.add_argument(
+        "--port", type=_port, default=9192, help="port to bind (default: 9192; Dramatiq's own is 9191)"
+    )
+    metrics.add_argument(
+        "--cache-seconds",
+        type=_non_negative_float,
+        default=5.0,
+        help="seconds a reading is reused by later scrapes (default: 5; 0: read at every scrape)",
+    )
+    metrics.add_argument(
+        "--heartbeat-timeout",
+        type=_positive_int,
+        default=20_000,
+        metavar="MS",
+        help="a worker is live if it heartbeat within this many ms (default: 20000, the broker's)",
+    )
+    metrics.set_defaults(run=_metrics)
+    relay = sub.add_parser(
+        "relay", parents=[common], help="move the messages of chosen queues to RabbitMQ or Redis"
+    )
+    relay.add_argument(
+        "--to", required=True, metavar="URL", help="amqp://... (RabbitMQ) or redis://... (Redis)"
+    )
+    relay.add_argument(
+        "--queues",
+        required=True,
+        metavar="Q1,Q2",
+        help="comma-separated queues to relay (the others stay local)",
+    )
+    relay.add_argument(
+        "--batch-size", type=_positive_int, default=500, help="messages per claim (default: 500)"
+    )
+    relay.add_argument(
+        "--report-every",
+        type=_non_negative_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="log the relayed count and the lag this often (default: 10; 0: never)",
+    )
+    relay.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve the relay's Prometheus metrics on this port of --metrics-host (extra: metrics)",
+    )
+    relay.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address of --metrics-port (default: 127.0.0.1)"
+    )
+    relay.add_argument(
+        "--heartbeat-interval", type=_positive_int, default=5_000, metavar="MS", help="(default: 5000)"
+    )
+    relay.add_argument(
+        "--heartbeat-timeout",
+        type=_positive_int,
+        default=20_000,
+        metavar="MS",
+        help="a dead relay's claims are released after this (default: 20000)",
+    )
+    relay.set_defaults(run=_relay)
+    periodic.add_parser(sub)
+    return parser
+
+
+# -- the entry point --------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dramatiq-pg-outbox`` console script.
+
+    Parameters:
+      argv(Sequence[str]|None): The arguments; default ``sys.argv[1:]``.
+
+    Returns:
+      int: The exit code: 0, 1 (runtime failure), 2 (usage error) or 130 (interrupted).
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    secrets = _secrets_in(argv, os.environ.get(URL_ENV_VAR))
+    debug = os.environ.get(DEBUG_ENV_VAR, "") not in ("", "0") or "--debug" in argv
+    prog = PROG
+    try:
+        args = _parser().parse_args(argv)
+        prog = f"{PROG} {args.command}"
+        debug = debug or bool(getattr(args, "debug", False))
+        run: Callable[[argparse.Namespace], int] = args.run
+        return run(args)
+    except KeyboardInterrupt:
+        _report(prog, "interrupted", secrets)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        error = _explain(e)
+        if debug and not (isinstance(e, CliError) and e.exit_code == EXIT_USAGE):
+            text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            print(_scrub(text, secrets), end="", file=sys.stderr)
+        _report(error.prog or prog, error.message, secrets)
+        return error.exit_code
