@@ -370,6 +370,35 @@ WITH orphans AS (
 )
 SELECT count(*) FROM orphans;
 
+-- name: retry_failed --
+-- Puts dead letters back on their queues (the CLI's retry-failed and the
+-- dashboard's Retry): moves them from history to messages, due now, with a
+-- fresh attempts count, in one statement (nothing is lost or doubled if it
+-- fails).  Selected by ids and by the failed page's filters (NULL: any).
+-- Wakes the workers of each queue (unless %(notify)s is false) and returns,
+-- per queue, the count and the history ids moved.
+WITH moved AS (
+    DELETE FROM {schema}.history
+    WHERE state = 'failed'
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+      AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
+      AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s)
+      AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s)
+      AND (%(search)s::text IS NULL
+           OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
+           OR message_id = %(search)s)
+    RETURNING id, queue_name, actor_name, message_id, payload, idempotency_key
+),
+inserted AS (
+    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, payload, idempotency_key)
+    SELECT queue_name, actor_name, message_id, payload, idempotency_key FROM moved
+),
+per_queue AS (
+    SELECT queue_name, count(*) AS n, array_agg(id ORDER BY id) AS ids FROM moved GROUP BY queue_name
+)
+SELECT queue_name, n, ids, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, queue_name) END
+FROM per_queue ORDER BY queue_name;
+
 -- name: queue_size --
 -- One statement, hence one snapshot: pending, delayed and in-flight rows of a
 -- queue and of its delay queue are counted atomically.

@@ -586,6 +586,30 @@ def test_retry_failed_and_prune_report_counts(
     ]
 
 
+def test_retry_failed_wakes_the_workers_of_the_queue_as_the_dashboard_does(
+    database_url: str, broker: PostgresBroker, start_worker: Any, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a dead letter and a connection listening on the broker's channel
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    boom.send()
+    worker = start_worker(broker)
+    broker.join("default", timeout=20_000)
+    worker.stop()
+    (row_id,) = db.execute("SELECT id FROM dramatiq.history WHERE state = 'failed'").fetchone()
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute(f'LISTEN "{broker.channel}"')
+        # When the CLI puts it back on its queue
+        assert run(capsys, "retry-failed", "--url", database_url, "--id", str(row_id)) == [
+            "re-enqueued 1 failed message(s)"
+        ]
+        # Then the workers of that queue are woken at once (not at their next poll)
+        payloads = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+    assert payloads == ["default"]
+
+
 # -- the exception line of a stored error ------------------------------------------------------------
 
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import psycopg
 
+from .._queries import queries_for_schema
 from ..migrations import VERSION_TABLE, script_location, upgrade, upgrade_sql
-from ..names import quote_ident
+from ..names import channel_for, quote_ident
 from ..urls import mask_password
 from .common import (
     EXIT_USAGE,
@@ -276,21 +277,20 @@ def _failed(args: argparse.Namespace) -> int:
 
 
 def _retry_failed(args: argparse.Namespace) -> int:
-    with _checked_connection(args) as (conn, s, db):
-        row = conn.execute(
-            f"""WITH moved AS (
-                    DELETE FROM {s}.history
-                    WHERE state = 'failed'
-                      AND (%(queue)s::text IS NULL OR queue_name = %(queue)s)
-                      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-                    RETURNING id, queue_name, actor_name, message_id, payload, idempotency_key
-                ), inserted AS (
-                    INSERT INTO {s}.messages (queue_name, actor_name, message_id, payload, idempotency_key)
-                    SELECT queue_name, actor_name, message_id, payload, idempotency_key FROM moved RETURNING 1
-                ) SELECT (SELECT count(*) FROM inserted), (SELECT array_agg(id) FROM moved)""",  # noqa: S608
-            {"queue": args.queue, "ids": args.ids},
-        ).fetchone()
-    count, moved = (int(row[0]), set(row[1] or ())) if row else (0, set())
+    # The dashboard's Retry runs the same statement: back on the queue, due now, workers woken.
+    params = {
+        "ids": args.ids,
+        "queue_name": args.queue,
+        "actor_name": None,
+        "error_type": None,
+        "search": None,
+        "notify": True,
+        "channel": channel_for(args.schema),
+    }
+    with _checked_connection(args) as (conn, _, db):
+        rows = conn.execute(queries_for_schema(args.schema)["retry_failed"], params).fetchall()
+    count = sum(int(n) for _, n, _, _ in rows)
+    moved = {int(i) for _, _, ids, _ in rows for i in ids}
     print(f"re-enqueued {count} failed message(s)")
     missing = sorted(set(args.ids or ()) - moved)
     if missing:

@@ -128,34 +128,6 @@ SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, sta
 FROM {schema}.history
 WHERE id = %(id)s AND state = 'failed';
 
--- name: retry_failed --
--- The CLI's retry-failed: moves dead letters from history back to messages,
--- due now, with a fresh attempts count, in one statement (nothing is lost or
--- doubled if it fails).  Selected by ids, or by the failed page's filters
--- (all NULL: every dead letter).  Wakes the workers of each queue and
--- returns the count per queue.
-WITH moved AS (
-    DELETE FROM {schema}.history
-    WHERE state = 'failed'
-      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-      AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
-      AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s)
-      AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s)
-      AND (%(search)s::text IS NULL
-           OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
-           OR message_id = %(search)s)
-    RETURNING queue_name, actor_name, message_id, payload, idempotency_key
-),
-inserted AS (
-    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, payload, idempotency_key)
-    SELECT queue_name, actor_name, message_id, payload, idempotency_key FROM moved
-    RETURNING queue_name
-),
-per_queue AS (
-    SELECT queue_name, count(*) AS n FROM inserted GROUP BY queue_name
-)
-SELECT queue_name, n, pg_notify(%(channel)s, queue_name) FROM per_queue ORDER BY queue_name;
-
 -- name: purge_queue --
 -- Deletes the waiting rows (due and delayed) of one queue.  Rows being
 -- processed are left to finish; their acks archive them as usual.

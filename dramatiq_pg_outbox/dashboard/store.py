@@ -22,6 +22,7 @@ from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
 from .._queries import _HEADER
+from .._queries import queries_for_schema as broker_queries
 from ..migrations import parse_schema_revision
 from ..names import quote_ident
 from ..urls import libpq_url
@@ -319,11 +320,17 @@ class Store:
 
         ``ids`` None selects by ``where`` alone (all fields None: every dead letter).
         """
-        rows = await self._tuples(
-            "retry_failed",
-            {"ids": list(ids) if ids is not None else None, "channel": self.channel, **where.params()},
-        )
-        return {queue_name: int(n) for queue_name, n, _ in rows}
+        params = {
+            "ids": list(ids) if ids is not None else None,
+            "channel": self.channel,
+            "notify": True,
+            **where.params(),
+        }
+        # The broker's statement, shared with the CLI's retry-failed (one behaviour).
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(broker_queries(self.schema)["retry_failed"], params)
+            rows = await cur.fetchall()
+        return {queue_name: int(n) for queue_name, n, _, _ in rows}
 
     async def purge_queue(self, queue_name: str) -> int:
         """Delete the waiting rows of a queue; returns how many."""
