@@ -156,7 +156,7 @@ def postgres_for_benchmarks(url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
-    from dramatiq_pg_outbox.devserver import ThrowawayPostgres
+    from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
     settings = {
         "shared_preload_libraries": "pg_stat_statements",

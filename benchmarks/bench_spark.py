@@ -44,7 +44,6 @@ from dramatiq.encoder import JSONEncoder
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dramatiq_pg_outbox import upgrade
-from dramatiq_pg_outbox.devserver import postgres_server, scratch_database
 from dramatiq_pg_outbox.spark import (
     _Plan,
     _prepare_in_jvm,
@@ -53,6 +52,7 @@ from dramatiq_pg_outbox.spark import (
     jdbc_options,
     local_session,
 )
+from dramatiq_pg_outbox.testing import postgres_server, scratch_database
 
 
 class PythonJSONEncoder(JSONEncoder):

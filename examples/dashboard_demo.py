@@ -1,6 +1,6 @@
 """``python -m examples.dashboard_demo``: the web dashboard over a few minutes of real traffic.
 
-A scratch database (``dramatiq_pg_outbox.devserver``: ``$DATABASE_URL``'s server, else
+A scratch database (``dramatiq_pg_outbox.testing``: ``$DATABASE_URL``'s server, else
 a local or throwaway one), a Dramatiq worker with 8 threads and a producer whose rate
 rises and falls, for four actors on three queues: quick e-mails that sometimes need
 a retry, card charges of which a few are declined (dead letters), slow invoice
@@ -32,7 +32,7 @@ import uvicorn
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.dashboard.app import Settings, create_app
-from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database
+from dramatiq_pg_outbox.testing import mask_password, postgres_server, scratch_database
 
 
 class CardDeclined(Exception):

@@ -3,7 +3,7 @@
 The server comes from ``$DRAMATIQ_PG_OUTBOX_TEST_URL`` (an admin URL), else a
 Docker container via testcontainers when an engine is reachable, else the local
 server on 127.0.0.1:5432, else a throwaway server started for the run
-(``dramatiq_pg_outbox.devserver.postgres_server``).  Each run creates its own
+(``dramatiq_pg_outbox.testing.postgres_server``).  Each run creates its own
 database ``dpo_test_<random>`` and drops it at the end.
 """
 
@@ -25,7 +25,7 @@ import psycopg
 import pytest
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
-from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database
+from dramatiq_pg_outbox.testing import mask_password, postgres_server, scratch_database
 
 from .helpers import SESSION_MARK, TEST_MARK, Supervisor, marked_processes, reap
 

@@ -28,8 +28,8 @@ from sqlalchemy.engine import make_url
 from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox._runtime import format_error
 from dramatiq_pg_outbox.cli import exception_line, main
-from dramatiq_pg_outbox.devserver import ThrowawayPostgres
 from dramatiq_pg_outbox.migrations import SCHEMA_REVISION, script_location
+from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Every subcommand that reads or writes the broker's tables, with its required arguments.  The

@@ -20,8 +20,8 @@ import pytest
 from dramatiq.errors import ConnectionFailed
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
-from dramatiq_pg_outbox.devserver import ThrowawayPostgres
 from dramatiq_pg_outbox.errors import ConnectionRejected
+from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
 ROOT = Path(__file__).resolve().parent.parent
 #: A pool_timeout far longer than any of these tests may take to see the error.

@@ -1,4 +1,4 @@
-"""Tests for dramatiq_pg_outbox.devserver, against real PostgreSQL processes."""
+"""Tests for dramatiq_pg_outbox.testing, against real PostgreSQL processes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from dramatiq_pg_outbox import devserver
-from dramatiq_pg_outbox.devserver import (
+from dramatiq_pg_outbox import testing as devserver
+from dramatiq_pg_outbox.testing import (
     ThrowawayPostgres,
     find_postgres_bindir,
     mask_password,

@@ -384,7 +384,7 @@ def test_the_readme_usage_says_how_to_install_and_migrate_before_first_use(
     from pathlib import Path
 
     from dramatiq_pg_outbox.cli import main
-    from dramatiq_pg_outbox.devserver import scratch_database
+    from dramatiq_pg_outbox.testing import scratch_database
 
     root = Path(__file__).resolve().parent.parent
     readme = (root / "README.md").read_text()

@@ -684,7 +684,7 @@ def test_after_enqueue_runs_only_for_messages_that_were_stored(
 def test_outbox_on_a_database_that_was_never_migrated_raises_schema_not_ready(
     admin_url: str, make_broker: Any
 ) -> None:
-    from dramatiq_pg_outbox.devserver import scratch_database
+    from dramatiq_pg_outbox.testing import scratch_database
 
     with scratch_database(admin_url, "dpo_test_bare") as bare_url:
         # Given an engine on a database the broker's tables were never migrated into, whose URL

@@ -26,10 +26,10 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from dramatiq_pg_outbox import PostgresBroker, outbox, upgrade
-from dramatiq_pg_outbox.devserver import scratch_database
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
 from dramatiq_pg_outbox.names import channel_for
 from dramatiq_pg_outbox.spark import _Plan, write_partition
+from dramatiq_pg_outbox.testing import scratch_database
 from tests.helpers import count, wait_for
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "security.md"

@@ -20,8 +20,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from dramatiq_pg_outbox import PostgresBroker, outbox, upgrade
-from dramatiq_pg_outbox.devserver import ThrowawayPostgres
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
+from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
 from .helpers import wait_for
 

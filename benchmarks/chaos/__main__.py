@@ -26,7 +26,7 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from dramatiq_pg_outbox import upgrade
-from dramatiq_pg_outbox.devserver import ThrowawayPostgres
+from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
 from .harness import Db, Producer
 from .scenarios import SCENARIOS, Context, Result

@@ -15,7 +15,7 @@ import psycopg
 from dramatiq import Message
 from sqlalchemy.engine import make_url
 
-from dramatiq_pg_outbox.devserver import ThrowawayPostgres
+from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
 from .harness import (
     QUEUE,

@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: python examples/periodic_jobs/
     sys.path.insert(0, str(REPO_ROOT))
 
 from dramatiq_pg_outbox import upgrade  # noqa: E402
-from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database  # noqa: E402
+from dramatiq_pg_outbox.testing import mask_password, postgres_server, scratch_database  # noqa: E402
 from examples._workers import dramatiq_workers, supervised  # noqa: E402
 
 #: Module of the broker and the job (loaded by the worker and by every scheduler).
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the example; return the exit status."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="  %(message)s")
-    logging.getLogger("dramatiq_pg_outbox.devserver").setLevel(logging.INFO)
+    logging.getLogger("dramatiq_pg_outbox.testing").setLevel(logging.INFO)
     print(f"periodic jobs: a job every second, {args.schedulers} schedulers for {args.seconds} s")
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="periodic_jobs_")))

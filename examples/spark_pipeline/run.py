@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from dramatiq_pg_outbox import upgrade
-    from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database
     from dramatiq_pg_outbox.spark import enqueue_dataframe, local_session
     from dramatiq_pg_outbox.spark_analytics import run as run_analytics
+    from dramatiq_pg_outbox.testing import mask_password, postgres_server, scratch_database
 
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))

@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: python examples/transactional_
     sys.path.insert(0, str(REPO_ROOT))
 
 from dramatiq_pg_outbox import upgrade  # noqa: E402
-from dramatiq_pg_outbox.devserver import mask_password, postgres_server, scratch_database  # noqa: E402
+from dramatiq_pg_outbox.testing import mask_password, postgres_server, scratch_database  # noqa: E402
 from examples._workers import dramatiq_workers, supervised  # noqa: E402
 from examples.transactional_email.report import Outcomes, enqueued_user_ids, report  # noqa: E402
 from examples.transactional_email.smtp_server import MailStore, SmtpServer  # noqa: E402
@@ -217,9 +217,9 @@ def local_broker() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     """Run the example; return the exit status."""
     args = parse_args(argv)
-    # Say which PostgreSQL server devserver picked ($DATABASE_URL, local, throwaway), password masked.
+    # Say which PostgreSQL server was picked ($DATABASE_URL, local, throwaway), password masked.
     logging.basicConfig(level=logging.WARNING, format="  %(message)s")
-    logging.getLogger("dramatiq_pg_outbox.devserver").setLevel(logging.INFO)
+    logging.getLogger("dramatiq_pg_outbox.testing").setLevel(logging.INFO)
     target = RELAY_TARGETS[args.relay] if args.relay else None
     print(
         f"transactional email: {args.signups} signups from {args.producers} threads, "

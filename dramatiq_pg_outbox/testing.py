@@ -551,7 +551,7 @@ class ThrowawayPostgres:
             if result.returncode != 0:
                 raise RuntimeError(f"initdb failed (exit {result.returncode}):\n{_tail(output)}")
             with open(self.data_dir / "postgresql.conf", "a") as conf:
-                conf.write("\n# Added by dramatiq_pg_outbox.devserver\ninclude 'devserver.conf'\n")
+                conf.write("\n# Added by dramatiq_pg_outbox.testing\ninclude 'devserver.conf'\n")
             self._write_settings()
         except BaseException:
             self._remove()
