@@ -20,7 +20,6 @@ Connections per consuming process: ``pool_size`` (pool) + 1 (listener).
 
 from __future__ import annotations
 
-import getpass
 import math
 import os
 import random
@@ -40,11 +39,10 @@ import psycopg
 from dramatiq.common import compute_backoff
 from dramatiq.logging import get_logger
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ._queries import queries_for_schema
-from .errors import ConnectionRejected, rejection_reason, translate_errors
+from .errors import ConnectionRejected, describe_rejection, translate_errors
 from .migrations import check_schema
 
 if TYPE_CHECKING:
@@ -143,25 +141,6 @@ def format_error(exc: BaseException | None) -> tuple[str, str]:
 #: conninfo -> why the server refused the latest connection attempt of this process to it, when
 #: retrying cannot help (see errors.rejection_reason); cleared by a successful connection.
 _rejected: dict[str, str] = {}
-
-
-def describe_rejection(error: BaseException, conninfo: str) -> str | None:
-    """:func:`~.errors.rejection_reason` for a connection attempt to ``conninfo``."""
-    try:
-        params = conninfo_to_dict(conninfo)
-    except psycopg.ProgrammingError:
-        params = {}
-    host = str(params.get("host") or "localhost")
-    server = f"{host}:{params.get('port') or 5432}"
-    user = str(params.get("user") or os.environ.get("PGUSER") or _login_name())
-    return rejection_reason(error, server=server, user=user, dbname=str(params.get("dbname") or user))
-
-
-def _login_name() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:
-        return "(your login name)"
 
 
 class _PoolConnection(psycopg.Connection[Any]):
@@ -670,19 +649,35 @@ class _Flusher:
         self.failed_acks.append((row_id, lease, error_type, error))
         self._signal(len(self.failed_acks))
 
-    def finish(self, outcome: Outcome) -> None:
-        """Buffer the end of a delivery; one with follow-ups is written with them, in one transaction."""
-        if outcome.messages or outcome.statements:
-            self.outcomes.append(outcome)
+    def finish(
+        self,
+        row_id: int,
+        lease: uuid.UUID,
+        kind: str,
+        error_type: str | None = None,
+        error: str | None = None,
+        messages: list[StoredMessage] | None = None,
+        statements: list[tuple[str, dict[str, Any]]] | None = None,
+    ) -> None:
+        """Buffer the end of a delivery (``kind``: ``ack``, ``ack_with_error``, ``nack``).
+
+        With follow-ups (``messages``, ``statements``) it is written with them in
+        one transaction (see :class:`Outcome`); without, with the other decisions
+        of its kind in one statement.
+        """
+        if messages or statements:
+            self.outcomes.append(
+                Outcome(row_id, lease, kind, error_type, error, messages or [], statements or [])
+            )
             self._signal(len(self.outcomes))
-        elif outcome.kind == "ack":
-            self.ack(outcome.row_id, outcome.lease)
-        elif outcome.kind == "ack_with_error":
-            assert outcome.error_type is not None and outcome.error is not None
-            self.ack_with_error(outcome.row_id, outcome.lease, outcome.error_type, outcome.error)
+        elif kind == "ack":
+            self.ack(row_id, lease)
         else:
-            assert outcome.error_type is not None and outcome.error is not None
-            self.nack(outcome.row_id, outcome.lease, outcome.error_type, outcome.error)
+            assert error_type is not None and error is not None
+            if kind == "ack_with_error":
+                self.ack_with_error(row_id, lease, error_type, error)
+            else:
+                self.nack(row_id, lease, error_type, error)
 
     def requeue(self, rows: Sequence[tuple[int, uuid.UUID]]) -> None:
         self.requeues.extend(rows)
@@ -904,9 +899,14 @@ class _Flusher:
                 )
                 rows = conn.execute(runtime.queries[name], params).fetchall()
                 stored = enqueue_result(name, messages, rows).stored
+            # Results: one executemany per statement text (psycopg pipelines it), not a
+            # round trip per message.
+            statements: dict[str, list[dict[str, Any]]] = {}
             for outcome in written:
                 for query, params in outcome.statements:
-                    conn.execute(query, params)
+                    statements.setdefault(query, []).append(params)
+            for query, many in statements.items():
+                conn.cursor().executemany(query, many)
         for item in stored:
             broker.emit_after("enqueue", item.message, item.delay or None)
         return written
@@ -965,7 +965,7 @@ class _Maintenance(_Loop):
             # others' heartbeats are probably stale for the same reason, not because they died.
             # Judge nobody before they have had a full heartbeat_timeout to heartbeat again;
             # otherwise the first process back releases the running messages of the others
-            # (measured: 131 duplicates in a --quick run of chaos scenario 9 without this).
+            # (146 duplicates without this in `python -m benchmarks.chaos --quick --scenarios 9`, 0 with it).
             self._rescue_from = now + broker.heartbeat_timeout / 1000
         self._beat_at = now
         if now < self._rescue_from:

@@ -29,8 +29,8 @@ from sqlalchemy.engine import URL, Engine, make_url
 
 from ._binding import current_binding
 from ._config import BrokerOptions, NotifyMode
-from ._runtime import Outcome, StoredMessage, _Runtime, describe_rejection, format_error
-from .errors import libpq_detail
+from ._runtime import StoredMessage, _Runtime, format_error
+from .errors import describe_rejection, libpq_detail
 from .names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
 from .urls import libpq_url, safe_url
 
@@ -47,18 +47,16 @@ FOLLOW_UP_SIGNALS = frozenset({"process_message", "skip_message", "ack", "nack"}
 _deciding = threading.local()
 
 
-def deciding(conninfo: str) -> _PostgresMessage | None:
-    """The message whose follow-ups this thread is collecting, if it lives in the database ``conninfo``.
+def deciding() -> _PostgresMessage | None:
+    """The message whose follow-ups this thread is collecting, if any.
 
     Set by :meth:`PostgresBroker.emit_after` while the ``after_process_message``,
     ``after_skip_message``, ``after_ack`` and ``after_nack`` hooks of a claimed
     message run on a worker thread; None elsewhere (in particular inside the
-    actor's own body).
+    actor's own body).  Its broker is ``message.consumer.broker``.
     """
     message: _PostgresMessage | None = getattr(_deciding, "message", None)
-    if message is not None and message.consumer.broker.conninfo == conninfo:
-        return message
-    return None
+    return message
 
 
 class PostgresBroker(Broker):
@@ -300,9 +298,9 @@ class PostgresBroker(Broker):
             raise ValueError(f"batch_size must be at least 1, not {batch_size!r}")
         prepared = [_stored_form(message) for message in messages]
         delay_ms = int(delay or 0)
-        finishing = getattr(_deciding, "message", None)
+        finishing = deciding()
         if finishing is not None and finishing.consumer.broker is not self:
-            finishing = None
+            finishing = None  # a message of another broker: this send is not its follow-up
         binding = current_binding(self) if finishing is None else None
         for start in range(0, len(prepared), batch_size):
             batch = prepared[start : start + batch_size]
@@ -357,7 +355,7 @@ class PostgresBroker(Broker):
         ):
             super().emit_after(signal, *args, **kwargs)
             return
-        previous = getattr(_deciding, "message", None)
+        previous = deciding()
         _deciding.message = message
         try:
             super().emit_after(signal, *args, **kwargs)
@@ -747,16 +745,9 @@ class _PostgresConsumer(Consumer):
     def submit(self, message: _PostgresMessage) -> None:
         """Hand a decided message, with its follow-ups, to the flusher."""
         assert message.outcome is not None
-        kind, error_type, error = message.outcome
         follow_ups, statements = message.follow_ups, message.statements
-        flusher = self.runtime.flusher
-        if kind == "ack" and not follow_ups and not statements:
-            flusher.ack(message.row_id, message.lease)  # the common case, kept cheap
-            return
         message.follow_ups, message.statements = [], []
-        flusher.finish(
-            Outcome(message.row_id, message.lease, kind, error_type, error, follow_ups, statements)
-        )
+        self.runtime.flusher.finish(message.row_id, message.lease, *message.outcome, follow_ups, statements)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Hand unstarted messages back at once, without charging them an attempt."""

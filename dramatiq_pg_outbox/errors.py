@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import getpass
+import os
 import re
 import shlex
 from collections.abc import Iterator
@@ -10,6 +12,7 @@ from contextlib import contextmanager
 import psycopg
 import psycopg_pool
 from dramatiq.errors import BrokerError, ConnectionClosed, ConnectionFailed
+from psycopg.conninfo import conninfo_to_dict
 
 
 class SchemaNotReady(BrokerError):
@@ -91,6 +94,25 @@ def rejection_reason(error: BaseException, *, server: str, user: str, dbname: st
             f"({libpq_detail(error)}). Check the URL, or ask the DBA to allow it in pg_hba.conf"
         )
     return None
+
+
+def describe_rejection(error: BaseException, conninfo: str) -> str | None:
+    """:func:`rejection_reason` for a failed connection to ``conninfo`` (libpq's defaults filled in)."""
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError:
+        params = {}
+    server = f"{params.get('host') or 'localhost'}:{params.get('port') or 5432}"
+    user = str(params.get("user") or os.environ.get("PGUSER") or login_name())
+    return rejection_reason(error, server=server, user=user, dbname=str(params.get("dbname") or user))
+
+
+def login_name() -> str:
+    """libpq's default user name: this process's login name."""
+    try:
+        return getpass.getuser()
+    except Exception:
+        return "(your login name)"
 
 
 def libpq_detail(error: BaseException) -> str:

@@ -144,16 +144,22 @@ _AUTH_ERRORS = frozenset({
 })  # fmt: skip
 
 
+def _chain(error: BaseException | None, most: int = 5) -> list[BaseException]:
+    """``error`` and the errors it wraps (``__cause__``, else ``__context__``), at most ``most``."""
+    chain: list[BaseException] = []
+    while error is not None and len(chain) < most:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
 def refused_credentials(error: BaseException | None) -> bool:
     """Whether ``error`` (or an error it wraps) says the target refused the relay's credentials."""
-    while error is not None:
-        if type(error).__name__ in _AUTH_ERRORS:
-            return True
-        text = str(error)
-        if "ACCESS_REFUSED" in text or "WRONGPASS" in text or "NOAUTH" in text:
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return any(
+        type(e).__name__ in _AUTH_ERRORS
+        or any(word in str(e) for word in ("ACCESS_REFUSED", "WRONGPASS", "NOAUTH"))
+        for e in _chain(error)
+    )
 
 
 def check_target(target: Broker, shown: str) -> None:
@@ -174,11 +180,7 @@ def check_target(target: Broker, shown: str) -> None:
         elif kind == "RedisBroker":
             target.client.ping()  # type: ignore[attr-defined]
     except Exception as e:
-        chain: list[BaseException] = []
-        cause: BaseException | None = e
-        while cause is not None and len(chain) < 5:
-            chain.append(cause)
-            cause = cause.__cause__ or cause.__context__
+        chain = _chain(e)
         detail = " ".join(" ".join(f"{type(x).__name__}: {x}" for x in chain).split())[:300]
         if not any(str(x) for x in chain):
             # pika's AMQPConnectionError may carry nothing once its connection attempts ran out.

@@ -270,8 +270,8 @@ class PostgresBackend(ResultBackend):
             "payload": payload,
             "notify": self.notify,
         }
-        finishing = deciding(self._broker.conninfo)
-        if finishing is not None:
+        finishing = deciding()
+        if finishing is not None and finishing.consumer.broker.conninfo == self._broker.conninfo:
             # Stored by the Results middleware while a message's outcome is decided:
             # written with its ack or nack, in one transaction (PostgresBroker.emit_after).
             finishing.statements.append((self._queries["results_store"], params))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,15 @@ from typing import Any
 
 # The TCP proxy lives with the chaos suite, which cuts connections with it too.
 from benchmarks.chaos.harness import Proxy as Proxy
+
+
+def reachable(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (within 2 s)."""
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:

@@ -565,17 +565,24 @@ def test_migrate_sql_prints_the_sql_without_connecting(capsys: pytest.CaptureFix
     assert 'CREATE TABLE "jobs".messages' in capsys.readouterr().out
 
 
-def test_retry_failed_and_prune_report_counts(
-    database_url: str, broker: PostgresBroker, start_worker: Any, db: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
+def dead_letter(broker: PostgresBroker, start_worker: Any, db: Any) -> tuple[int, Any]:
+    """Run an actor that fails on a worker until it is a dead letter: (its history id, the worker)."""
+
     @dramatiq.actor(broker=broker, max_retries=0)
     def boom() -> None:
         raise RuntimeError("boom")
 
     boom.send()
-    start_worker(broker)
+    worker = start_worker(broker)
     broker.join("default", timeout=20_000)
     (row_id,) = db.execute("SELECT id FROM dramatiq.history WHERE state = 'failed'").fetchone()
+    return int(row_id), worker
+
+
+def test_retry_failed_and_prune_report_counts(
+    database_url: str, broker: PostgresBroker, start_worker: Any, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    row_id, _ = dead_letter(broker, start_worker, db)
     assert run(capsys, "retry-failed", "--url", database_url, "--id", str(row_id)) == [
         "re-enqueued 1 failed message(s)"
     ]
@@ -590,15 +597,8 @@ def test_retry_failed_wakes_the_workers_of_the_queue_as_the_dashboard_does(
     database_url: str, broker: PostgresBroker, start_worker: Any, db: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given a dead letter and a connection listening on the broker's channel
-    @dramatiq.actor(broker=broker, max_retries=0)
-    def boom() -> None:
-        raise RuntimeError("boom")
-
-    boom.send()
-    worker = start_worker(broker)
-    broker.join("default", timeout=20_000)
+    row_id, worker = dead_letter(broker, start_worker, db)
     worker.stop()
-    (row_id,) = db.execute("SELECT id FROM dramatiq.history WHERE state = 'failed'").fetchone()
     with psycopg.connect(database_url, autocommit=True) as listener:
         listener.execute(f'LISTEN "{broker.channel}"')
         # When the CLI puts it back on its queue

@@ -10,24 +10,17 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from .helpers import reachable
+
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
-
-
-def _reachable(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def run_example(command: list[str], admin_url: str) -> tuple[str, dict[str, str]]:
@@ -52,7 +45,7 @@ def test_the_transactional_email_example_delivers_one_email_per_committed_signup
     if relay is not None:
         pytest.importorskip("pika" if relay == "rabbitmq" else "redis")
         port = 5672 if relay == "rabbitmq" else 6379
-        if not _reachable(port):
+        if not reachable("127.0.0.1", port):
             pytest.skip(f"no {relay} server on 127.0.0.1:{port}")
     # Given the example's command, on the test server, with a few hundred signups
     command = ["examples.transactional_email", "--signups", "300", "--processes", "1"]

@@ -12,8 +12,6 @@ belong to the ack").  Before that rule, ``Broker.emit_after`` swallowed the
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,7 +26,7 @@ from sqlalchemy.engine import make_url
 from dramatiq_pg_outbox import PostgresBroker
 from dramatiq_pg_outbox.results import PostgresBackend
 
-from .helpers import Proxy, wait_for
+from .helpers import Proxy, reachable, wait_for
 
 #: How long the database stays unreachable, in seconds (longer than the pool_timeout below).
 OUTAGE = 2.5
@@ -212,18 +210,10 @@ def test_results_stored_while_the_database_is_unreachable_are_kept(
     assert outage.cuts == 2
 
 
-def _redis_reachable() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 6379), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
 def test_a_group_completion_callback_survives_an_outage(
     db: Any, proxied: PostgresBroker, outage: Outage, start_worker: Any
 ) -> None:
-    if not _redis_reachable() and not os.environ.get("CI"):
+    if not reachable("127.0.0.1", 6379):
         pytest.skip("no Redis server at 127.0.0.1:6379 (GroupCallbacks needs a rate-limiter backend)")
     import redis
     from dramatiq.middleware import GroupCallbacks

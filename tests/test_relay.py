@@ -30,7 +30,7 @@ from dramatiq_pg_outbox import PostgresBroker, outbox
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
 from dramatiq_pg_outbox.relay import Relay
 
-from .helpers import Proxy, count, wait_for
+from .helpers import Proxy, count, reachable, wait_for
 
 pika = pytest.importorskip("pika", reason="the relay tests need pika (pip install 'dramatiq[rabbitmq]')")
 redis = pytest.importorskip("redis", reason="the relay tests need redis (pip install 'dramatiq[redis]')")
@@ -40,14 +40,6 @@ from dramatiq.brokers.redis import RedisBroker  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 AMQP = os.environ.get("DPO_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 REDIS = os.environ.get("DPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-def _reachable(url_host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((url_host, port), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 class Received:
@@ -120,7 +112,7 @@ def make_target() -> Iterator[Callable[[str], Target]]:
 
     def make(kind: str) -> Target:
         host, port = ("127.0.0.1", 5672) if kind == "rabbitmq" else ("127.0.0.1", 6379)
-        if not _reachable(host, port):
+        if not reachable(host, port):
             pytest.skip(f"no {kind} server at {host}:{port}")
         target = Target(kind, f"relay_{uuid.uuid4().hex[:10]}")
         targets.append(target)
@@ -350,7 +342,7 @@ def test_the_command_explains_bad_input_in_one_line(database_url: str) -> None:
 @pytest.fixture
 def redis_user() -> Iterator[str]:
     """A Redis ACL user with a password, deleted after the test; its name."""
-    if not _reachable("127.0.0.1", 6379):
+    if not reachable("127.0.0.1", 6379):
         pytest.skip("no redis server at 127.0.0.1:6379")
     client = redis.Redis.from_url(REDIS)
     name = f"relay_{uuid.uuid4().hex[:8]}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import getpass
 import math
 import os
 import re
@@ -20,7 +19,7 @@ import psycopg
 from dramatiq.common import q_name
 from psycopg.conninfo import conninfo_to_dict
 
-from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, rejection_reason
+from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, login_name, rejection_reason
 from ..migrations import check_schema
 from ..names import DEFAULT_SCHEMA, quote_ident, validate_schema_name
 from ..urls import SECRET_PARAMETERS, libpq_url, mask_password
@@ -42,7 +41,6 @@ EXIT_INTERRUPTED = 130
 #: Narrowest the error column of ``failed`` gets, in characters.
 MIN_ERROR_WIDTH = 40
 
-_URL_SHAPE = URL_SHAPE
 _AGE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([smhd]?)\s*$")
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3_600, "d": 86_400, "": 86_400}
 
@@ -141,9 +139,7 @@ def _schema(text: str) -> str:
 def common_options() -> argparse.ArgumentParser:
     """The options of every subcommand (``--url``, ``--schema``, ``--debug``), as an argparse parent."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--url", help=f"PostgreSQL URL, {_URL_SHAPE} (default: ${URL_ENV_VAR})", metavar="URL"
-    )
+    common.add_argument("--url", help=f"PostgreSQL URL, {URL_SHAPE} (default: ${URL_ENV_VAR})", metavar="URL")
     common.add_argument(
         "--schema", type=_schema, default=DEFAULT_SCHEMA, help="schema of the tables (default: dramatiq)"
     )
@@ -180,7 +176,7 @@ def _explain(e: BaseException) -> CliError:
             "(see docs/security.md)"
         )
     if isinstance(e, psycopg.OperationalError) and (e.sqlstate or "08").startswith(("08", "57P")):
-        return CliError(f"lost the connection to PostgreSQL: {_libpq_detail(e)}. Run the command again")
+        return CliError(f"lost the connection to PostgreSQL: {libpq_detail(e)}. Run the command again")
     if isinstance(e, psycopg.Error):
         state = f" (SQLSTATE {e.sqlstate})" if e.sqlstate else ""
         return CliError(f"database error{state}: {_one_line(e)}. Run with --debug for the traceback")
@@ -273,25 +269,25 @@ def _database(args: argparse.Namespace) -> _Database:
     if url is None:
         url = os.environ.get(URL_ENV_VAR)
     if not url:
-        raise CliError(f"no database URL: pass --url {_URL_SHAPE} or set {URL_ENV_VAR}", EXIT_USAGE)
+        raise CliError(f"no database URL: pass --url {URL_SHAPE} or set {URL_ENV_VAR}", EXIT_USAGE)
     source = f"${URL_ENV_VAR}" if from_env else "--url"
     shown = _shown(url)
     netloc = urllib.parse.urlsplit(url).netloc if "://" in url and "[" not in url else ""
     if netloc.count("@") > 1:
         raise CliError(
             f"cannot parse the database URL of {source} ({shown}): it has more than one '@'; "
-            f"expected {_URL_SHAPE}, with an '@' in the user name or password written as %40",
+            f"expected {URL_SHAPE}, with an '@' in the user name or password written as %40",
             EXIT_USAGE,
         )
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
         raise CliError(
-            f"cannot parse the database URL of {source} ({shown}): expected {_URL_SHAPE}", EXIT_USAGE
+            f"cannot parse the database URL of {source} ({shown}): expected {URL_SHAPE}", EXIT_USAGE
         ) from None
     if parsed.get_backend_name() not in ("postgresql", "postgres"):
         raise CliError(
-            f"the database URL of {source} is not a PostgreSQL URL ({shown}): expected {_URL_SHAPE}",
+            f"the database URL of {source} is not a PostgreSQL URL ({shown}): expected {URL_SHAPE}",
             EXIT_USAGE,
         )
     conninfo = libpq_url(parsed)
@@ -299,7 +295,7 @@ def _database(args: argparse.Namespace) -> _Database:
         params = conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as e:
         raise CliError(
-            f"cannot use the database URL of {source} ({shown}): {_one_line(e)}; expected {_URL_SHAPE}",
+            f"cannot use the database URL of {source} ({shown}): {_one_line(e)}; expected {URL_SHAPE}",
             EXIT_USAGE,
         ) from None
     fix_url = f'"${URL_ENV_VAR}"' if from_env else shlex.quote(shown)
@@ -321,9 +317,9 @@ def _connect(db: _Database) -> psycopg.Connection[Any]:
 
 
 def _connection_error(e: psycopg.OperationalError, db: _Database) -> CliError:
-    detail = _libpq_detail(e)
+    detail = libpq_detail(e)
     text = str(e)
-    user = db.params.get("user") or _login_name()
+    user = db.params.get("user") or login_name()
     dbname = db.params.get("dbname") or user
     where = f"PostgreSQL at {db.server}"
     reason = rejection_reason(e, server=db.server, user=str(user), dbname=str(dbname))
@@ -342,19 +338,6 @@ def _connection_error(e: psycopg.OperationalError, db: _Database) -> CliError:
             "Check the host and port in the URL and any firewall between"
         )
     return CliError(f"cannot connect to {where}: {detail}. Check the URL and that the server runs")
-
-
-def _login_name() -> str:
-    """libpq's default user name."""
-    try:
-        return getpass.getuser()
-    except Exception:
-        return "(your login name)"
-
-
-def _libpq_detail(e: psycopg.Error) -> str:
-    """libpq's message on one line, without its ``connection to server at ... failed:`` prefixes."""
-    return libpq_detail(e)
 
 
 @contextmanager
