@@ -38,10 +38,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import psycopg
 from dramatiq.common import compute_backoff
 from dramatiq.logging import get_logger
-from psycopg import sql
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ._queries import queries_for_schema
+from ._queries import queries_for_schema, with_identifiers
 from .errors import ConnectionRejected, describe_rejection, translate_errors
 from .migrations import check_schema
 
@@ -262,12 +261,9 @@ class _Runtime:
                     step = remaining
 
     def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        return self.execute_sql(self.queries[name], params)
-
-    def execute_sql(self, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        """Run one statement on a pooled autocommit connection; its rows (``[]`` if none)."""
+        """Run query ``name`` on a pooled autocommit connection; its rows (``[]`` if none)."""
         with self.connection() as conn:
-            cur = conn.execute(query, params)
+            cur = conn.execute(self.queries[name], params)
             return cur.fetchall() if cur.description else []
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
@@ -1064,7 +1060,7 @@ class _Listener(_Loop):
             application_name=f"dramatiq-pg-outbox:{os.getpid()}:listen",
         )
         try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.runtime.channel)))
+            conn.execute(with_identifiers(self.runtime.queries["listen"], channel=self.runtime.channel))
             self.connected.set()
             # Anything sent while we were not listening was missed: poll now.
             self.runtime.wake(None)

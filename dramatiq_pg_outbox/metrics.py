@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from dramatiq.middleware import Middleware
 
-from .names import quote_ident
+from ._queries import queries_for_schema
 from .urls import libpq_url
 
 if TYPE_CHECKING:
@@ -72,26 +72,6 @@ STATES = ("due", "delayed", "processing")
 #: Default seconds a scrape's result is reused.
 DEFAULT_CACHE_SECONDS = 5.0
 INSTALL_HINT = "pip install 'dramatiq-pg-outbox[metrics]'"
-
-#: One statement for every gauge: (kind, queue_name, state, value) rows.
-_GAUGES_SQL = """
-SELECT 'messages', queue_name,
-       CASE WHEN state = 'processing' THEN 'processing'
-            WHEN next_attempt_at <= now() THEN 'due' ELSE 'delayed' END,
-       count(*)::float8
-  FROM {s}.messages GROUP BY 2, 3
-UNION ALL
-SELECT 'oldest', queue_name, NULL,
-       coalesce(extract(epoch FROM now() - min(next_attempt_at)
-                FILTER (WHERE state = 'pending' AND next_attempt_at <= now())), 0)::float8
-  FROM {s}.messages GROUP BY 2
-UNION ALL
-SELECT 'dead', queue_name, NULL, count(*)::float8
-  FROM {s}.history WHERE state = 'failed' AND finished_at > now() - interval '1 hour' GROUP BY 2
-UNION ALL
-SELECT 'workers', NULL, NULL, count(*)::float8
-  FROM {s}.workers WHERE heartbeat_at > now() - make_interval(secs => %(heartbeat_timeout_ms)s / 1000.0)
-"""
 
 
 @dataclass(frozen=True)
@@ -149,7 +129,7 @@ class DatabaseCollector:
         self.statements = 0
         #: The last error text, if the last statement failed.
         self.last_error: str | None = None
-        self._sql = _GAUGES_SQL.format(s=quote_ident(schema))
+        self._sql = queries_for_schema(schema)["metrics_gauges"]
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         self._snapshot: Snapshot | None = None

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import create_engine, pool
 from sqlalchemy.engine import URL, Connection, Engine
 
+from ._queries import queries_for_schema, raw_queries
 from .errors import SchemaNotReady
 from .names import DEFAULT_SCHEMA as DEFAULT_SCHEMA
 from .names import quote_ident as quote_ident
@@ -57,8 +58,7 @@ def create_schema_sql(schema: str) -> str:
     (``CREATE SCHEMA dramatiq AUTHORIZATION ...``, see docs/security.md)
     without any privilege on the database.
     """
-    quoted = quote_ident(schema)
-    return f"DO $$ BEGIN IF to_regnamespace('{quoted}') IS NULL THEN CREATE SCHEMA {quoted}; END IF; END $$"
+    return queries_for_schema(schema)["create_schema"]
 
 
 def script_location() -> str:
@@ -89,10 +89,7 @@ def schema_for_migration() -> str:
 
 def set_schema_revision(execute: Callable[[str], Any], schema: str, number: int) -> None:
     """Record revision ``number`` in the comment of ``<schema>.messages`` (used by revisions)."""
-    execute(
-        f"COMMENT ON TABLE {quote_ident(schema)}.messages IS "
-        f"'dramatiq-pg-outbox schema revision {int(number)}'"
-    )
+    execute(queries_for_schema(schema)["set_schema_revision"].replace("{revision}", str(int(number))))
 
 
 def parse_schema_revision(comment: str | None) -> int | None:
@@ -156,8 +153,6 @@ def check_schema(
     Returns:
       int: The schema's revision number.
     """
-    from ._queries import raw_queries  # _queries imports this module
-
     table = f"{quote_ident(schema)}.messages"
     row = conn.execute(raw_queries()["schema_revision"], {"table": table}).fetchone()
     error = schema_not_ready(schema, row, url=url, fix_url=fix_url)

@@ -620,7 +620,8 @@ def _connection_commit(conn: Connection) -> None:
                 surviving = {message_id for row_id, message_id in w.ids if row_id in alive}
                 w.stored = [item for item in w.stored if item.message.message_id in surviving]
             if after_commit_notify and w.payloads and w.stored:
-                w.xid = str(conn.exec_driver_sql("SELECT pg_current_xact_id()::text").scalar())
+                xid = conn.exec_driver_sql(queries_for_schema(w.broker.schema)["current_xact_id"]).scalar()
+                w.xid = str(xid)
             if announce and w.stored:
                 announced.append(w)
     except BaseException:

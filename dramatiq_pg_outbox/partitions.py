@@ -30,6 +30,7 @@ from typing import Any
 
 import psycopg
 
+from ._queries import queries_for_schema, with_identifiers
 from .names import quote_ident
 
 #: Days ahead that :func:`create_partitions` makes by default (today included as day 0).
@@ -65,11 +66,8 @@ class PruneResult:
 
 def day_partitions(conn: psycopg.Connection[Any], schema: str) -> list[Partition]:
     """The day partitions of ``<schema>.history``, oldest first."""
-    rows = conn.execute(
-        "SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
-        "WHERE i.inhparent = to_regclass(%s)",
-        (f"{quote_ident(schema)}.history",),
-    ).fetchall()
+    queries = queries_for_schema(schema)
+    rows = conn.execute(queries["day_partitions"], {"table": f"{quote_ident(schema)}.history"}).fetchall()
     found = []
     for (name,) in rows:
         match = _DAY_PARTITION.match(name)
@@ -94,10 +92,7 @@ def create_partitions(conn: psycopg.Connection[Any], schema: str, days: int = DE
     """
     if not 0 <= days <= 3660:
         raise ValueError(f"days must be within 0..3660, not {days!r}")
-    row = conn.execute(
-        f"SELECT {quote_ident(schema)}.create_history_partitions(%s)",
-        (days,),
-    ).fetchone()
+    row = conn.execute(queries_for_schema(schema)["create_history_partitions"], {"days": days}).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -129,8 +124,8 @@ def prune(
         raise ValueError(f"older_than must be positive, not {older_than}")
     if not conn.autocommit:
         raise ValueError("prune needs an autocommit connection (each DROP is its own transaction)")
-    s = quote_ident(schema)
-    row = conn.execute("SELECT now() - %s", (older_than,)).fetchone()
+    queries = queries_for_schema(schema)
+    row = conn.execute(queries["prune_cutoff"], {"older_than": older_than}).fetchone()
     assert row is not None
     cutoff: dt.datetime = row[0]
     result = PruneResult()
@@ -141,12 +136,11 @@ def prune(
         for attempt in range(attempts):
             try:
                 with conn.transaction():
-                    conn.execute(f"SET LOCAL lock_timeout = {int(lock_timeout)}")
+                    conn.execute(queries["set_lock_timeout"], {"lock_timeout": str(int(lock_timeout))})
                     estimate = conn.execute(
-                        "SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass(%s)",
-                        (f"{s}.{quote_ident(partition.name)}",),
+                        queries["estimated_rows"], {"schema": schema, "table": partition.name}
                     ).fetchone()
-                    conn.execute(f"DROP TABLE {s}.{quote_ident(partition.name)}")
+                    conn.execute(with_identifiers(queries["drop_partition"], partition=partition.name))
                 result.dropped.append(partition)
                 result.dropped_rows += int(estimate[0]) if estimate else 0
                 break
@@ -159,10 +153,10 @@ def prune(
     # (not the kept ones: the next run drops them).
     at_cutoff = f"history_p{cutoff.astimezone(dt.timezone.utc):%Y%m%d}"
     for name in ("history_default", at_cutoff):
-        table = f"{s}.{quote_ident(name)}"
-        exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+        exists = conn.execute(queries["table_exists"], {"schema": schema, "table": name}).fetchone()
         if exists and exists[0]:
-            cur = conn.execute(f"DELETE FROM {table} WHERE finished_at < %s", (cutoff,))  # noqa: S608
+            delete = with_identifiers(queries["delete_history_before"], partition=name)
+            cur = conn.execute(delete, {"cutoff": cutoff})
             result.deleted += cur.rowcount
     return result
 

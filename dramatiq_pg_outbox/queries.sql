@@ -108,6 +108,14 @@ SELECT NULL, NULL, NULL, id, message_id FROM inserted WHERE %(return_ids)s::bool
 -- The values are NOTIFY payloads: "<queue>" or "<queue>@<due>" (see enqueue).
 SELECT pg_notify(%(channel)s, q) FROM unnest(%(queue_names)s::text[]) AS q;
 
+-- name: listen --
+-- Subscribes a connection to a broker's or results' channel ({channel}: names.channel_for).
+LISTEN {channel};
+
+-- name: current_xact_id --
+-- The transaction's id (the outbox sends a prepared transaction's wake-ups after its commit).
+SELECT pg_current_xact_id()::text;
+
 -- name: surviving_ids --
 -- Which of these rows, written earlier in this transaction, still exist.
 SELECT id FROM {schema}.messages WHERE id = ANY(%(ids)s::bigint[]);

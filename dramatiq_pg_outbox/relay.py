@@ -62,57 +62,17 @@ from dramatiq import Broker, Message
 from dramatiq.common import current_millis
 from dramatiq.errors import DecodeError
 from dramatiq.logging import get_logger
-from psycopg import sql
 
+from ._queries import with_identifiers
 from ._runtime import _Maintenance, format_error, parse_notification
 from .broker import PostgresBroker
-from .names import quote_ident, validate_queue_name
+from .names import validate_queue_name
 
 #: Messages per claim (default).
 DEFAULT_BATCH_SIZE = 500
 #: Back-off after a failure: first and largest wait, in seconds.
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
-
-_CLAIM = """
-WITH picked AS (
-    SELECT m.id FROM {s}.messages AS m
-    WHERE m.queue_name = ANY(%(queues)s::text[]) AND m.state = 'pending' AND m.next_attempt_at <= now()
-    ORDER BY m.next_attempt_at, m.id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE {s}.messages AS m
-SET state = 'processing', lease = %(lease)s, owner = %(owner)s, acquired_at = now()
-FROM picked WHERE m.id = picked.id
-RETURNING m.id, m.queue_name, m.next_attempt_at, m.payload
-"""
-
-# Hand back unpublished rows (no attempt was charged, none is refunded).
-_RELEASE = """
-UPDATE {s}.messages AS m
-SET state = 'pending', lease = NULL, owner = NULL
-FROM unnest(%(ids)s::bigint[], %(leases)s::uuid[]) AS a(id, lease)
-WHERE m.id = a.id AND m.lease = a.lease AND m.state = 'processing'
-"""
-
-_NEXT_DUE = """
-SELECT (extract(epoch FROM min(d.next_attempt_at) - now()) * 1000)::float8
-FROM unnest(%(queues)s::text[]) AS q(name)
-CROSS JOIN LATERAL (
-    SELECT m.next_attempt_at FROM {s}.messages AS m
-    WHERE m.queue_name = q.name AND m.state = 'pending'
-    ORDER BY m.next_attempt_at LIMIT 1
-) AS d
-"""
-
-_LAG = """
-SELECT q.name, coalesce(extract(epoch FROM now() - min(m.next_attempt_at)), 0)::float8, count(m.id)
-FROM unnest(%(queues)s::text[]) AS q(name)
-LEFT JOIN {s}.messages AS m
-  ON m.queue_name = q.name AND m.state = 'pending' AND m.next_attempt_at <= now()
-GROUP BY q.name ORDER BY q.name
-"""
 
 
 class TargetError(Exception):
@@ -402,16 +362,6 @@ class Relay:
         self.batch_size = batch_size
         self.stats = RelayStats()
         self.logger = get_logger(__name__, type(self))
-        s = quote_ident(broker.schema)
-        self._sql = {
-            name: text.format(s=s)
-            for name, text in (
-                ("claim", _CLAIM),
-                ("release", _RELEASE),
-                ("next_due", _NEXT_DUE),
-                ("lag", _LAG),
-            )
-        }
         self._stop = threading.Event()
         self._unarchived: list[tuple[int, uuid.UUID]] = []
         self._maintenance: _Maintenance | None = None
@@ -430,8 +380,8 @@ class Relay:
         if self._unarchived:
             self._archive(list(self._unarchived), retry=True)
         lease = uuid.uuid4()
-        rows = runtime.execute_sql(
-            self._sql["claim"],
+        rows = runtime.execute(
+            "relay_claim",
             {"queues": self.queues, "limit": self.batch_size, "lease": lease, "owner": runtime.worker_id},
         )
         if not rows:
@@ -496,8 +446,8 @@ class Relay:
         if not items:
             return
         try:
-            self.broker.runtime.execute_sql(
-                self._sql["release"], {"ids": [i for i, _ in items], "leases": [le for _, le in items]}
+            self.broker.runtime.execute(
+                "relay_release", {"ids": [i for i, _ in items], "leases": [le for _, le in items]}
             )
             self.stats.released += len(items)
         finally:
@@ -506,8 +456,8 @@ class Relay:
     def _dead_letter(self, row_id: int, lease: uuid.UUID, error: DecodeError) -> None:
         self.logger.error("Dead-lettering undecodable message %d: %s", row_id, error)
         _, text = format_error(error.__cause__ or error)
-        self.broker.runtime.execute_sql(
-            self.broker.runtime.queries["archive"],
+        self.broker.runtime.execute(
+            "archive",
             {
                 "ids": [row_id],
                 "leases": [lease],
@@ -522,11 +472,11 @@ class Relay:
     # -- observing ---------------------------------------------------------------------
     def lag(self) -> dict[str, tuple[float, int]]:
         """Per queue: (seconds the oldest due unrelayed message has waited, due messages waiting)."""
-        rows = self.broker.runtime.execute_sql(self._sql["lag"], {"queues": self.queues})
+        rows = self.broker.runtime.execute("relay_lag", {"queues": self.queues})
         return {str(q): (float(age), int(n)) for q, age, n in rows}
 
     def _next_due_s(self) -> float | None:
-        rows = self.broker.runtime.execute_sql(self._sql["next_due"], {"queues": self.queues})
+        rows = self.broker.runtime.execute("relay_next_due", {"queues": self.queues})
         return None if not rows or rows[0][0] is None else max(0.0, float(rows[0][0]) / 1000)
 
     # -- the loop ----------------------------------------------------------------------
@@ -606,7 +556,7 @@ class Relay:
     def _listen(self) -> psycopg.Connection[Any] | None:
         try:
             conn = psycopg.connect(self.broker.conninfo, autocommit=True, connect_timeout=10)
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.broker.channel)))
+            conn.execute(with_identifiers(self.broker.runtime.queries["listen"], channel=self.broker.channel))
             return conn
         except psycopg.Error as e:
             self.logger.warning("LISTEN failed (%s): polling only until it works again", e)

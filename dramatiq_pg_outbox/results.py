@@ -62,10 +62,9 @@ from dramatiq.encoder import Encoder
 from dramatiq.logging import get_logger
 from dramatiq.results import Missing, ResultBackend, ResultMissing, ResultTimeout
 from dramatiq.results.backend import BACKOFF_FACTOR, DEFAULT_TIMEOUT
-from psycopg import sql
 from sqlalchemy.engine import URL, Engine
 
-from ._queries import queries_for_schema
+from ._queries import queries_for_schema, with_identifiers
 from .broker import PostgresBroker, deciding
 from .errors import SchemaNotReady
 from .names import DEFAULT_SCHEMA
@@ -463,7 +462,7 @@ class _ResultsListener:
             application_name=f"dramatiq-pg-outbox:{os.getpid()}:results",
         )
         try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.backend.channel)))
+            conn.execute(with_identifiers(self.backend._queries["listen"], channel=self.backend.channel))
             self.connected.set()
             # A store committed while we were not listening was not heard:
             # every reader reads again now.

@@ -75,7 +75,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._jdbc import jdbc_options
-from .names import DEFAULT_SCHEMA, channel_for, quote_ident, validate_schema_name
+from ._queries import queries_for_schema
+from .names import DEFAULT_SCHEMA, channel_for, validate_schema_name
 from .urls import libpq_url
 
 if TYPE_CHECKING:
@@ -443,7 +444,7 @@ def write_prepared_partition(plan: _Plan, batches: Iterable[Any]) -> tuple[int, 
             read += batch.num_rows
         return read
 
-    return _write_stage(plan, "text", "COPY dpo_stage FROM STDIN (FORMAT csv)", feed)
+    return _write_stage(plan, "spark_copy_text", feed)
 
 
 def _arrow_rows(batches: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
@@ -575,57 +576,29 @@ def write_partition(plan: _Plan, rows: Iterable[Any]) -> tuple[int, int]:
             read += 1
         return read
 
-    return _write_stage(plan, "bytea", "COPY dpo_stage FROM STDIN (FORMAT BINARY)", feed)
+    return _write_stage(plan, "spark_copy_binary", feed)
 
 
-def _write_stage(
-    plan: _Plan, payload_type: str, copy_sql: str, feed: Callable[[Any], int]
-) -> tuple[int, int]:
+def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tuple[int, int]:
     """One transaction: COPY into a temporary table, insert what is new, verify, NOTIFY once."""
     import psycopg
 
-    s = quote_ident(plan.schema)
-    payload = "convert_to(st.payload, 'UTF8')" if payload_type == "text" else "st.payload"
+    queries = queries_for_schema(plan.schema)
     with psycopg.connect(plan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
         with conn.cursor() as cur:
-            cur.execute(
-                "CREATE TEMP TABLE dpo_stage (message_id text, idempotency_key text, "
-                f"payload {payload_type}) ON COMMIT DROP"
-            )
-            with cur.copy(copy_sql) as copy:
+            cur.execute(queries["spark_stage"])
+            with cur.copy(queries[copy_query]) as copy:
                 read = feed(copy)
             cur.execute(
-                f"""
-                INSERT INTO {s}.messages
-                    (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key)
-                SELECT %(queue_name)s, %(actor_name)s, st.message_id,
-                       now() + %(delay)s * interval '1 millisecond', {payload}, st.idempotency_key
-                FROM dpo_stage AS st
-                WHERE NOT EXISTS (
-                    SELECT 1 FROM {s}.history AS h WHERE h.idempotency_key = st.idempotency_key
-                )
-                ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-                """,  # noqa: S608 - the schema is validated and quoted
+                queries["spark_insert"],
                 {"queue_name": plan.queue_name, "actor_name": plan.actor_name, "delay": plan.delay_ms},
             )
             enqueued = cur.rowcount
             if enqueued:
-                # A twin whose archiving committed while the INSERT ran is not in
-                # the INSERT's snapshot of history; this statement's newer snapshot sees it.
-                cur.execute(
-                    f"""
-                    DELETE FROM {s}.messages AS m
-                    USING dpo_stage AS st
-                    WHERE m.idempotency_key = st.idempotency_key
-                      AND m.xmin = pg_current_xact_id()::xid
-                      AND EXISTS (
-                        SELECT 1 FROM {s}.history AS h WHERE h.idempotency_key = st.idempotency_key
-                      )
-                    """  # noqa: S608
-                )
+                cur.execute(queries["spark_drop_twins"])
                 enqueued -= cur.rowcount
             if enqueued and plan.notify and plan.delay_ms == 0:
-                cur.execute("SELECT pg_notify(%s, %s)", (plan.channel, plan.queue_name))
+                cur.execute(queries["notify"], {"channel": plan.channel, "queue_names": [plan.queue_name]})
     return read, enqueued
 
 

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .names import DEFAULT_SCHEMA, quote_ident, validate_schema_name
+from ._queries import queries_for_schema
+from .names import DEFAULT_SCHEMA, validate_schema_name
 from .urls import libpq_url
 
 __all__ = ["Analytics", "compute", "main", "read_backlog", "read_history", "write_report"]
@@ -79,7 +80,13 @@ class Analytics:
 
 
 def _read_ranges(
-    spark: Any, conninfo: str, select_sql: str, columns: str, bounds: tuple[int, int] | None, partitions: int
+    spark: Any,
+    conninfo: str,
+    select_sql: str,
+    columns: str,
+    bounds: tuple[int, int] | None,
+    partitions: int,
+    params: dict[str, Any],
 ) -> Any:
     """A DataFrame of ``select_sql`` (with ``%(lo)s``/``%(hi)s`` id bounds) read by the executors."""
     if bounds is None:
@@ -99,7 +106,7 @@ def _read_ranges(
                 for start, stop in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
                     with conn.cursor(name="dpo_analytics") as cur:
                         cur.itersize = 50_000
-                        cur.execute(select_sql, {"lo": start, "hi": stop})
+                        cur.execute(select_sql, {**params, "lo": start, "hi": stop})
                         while rows := cur.fetchmany(50_000):
                             columns = zip(*rows, strict=True)
                             arrays = [
@@ -121,11 +128,11 @@ def _arrow_schema(ddl: str) -> Any:
     return pa.schema([(name, kinds[kind]) for name, kind in fields])
 
 
-def _bounds(conninfo: str, table: str, where: str = "", params: dict[str, Any] | None = None) -> Any:
+def _bounds(conninfo: str, query: str, params: dict[str, Any]) -> Any:
     import psycopg
 
     with psycopg.connect(conninfo) as conn:
-        row = conn.execute(f"SELECT min(id), max(id) FROM {table} {where}", params or {}).fetchone()  # noqa: S608
+        row = conn.execute(query, params).fetchone()
     return None if row is None or row[0] is None else (int(row[0]), int(row[1]))
 
 
@@ -134,40 +141,19 @@ def read_history(
 ) -> Any:
     """The history table as a DataFrame (no payloads, no error texts), times in epoch ms."""
     conninfo = libpq_url(url)
-    s = quote_ident(validate_schema_name(schema))
-    where = "WHERE finished_at >= %(since)s::timestamptz" if since else ""
-    params = {"since": since} if since else {}
-    bounds = _bounds(conninfo, f"{s}.history", where, params)
-    since_filter = f"AND finished_at >= {_literal(since)}::timestamptz" if since else ""
-    select_sql = f"""
-        SELECT id, queue_name, actor_name, message_id, state, attempts, error_type,
-               (extract(epoch FROM enqueued_at) * 1000)::bigint,
-               (extract(epoch FROM started_at) * 1000)::bigint,
-               (extract(epoch FROM finished_at) * 1000)::bigint
-        FROM {s}.history
-        WHERE id >= %(lo)s AND id < %(hi)s {since_filter}
-    """  # noqa: S608 - schema quoted, since a quoted literal
-    return _read_ranges(spark, conninfo, select_sql, _HISTORY_COLUMNS, bounds, partitions)
+    queries = queries_for_schema(validate_schema_name(schema))
+    params = {"since": since}
+    bounds = _bounds(conninfo, queries["history_id_range"], params)
+    rows = queries["history_rows"]
+    return _read_ranges(spark, conninfo, rows, _HISTORY_COLUMNS, bounds, partitions, params)
 
 
 def read_backlog(spark: Any, url: str, *, schema: str = DEFAULT_SCHEMA, partitions: int = 2) -> Any:
     """The live messages table as a DataFrame: queue, actor, state, due, age of due rows in ms."""
     conninfo = libpq_url(url)
-    s = quote_ident(validate_schema_name(schema))
-    bounds = _bounds(conninfo, f"{s}.messages")
-    select_sql = f"""
-        SELECT queue_name, actor_name, state, next_attempt_at <= now(),
-               (extract(epoch FROM now() - next_attempt_at) * 1000)::bigint
-        FROM {s}.messages
-        WHERE id >= %(lo)s AND id < %(hi)s
-    """  # noqa: S608
-    return _read_ranges(spark, conninfo, select_sql, _BACKLOG_COLUMNS, bounds, partitions)
-
-
-def _literal(value: str) -> str:
-    from psycopg import sql
-
-    return sql.Literal(value).as_string(None)
+    queries = queries_for_schema(validate_schema_name(schema))
+    bounds = _bounds(conninfo, queries["backlog_id_range"], {})
+    return _read_ranges(spark, conninfo, queries["backlog_rows"], _BACKLOG_COLUMNS, bounds, partitions, {})
 
 
 def compute(history: Any, backlog: Any, *, bucket_seconds: int = 60, top_errors: int = 5) -> Analytics:

@@ -41,6 +41,7 @@ from typing import Any
 
 import psycopg
 
+from ._queries import raw_queries, with_identifiers
 from .urls import mask_password
 
 __all__ = [
@@ -621,7 +622,7 @@ class ThrowawayPostgres:
         while time.monotonic() < deadline:
             try:
                 with psycopg.connect(self.url, connect_timeout=2, autocommit=True) as conn:
-                    conn.execute("SELECT 1")
+                    conn.execute(raw_queries()["ping"])
                 break
             except psycopg.Error as exc:
                 last_error = exc
@@ -681,7 +682,7 @@ def server_is_reachable(url: str, timeout: float = 2.0) -> bool:
         with psycopg.connect(
             _libpq_url(url), connect_timeout=max(1, round(timeout)), autocommit=True
         ) as conn:
-            conn.execute("SELECT 1")
+            conn.execute(raw_queries()["ping"])
         return True
     except (psycopg.Error, OSError) as exc:
         logger.debug("%s is not reachable: %s", mask_password(url), exc)
@@ -805,16 +806,15 @@ def scratch_database(admin_url: str, prefix: str = "scratch") -> Iterator[str]:
     Returns:
       Iterator[str]: The new database's URL (``postgresql://``), with the admin's credentials.
     """
-    from psycopg import sql
     from sqlalchemy.engine import make_url
 
     admin = make_url(admin_url).set(drivername="postgresql")
     admin_dsn = admin.render_as_string(hide_password=False)
     name = f"{prefix}_{secrets.token_hex(4)}"
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        conn.execute(with_identifiers(raw_queries()["create_database"], database=name))
     try:
         yield admin.set(database=name).render_as_string(hide_password=False)
     finally:
         with psycopg.connect(admin_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+            conn.execute(with_identifiers(raw_queries()["drop_database"], database=name))

@@ -11,9 +11,9 @@ from typing import Any
 
 import psycopg
 
-from .._queries import queries_for_schema
+from .._queries import queries_for_schema, with_identifiers
 from ..migrations import VERSION_TABLE, script_location, upgrade, upgrade_sql
-from ..names import channel_for, quote_ident
+from ..names import channel_for
 from ..urls import mask_password
 from .common import (
     EXIT_USAGE,
@@ -41,7 +41,7 @@ def _migrate(args: argparse.Namespace) -> int:
         before = _applied_revisions(conn, args.schema)
         if before is None:
             row = conn.execute(
-                "SELECT to_regclass(%s) IS NOT NULL", (f"{quote_ident(args.schema)}.messages",)
+                queries_for_schema(args.schema)["table_exists"], {"schema": args.schema, "table": "messages"}
             ).fetchone()
             if row is not None and row[0]:
                 raise CliError(
@@ -68,27 +68,19 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def _applied_revisions(conn: psycopg.Connection[Any], schema: str) -> list[str] | None:
     """Revisions recorded in our version table, or ``None`` if it does not exist."""
-    table = f"{quote_ident(schema)}.{VERSION_TABLE}"
-    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+    queries = queries_for_schema(schema)
+    row = conn.execute(queries["table_exists"], {"schema": schema, "table": VERSION_TABLE}).fetchone()
     if row is None or not row[0]:
         return None
-    return [str(r[0]) for r in conn.execute(f"SELECT version_num FROM {table} ORDER BY 1").fetchall()]  # noqa: S608
+    query = with_identifiers(queries["applied_revisions"], table=VERSION_TABLE)
+    return [str(r[0]) for r in conn.execute(query).fetchall()]
 
 
 def _status(args: argparse.Namespace) -> int:
-    with _checked_connection(args) as (conn, s, _):
-        messages = conn.execute(
-            f"SELECT queue_name, state, count(*), count(*) FILTER (WHERE next_attempt_at > now()), "  # noqa: S608
-            f"extract(epoch FROM now() - min(enqueued_at)) FROM {s}.messages GROUP BY 1, 2 ORDER BY 1, 2"
-        ).fetchall()
-        failed = conn.execute(
-            f"SELECT queue_name, count(*) FILTER (WHERE finished_at > now() - interval '1 hour'), "  # noqa: S608
-            f"count(*) FROM {s}.history WHERE state = 'failed' GROUP BY 1 ORDER BY 1"
-        ).fetchall()
-        workers = conn.execute(
-            f"SELECT hostname, pid, queues, extract(epoch FROM now() - heartbeat_at) "  # noqa: S608
-            f"FROM {s}.workers ORDER BY hostname, pid"
-        ).fetchall()
+    with _checked_connection(args) as (conn, queries, _):
+        messages = conn.execute(queries["status_messages"]).fetchall()
+        failed = conn.execute(queries["status_failed"]).fetchall()
+        workers = conn.execute(queries["status_workers"]).fetchall()
     if messages:
         _table(
             [(q, state, n, delayed, _duration(age)) for q, state, n, delayed, age in messages],
@@ -245,14 +237,8 @@ def _serve_relay_metrics(relay: Any, host: str, port: int) -> Any:
 
 
 def _failed(args: argparse.Namespace) -> int:
-    with _checked_connection(args) as (conn, s, _):
-        rows = conn.execute(
-            f"SELECT id, queue_name, actor_name, attempts, finished_at, error_type, error "  # noqa: S608
-            f"FROM {s}.history WHERE state = 'failed' "
-            f"AND (%(queue)s::text IS NULL OR queue_name = %(queue)s) "
-            f"ORDER BY finished_at DESC, id DESC LIMIT %(limit)s",
-            {"queue": args.queue, "limit": args.limit},
-        ).fetchall()
+    with _checked_connection(args) as (conn, queries, _):
+        rows = conn.execute(queries["failed_list"], {"queue": args.queue, "limit": args.limit}).fetchall()
     if not rows:
         only = f" of queue {args.queue!r}" if args.queue else ""
         print(f"no dead letters{only} in schema {args.schema!r}")
@@ -287,8 +273,8 @@ def _retry_failed(args: argparse.Namespace) -> int:
         "notify": True,
         "channel": channel_for(args.schema),
     }
-    with _checked_connection(args) as (conn, _, db):
-        rows = conn.execute(queries_for_schema(args.schema)["retry_failed"], params).fetchall()
+    with _checked_connection(args) as (conn, queries, db):
+        rows = conn.execute(queries["retry_failed"], params).fetchall()
     count = sum(int(n) for _, n, _, _ in rows)
     moved = {int(i) for _, _, ids, _ in rows for i in ids}
     print(f"re-enqueued {count} failed message(s)")
@@ -324,10 +310,10 @@ def _prune(args: argparse.Namespace) -> int:
 def _maintain(args: argparse.Namespace) -> int:
     from ..partitions import create_partitions, day_partitions
 
-    with _checked_connection(args) as (conn, s, _):
+    with _checked_connection(args) as (conn, queries, _):
         created = create_partitions(conn, args.schema, args.days_ahead)
         parts = day_partitions(conn, args.schema)
-        row = conn.execute(f"SELECT count(*) FROM {s}.history_default").fetchone()  # noqa: S608
+        row = conn.execute(queries["default_partition_rows"]).fetchone()
     span = f"from {parts[0].day} to {parts[-1].day}" if parts else "none"
     print(
         f"created {created} history partition(s); {len(parts)} day partition(s) {span}; "

@@ -19,9 +19,10 @@ import psycopg
 from dramatiq.common import q_name
 from psycopg.conninfo import conninfo_to_dict
 
+from .._queries import queries_for_schema
 from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, login_name, rejection_reason
 from ..migrations import check_schema
-from ..names import DEFAULT_SCHEMA, quote_ident, validate_schema_name
+from ..names import DEFAULT_SCHEMA, validate_schema_name
 from ..urls import SECRET_PARAMETERS, libpq_url, mask_password
 
 #: Name of the program in messages.
@@ -343,12 +344,12 @@ def _connection_error(e: psycopg.OperationalError, db: _Database) -> CliError:
 @contextmanager
 def _checked_connection(
     args: argparse.Namespace,
-) -> Iterator[tuple[psycopg.Connection[Any], str, _Database]]:
-    """(connection, quoted schema, database) once the schema is known to be current."""
+) -> Iterator[tuple[psycopg.Connection[Any], dict[str, str], _Database]]:
+    """(connection, the schema's queries, database) once the schema is known to be current."""
     db = _database(args)
     with _connect(db) as conn:
         check_schema(conn, args.schema, url=db.shown, fix_url=db.fix_url)
-        yield conn, quote_ident(args.schema), db
+        yield conn, queries_for_schema(args.schema), db
 
 
 # -- output helpers ---------------------------------------------------------------------

@@ -16,7 +16,6 @@ import dramatiq.broker as _dramatiq_broker
 import psycopg
 from dramatiq.errors import BrokerConnectionError
 
-from .._queries import queries_for_schema
 from ..broker import PostgresBroker
 from ..periodic import (
     Periodic,
@@ -193,8 +192,8 @@ def _load_app(spec: str) -> tuple[PostgresBroker, Periodic | None]:
 def run_schedules(args: argparse.Namespace) -> int:
     """``dramatiq-pg-outbox schedules``: one table, active schedules first."""
 
-    with _checked_connection(args) as (conn, _, _db):
-        rows = conn.execute(queries_for_schema(args.schema)["periodic_list"]).fetchall()
+    with _checked_connection(args) as (conn, queries, _db):
+        rows = conn.execute(queries["periodic_list"]).fetchall()
     if not rows:
         print(f"no schedules in schema {args.schema!r}: declare them with @periodic and run a scheduler")
         return 0

@@ -13,16 +13,14 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from importlib import resources
 from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
-from .._queries import _HEADER
-from .._queries import queries_for_schema as broker_queries
+from .._queries import DASHBOARD_SQL, file_queries
+from .._queries import queries_for_schema as all_queries_for_schema
 from ..migrations import parse_schema_revision
 from ..names import quote_ident
 from ..urls import libpq_url
@@ -33,25 +31,15 @@ MIN_SCHEMA_REVISION = 3
 T = TypeVar("T")
 
 
-@lru_cache(maxsize=1)
 def raw_queries() -> dict[str, str]:
     """The queries of ``dashboard/queries.sql`` by name, ``{schema}`` not yet filled in.
 
-    Same format and rules as the broker's ``queries.sql`` (see ``_queries.py``):
-    ``-- name: <name> --`` headers, comment lines dropped, no trailing ``;``.
+    Loaded by the package's one SQL loader (``_queries.py``), in a namespace of its own.
 
     Raises:
       ValueError: If a name is defined twice.
     """
-    text = resources.files(__package__).joinpath("queries.sql").read_text(encoding="utf-8")
-    parts = _HEADER.split(text)
-    queries: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2], strict=True):
-        if name in queries:
-            raise ValueError(f"dashboard/queries.sql defines {name!r} twice")
-        lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
-        queries[name] = "\n".join(lines).strip().rstrip(";")
-    return queries
+    return file_queries(DASHBOARD_SQL)
 
 
 def queries_for_schema(schema: str) -> dict[str, str]:
@@ -60,8 +48,7 @@ def queries_for_schema(schema: str) -> dict[str, str]:
     Raises:
       ValueError: If ``schema`` is not a valid schema name.
     """
-    quoted = quote_ident(schema)
-    return {name: sql.replace("{schema}", quoted) for name, sql in raw_queries().items()}
+    return all_queries_for_schema(schema, DASHBOARD_SQL)
 
 
 # -- rows -------------------------------------------------------------------
@@ -328,7 +315,7 @@ class Store:
         }
         # The broker's statement, shared with the CLI's retry-failed (one behaviour).
         async with self.pool.connection() as conn:
-            cur = await conn.execute(broker_queries(self.schema)["retry_failed"], params)
+            cur = await conn.execute(all_queries_for_schema(self.schema)["retry_failed"], params)
             rows = await cur.fetchall()
         return {queue_name: int(n) for queue_name, n, _, _ in rows}
 

@@ -1,0 +1,110 @@
+-- The operator statements, one query per "-- name: <name> --" header (loaded by
+-- dramatiq_pg_outbox/_queries.py, the same namespace as queries.sql): the
+-- CLI's reports, history partitions, the Prometheus gauges, the migration
+-- environment's helpers and the throwaway test servers.  {schema} is the
+-- quoted schema; other {identifiers} are filled by _queries.with_identifiers.
+
+-- name: table_exists --
+-- Whether table %(table)s of schema %(schema)s exists (names unquoted).
+SELECT to_regclass(format('%%I.%%I', %(schema)s::text, %(table)s::text)) IS NOT NULL;
+
+-- name: applied_revisions --
+-- The revisions recorded in our alembic version table ({table}: migrations.VERSION_TABLE).
+SELECT version_num FROM {schema}.{table} ORDER BY 1;
+
+-- name: create_schema --
+-- Creates the schema only if it does not exist yet.  CREATE SCHEMA IF NOT
+-- EXISTS checks the CREATE privilege on the database even when the schema
+-- exists; this does not, so a migration role may run in a schema a DBA created
+-- for it (docs/security.md) without any privilege on the database.
+DO $$ BEGIN IF to_regnamespace('{schema}') IS NULL THEN CREATE SCHEMA {schema}; END IF; END $$;
+
+-- name: set_schema_revision --
+-- Records the revision in the comment of messages (read by schema_revision);
+-- {revision} is an integer filled in by migrations.set_schema_revision.
+COMMENT ON TABLE {schema}.messages IS 'dramatiq-pg-outbox schema revision {revision}';
+
+-- name: status_messages --
+-- `dramatiq-pg-outbox status`: live rows per queue and state, delayed ones, the
+-- age of the oldest (seconds).
+SELECT queue_name, state, count(*), count(*) FILTER (WHERE next_attempt_at > now()),
+       extract(epoch FROM now() - min(enqueued_at))
+  FROM {schema}.messages GROUP BY 1, 2 ORDER BY 1, 2;
+
+-- name: status_failed --
+-- Dead letters per queue: in the last hour, and all still in history.
+SELECT queue_name, count(*) FILTER (WHERE finished_at > now() - interval '1 hour'), count(*)
+  FROM {schema}.history WHERE state = 'failed' GROUP BY 1 ORDER BY 1;
+
+-- name: status_workers --
+-- The registered consumer processes and the age of their heartbeat (seconds).
+SELECT hostname, pid, queues, extract(epoch FROM now() - heartbeat_at)
+  FROM {schema}.workers ORDER BY hostname, pid;
+
+-- name: failed_list --
+-- `dramatiq-pg-outbox failed`: the newest dead letters, of one queue or all.
+SELECT id, queue_name, actor_name, attempts, finished_at, error_type, error
+  FROM {schema}.history
+ WHERE state = 'failed' AND (%(queue)s::text IS NULL OR queue_name = %(queue)s)
+ ORDER BY finished_at DESC, id DESC
+ LIMIT %(limit)s;
+
+-- name: default_partition_rows --
+-- Rows that fell into history_default (no day partition existed for them).
+SELECT count(*) FROM {schema}.history_default;
+
+-- name: day_partitions --
+-- The partitions of history (day partitions are named history_pYYYYMMDD).
+SELECT c.relname
+  FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+ WHERE i.inhparent = to_regclass(%(table)s);
+
+-- name: prune_cutoff --
+-- The database clock's cutoff of a prune.
+SELECT now() - %(older_than)s::interval;
+
+-- name: set_lock_timeout --
+-- lock_timeout for the rest of this transaction, in milliseconds (as text).
+SELECT set_config('lock_timeout', %(lock_timeout)s, true);
+
+-- name: estimated_rows --
+-- The planner's row estimate of a table (names unquoted): dropping a partition must not count it.
+SELECT greatest(reltuples, 0)::bigint FROM pg_class
+ WHERE oid = to_regclass(format('%%I.%%I', %(schema)s::text, %(table)s::text));
+
+-- name: drop_partition --
+-- Drops one day partition of history (ACCESS EXCLUSIVE: run under set_lock_timeout).
+DROP TABLE {schema}.{partition};
+
+-- name: delete_history_before --
+-- Deletes the rows of one partition of history that finished before the cutoff.
+DELETE FROM {schema}.{partition} WHERE finished_at < %(cutoff)s;
+
+-- name: metrics_gauges --
+-- Every Prometheus gauge in one statement: (kind, queue_name, state, value) rows.
+SELECT 'messages', queue_name,
+       CASE WHEN state = 'processing' THEN 'processing'
+            WHEN next_attempt_at <= now() THEN 'due' ELSE 'delayed' END,
+       count(*)::float8
+  FROM {schema}.messages GROUP BY 2, 3
+UNION ALL
+SELECT 'oldest', queue_name, NULL,
+       coalesce(extract(epoch FROM now() - min(next_attempt_at)
+                FILTER (WHERE state = 'pending' AND next_attempt_at <= now())), 0)::float8
+  FROM {schema}.messages GROUP BY 2
+UNION ALL
+SELECT 'dead', queue_name, NULL, count(*)::float8
+  FROM {schema}.history WHERE state = 'failed' AND finished_at > now() - interval '1 hour' GROUP BY 2
+UNION ALL
+SELECT 'workers', NULL, NULL, count(*)::float8
+  FROM {schema}.workers WHERE heartbeat_at > now() - make_interval(secs => %(heartbeat_timeout_ms)s / 1000.0);
+
+-- name: ping --
+-- Whether a server answers (the test servers' readiness probe).
+SELECT 1;
+
+-- name: create_database --
+CREATE DATABASE {database};
+
+-- name: drop_database --
+DROP DATABASE IF EXISTS {database} WITH (FORCE);

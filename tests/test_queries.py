@@ -1,0 +1,105 @@
+"""The package's SQL: every statement in a .sql file, every name used defined, every query used."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from dramatiq_pg_outbox._queries import (
+    DASHBOARD_SQL,
+    SQL_FILES,
+    file_queries,
+    queries_for_schema,
+    raw_queries,
+    with_identifiers,
+)
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dramatiq_pg_outbox"
+#: Words that open a SQL statement in a Python string literal (keywords are upper case here).
+STATEMENT = re.compile(
+    r"^\s*(SELECT\s|INSERT\s+INTO|UPDATE\s+\S+\s+(AS\s+\S+\s+)?SET\s|DELETE\s+FROM|WITH\s+\w+\s+AS\s*\(|"
+    r"CREATE\s+(TABLE|TEMP|DATABASE|SCHEMA|INDEX)|DROP\s+(TABLE|DATABASE)|ALTER\s|"
+    r'LISTEN\s+[{"]|NOTIFY\s+[{"\w]+\s*,|'
+    r"COPY\s|COMMENT\s+ON|SET\s+(LOCAL\s+)?\w+\s*=|TRUNCATE\s)"
+)
+
+
+def _modules() -> list[tuple[Path, ast.Module]]:
+    return [(path, ast.parse(path.read_text(), str(path))) for path in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _strings(tree: ast.Module) -> list[ast.Constant]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def _used_names(path: Path, tree: ast.Module) -> set[str]:
+    """Names looked up as ``<...queries...>["name"]`` or run as ``<runtime>.execute("name", ...)``."""
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            if "queries" in ast.unparse(node.value) and isinstance(node.slice.value, str):
+                used.add(node.slice.value)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            first = node.args[0]
+            on_runtime = "runtime" in ast.unparse(node.func.value) + path.name
+            if node.func.attr == "execute" and on_runtime and isinstance(first, ast.Constant):
+                if isinstance(first.value, str) and re.fullmatch(r"[a-z_]+", first.value):
+                    used.add(first.value)
+    return used
+
+
+def test_no_sql_statement_is_written_in_python() -> None:
+    # Given every string literal of the package (docstrings and messages included)
+    found = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value.strip()[:60]!r}"
+        for path, tree in _modules()
+        for node in _strings(tree)
+        if STATEMENT.match(node.value)
+    ]
+    # Then none of them is a statement: they all live in the .sql files
+    assert found == []
+
+
+def test_every_query_name_the_code_uses_is_defined() -> None:
+    defined = set(raw_queries())
+    dashboard = set(file_queries(DASHBOARD_SQL))
+    missing = {
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path, tree in _modules()
+        for name in _used_names(path, tree)
+        if name not in (defined | dashboard if path.parent.name == "dashboard" else defined)
+    }
+    assert missing == set()
+    # (the detector finds the lookups: the hot path's names are among them)
+    used = set().union(*(_used_names(path, tree) for path, tree in _modules()))
+    assert {"claim", "archive", "rescue", "relay_claim", "metrics_gauges", "failed_list"} <= used
+
+
+def test_every_query_is_used_by_the_package() -> None:
+    literals = {
+        node.value for path, tree in _modules() if path.name != "_queries.py" for node in _strings(tree)
+    }
+    unused = {f"{path}: {name}" for path in SQL_FILES for name in file_queries(path) if name not in literals}
+    assert unused == set()
+
+
+def test_the_loader_refuses_a_name_defined_twice_and_fills_identifiers() -> None:
+    # Given: names are unique across the broker's files (raw_queries checks it on load)
+    assert sum(len(file_queries(p)) for p in SQL_FILES) == len(raw_queries())
+    # When a schema and an identifier are filled in
+    sql = with_identifiers(queries_for_schema("my_jobs")["listen"], channel='odd"name.x')
+    # Then both are quoted, the quote doubled
+    assert sql == 'LISTEN "odd""name.x"'
+    assert '"my_jobs".messages' in queries_for_schema("my_jobs")["claim"]
+    with pytest.raises(ValueError):
+        queries_for_schema("no;schema")
+
+
+def test_comments_never_reach_the_server() -> None:
+    for path in (*SQL_FILES, DASHBOARD_SQL):
+        for name, sql in file_queries(path).items():
+            assert not any(line.lstrip().startswith("--") for line in sql.splitlines()), (path, name)
+            assert not sql.endswith(";"), (path, name)
