@@ -79,7 +79,6 @@ import datetime as dt
 import os
 import random
 import re
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,13 +87,12 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import psycopg
 from dramatiq import Actor, Message
-from dramatiq.common import compute_backoff
 from dramatiq.errors import ActorNotFound
 from dramatiq.logging import get_logger
 from dramatiq.middleware import Middleware
 
 from ._queries import queries_for_schema
-from ._runtime import StoredMessage, enqueue_result, enqueue_statement
+from ._runtime import Service, StoredMessage, enqueue_result, enqueue_statement
 from .broker import PostgresBroker
 
 if TYPE_CHECKING:
@@ -472,7 +470,7 @@ class SyncResult:
     deleted: int
 
 
-class Scheduler:
+class Scheduler(Service):
     """Enqueues the ticks of an application's schedules; run any number of them.
 
     Parameters:
@@ -502,6 +500,8 @@ class Scheduler:
         :func:`declared_schedules`).
     """
 
+    name = "scheduler"
+
     def __init__(
         self,
         broker: PostgresBroker,
@@ -512,7 +512,6 @@ class Scheduler:
         removed_after: int = DEFAULT_REMOVED_AFTER,
         idle_timeout: int = DEFAULT_IDLE_TIMEOUT,
     ) -> None:
-        self.logger = get_logger(__name__, type(self))
         if not isinstance(broker, PostgresBroker):
             raise TypeError(f"A Scheduler needs a PostgresBroker, not {type(broker).__name__}.")
         numbers = (
@@ -532,6 +531,7 @@ class Scheduler:
                 f"removed_after must be a whole number of milliseconds of at least 2 x sync_interval "
                 f"({2 * sync_interval}), not {removed_after!r}"
             )
+        super().__init__(poll_interval / 1000)
         self.broker = broker
         self.poll_interval = poll_interval
         self.sync_interval = sync_interval
@@ -550,59 +550,46 @@ class Scheduler:
         self._queries = queries_for_schema(broker.schema)
         self._created = time.monotonic()
         self._defined = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        #: Test signal (River-style): set after every loop iteration.
-        self.passed = threading.Event()
+        self._next_sync = 0.0
         #: Totals since start: enqueued, missed, duplicates, passes.
         self.stats = {"enqueued": 0, "missed": 0, "duplicates": 0, "passes": 0}
 
     def __repr__(self) -> str:
         return f"<Scheduler {len(self.schedules)} schedule(s) on {self.broker!r}>"
 
-    # -- the loop -----------------------------------------------------------
-    def start(self) -> None:
-        """Run :meth:`run` on a daemon thread."""
-        self._stop.clear()
-        self._thread = threading.Thread(target=self.run, name="dramatiq-pg-outbox-scheduler", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop and wait up to ``timeout`` seconds for its thread (a pass in progress ends first)."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-            thread.join(timeout)
-
+    # -- the loop (a Service: start, stop, run_forever; ticked after each iteration) ------
     def request_stop(self) -> None:
         """Ask :meth:`run` to return after the current pass (safe in a signal handler)."""
-        self._stop.set()
+        self._stopping.set()
+        self._wake.set()
 
     def run(self) -> None:
         """Sync, then pass and sleep until the next tick, until :meth:`stop`.
 
-        Database errors are logged and retried with backoff, never raised.
+        Database errors are logged and retried with backoff (100 ms doubling up to
+        ``poll_interval``), never raised.
         """
-        failures = 0
-        next_sync = 0.0
-        while not self._stop.is_set():
-            try:
-                if not self._defined or time.monotonic() >= next_sync:
-                    self.sync(define=not self._defined)
-                    next_sync = time.monotonic() + self.sync_interval / 1000
-                while self.run_once().claimed >= CLAIM_BATCH and not self._stop.is_set():
-                    pass
-                wait = self._wait(next_sync)
-                failures = 0
-            except Exception as e:
-                failures += 1
-                _, backoff_ms = compute_backoff(failures, factor=100, max_backoff=self.poll_interval)
-                wait = backoff_ms / 1000
-                self.logger.warning(
-                    "Scheduler pass failed (attempt %d), retrying in %.2fs: %s", failures, wait, e
-                )
-            self.passed.set()
-            self._stop.wait(wait)
+        self.run_forever()
+
+    def tick(self) -> PassResult | None:
+        """One iteration: sync when due, then passes until a pass claims less than a batch."""
+        if not self._defined or time.monotonic() >= self._next_sync:
+            self.sync(define=not self._defined)
+            self._next_sync = time.monotonic() + self.sync_interval / 1000
+        result = None
+        while not self.stopping:
+            result = self.run_once()
+            if result.claimed < CLAIM_BATCH:
+                break
+        return result
+
+    def next_delay(self) -> float:
+        return self._wait(self._next_sync)
+
+    def log_failure(self, error: Exception, delay: float) -> None:
+        self.logger.warning(
+            "Scheduler pass failed (attempt %d), retrying in %.2fs: %s", self.failures, delay, error
+        )
 
     def _wait(self, next_sync: float) -> float:
         """Seconds to sleep: until the next tick, at most poll_interval and until the next sync."""

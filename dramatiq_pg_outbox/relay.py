@@ -40,7 +40,8 @@ the rescuer (this relay's own maintenance loop, or any worker's, after
 window is that one batch.  Dramatiq message ids are kept, so a consumer that
 must not run twice can drop an id it has seen (docs/guarantees.md).
 
-Wake-ups: LISTEN on the broker's channel (the notification of a commit or of a
+Wake-ups: the broker's channel on the process's one LISTEN connection
+(``_runtime.listener``; the notification of a commit or of a
 due delayed message), and polling every ``max_fetch_interval`` as fallback; a
 delayed message is claimed when due (the relay sleeps until the earliest due
 time of its queues), so the target never holds our delayed messages.
@@ -49,7 +50,6 @@ time of its queues), so the target never holds our delayed messages.
 from __future__ import annotations
 
 import socket
-import threading
 import time
 import uuid
 from collections import Counter
@@ -57,14 +57,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
 from dramatiq import Broker, Message
 from dramatiq.common import current_millis
 from dramatiq.errors import DecodeError
-from dramatiq.logging import get_logger
 
-from ._queries import with_identifiers
-from ._runtime import _Maintenance, format_error, parse_notification
+from ._runtime import Service, _Maintenance, format_error, parse_notification
+from ._runtime.listener import subscribe
 from .broker import PostgresBroker
 from .names import validate_queue_name
 
@@ -323,7 +321,7 @@ class RelayStats:
         return self.relayed / max(time.monotonic() - self.started, 1e-9)
 
 
-class Relay:
+class Relay(Service):
     """Move the committed, due messages of ``queues`` from a PostgresBroker to ``target``.
 
     Parameters:
@@ -340,8 +338,13 @@ class Relay:
 
     :meth:`run` blocks until :meth:`stop`; :meth:`run_once` relays one batch.  The
     relay registers in the ``workers`` table and heartbeats like a worker process,
-    so that its claims are rescued if it dies.
+    so that its claims are rescued if it dies.  A :class:`~._runtime.Service`: after a
+    failure it waits 0.5 s, doubling up to 30 s; a refused login to the target ends it
+    (:class:`TargetUnusable`).
     """
+
+    name = "relay"
+    fatal = (TargetUnusable,)
 
     def __init__(
         self,
@@ -355,19 +358,42 @@ class Relay:
             raise ValueError("a relay needs at least one queue")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, not {batch_size!r}")
+        super().__init__(
+            broker.max_fetch_interval / 1000, backoff_first=BACKOFF_FIRST_S, backoff_max=BACKOFF_MAX_S
+        )
         self.broker = broker
         self.target = target
         self._publisher = _publisher_for(target)
         self.queues = sorted({validate_queue_name(q) for q in queues})
         self.batch_size = batch_size
         self.stats = RelayStats()
-        self.logger = get_logger(__name__, type(self))
-        self._stop = threading.Event()
         self._unarchived: list[tuple[int, uuid.UUID]] = []
         self._maintenance: _Maintenance | None = None
+        #: Messages relayed by the latest batch (a full batch: the next one starts at once).
+        self._relayed = 0
+        self._report_every = 0.0
+        self._next_report = float("inf")
 
     # -- one batch ---------------------------------------------------------------------
     def run_once(self) -> int:
+        """Relay one batch; the messages relayed (see :meth:`_batch`).
+
+        Raises:
+          TargetUnusable: The target refused the relay's credentials.
+          TargetError: Publishing failed otherwise (the batch was released).
+        """
+        try:
+            self._relayed = self._batch()
+        except TargetError as e:
+            if refused_credentials(e.__cause__):
+                raise TargetUnusable(
+                    f"the target refused the relay's credentials ({e}). Check the user name and "
+                    "password in --to"
+                ) from None
+            raise
+        return self._relayed
+
+    def _batch(self) -> int:
         """Claim, publish and archive one batch.  Returns the messages relayed.
 
         Raises:
@@ -486,57 +512,50 @@ class Relay:
         Parameters:
           report_every(float): Log a line with the counters and the lag every this many
             seconds (0: never).
+
+        Raises:
+          TargetUnusable: The target refused the relay's credentials.
         """
         runtime = self.broker.runtime
         self._maintenance = _Maintenance(runtime)
         self._maintenance.heartbeat()
         self._maintenance.start()
-        listen: psycopg.Connection[Any] | None = None
-        backoff = 0.0
-        next_report = time.monotonic() + report_every if report_every else float("inf")
+        self._report_every = report_every
+        self._next_report = time.monotonic() + report_every if report_every else float("inf")
+        subscription = None
+        if self.broker.listen:
+            subscription = subscribe(self.broker.conninfo, self.broker.channel, self._notified, self.wake)
         try:
-            while not self._stop.is_set():
-                if listen is None and self.broker.listen:
-                    listen = self._listen()
-                try:
-                    relayed = self.run_once()
-                    backoff = 0.0
-                except TargetError as e:
-                    if refused_credentials(e.__cause__):
-                        raise TargetUnusable(
-                            f"the target refused the relay's credentials ({e}). Check the user name and "
-                            "password in --to"
-                        ) from None
-                    backoff = min(max(backoff * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
-                    self.logger.warning(
-                        "Publishing to the target failed (%s); retrying in %.1f s", e, backoff
-                    )
-                    self._stop.wait(backoff)
-                    continue
-                except Exception as e:
-                    self.stats.database_failures += 1
-                    backoff = min(max(backoff * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
-                    self.logger.warning("PostgreSQL failed (%s); retrying in %.1f s", e, backoff)
-                    _close(listen)
-                    listen = None
-                    self._stop.wait(backoff)
-                    continue
-                if time.monotonic() >= next_report:
-                    next_report = time.monotonic() + report_every
-                    self._report()
-                if relayed >= self.batch_size:
-                    continue
-                wait = self.broker.max_fetch_interval / 1000
-                try:
-                    due = self._next_due_s()
-                except Exception:
-                    due = None
-                if due is not None:
-                    wait = min(wait, due + 0.001)
-                listen = self._wait(listen, wait)
+            self.run_forever()
         finally:
-            _close(listen)
+            if subscription is not None:
+                subscription.close()
             self._maintenance.stop()
+
+    def _notified(self, payload: str) -> None:
+        queue_name, _ = parse_notification(payload)
+        if queue_name is None or queue_name in self.queues:
+            self.wake()
+
+    def next_delay(self) -> float:
+        """At once after a full batch; else until the next delayed message, at most ``max_fetch_interval``."""
+        if time.monotonic() >= self._next_report:
+            self._next_report = time.monotonic() + self._report_every
+            self._report()
+        if self._relayed >= self.batch_size:
+            return 0.0
+        try:
+            due = self._next_due_s()
+        except Exception:
+            due = None
+        return self.interval if due is None else min(self.interval, due + 0.001)
+
+    def log_failure(self, error: Exception, delay: float) -> None:
+        if isinstance(error, TargetError):
+            self.logger.warning("Publishing to the target failed (%s); retrying in %.1f s", error, delay)
+        else:
+            self.stats.database_failures += 1
+            self.logger.warning("PostgreSQL failed (%s); retrying in %.1f s", error, delay)
 
     def _report(self) -> None:
         try:
@@ -553,47 +572,9 @@ class Relay:
             shown or "unknown",
         )
 
-    def _listen(self) -> psycopg.Connection[Any] | None:
-        try:
-            conn = psycopg.connect(self.broker.conninfo, autocommit=True, connect_timeout=10)
-            conn.execute(with_identifiers(self.broker.runtime.queries["listen"], channel=self.broker.channel))
-            return conn
-        except psycopg.Error as e:
-            self.logger.warning("LISTEN failed (%s): polling only until it works again", e)
-            return None
-
-    def _wait(self, listen: psycopg.Connection[Any] | None, seconds: float) -> psycopg.Connection[Any] | None:
-        """Sleep up to ``seconds``, less if a notification names one of our queues."""
-        if listen is None:
-            self._stop.wait(seconds)
-            return None
-        deadline = time.monotonic() + seconds
-        try:
-            while not self._stop.is_set():
-                left = min(deadline - time.monotonic(), 0.5)  # check stop() twice a second
-                if left <= 0:
-                    return listen
-                for notify in listen.notifies(timeout=left):
-                    queue_name, _ = parse_notification(notify.payload)
-                    if queue_name is None or queue_name in self.queues:
-                        return listen
-        except psycopg.Error:
-            _close(listen)
-            return None
-        return listen
-
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         """Make :meth:`run` return after the batch in progress (thread-safe)."""
-        self._stop.set()
-
-
-def _close(conn: psycopg.Connection[Any] | None) -> None:
-    """Close ``conn`` if there is one, ignoring errors."""
-    if conn is not None:
-        try:
-            conn.close()
-        except psycopg.Error:
-            pass
+        super().stop(timeout)
 
 
 class RelayCollector:

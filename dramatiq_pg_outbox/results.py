@@ -27,8 +27,8 @@ How it works
   ``Results`` middleware's ``result_ttl``, in milliseconds) and, in the same
   statement, ``pg_notify(<results channel>, <message key>)``.
 - A blocking ``get_result`` registers with this process's results listener
-  (one LISTEN connection per process, shared by every waiting thread, opened
-  on the first blocking call), reads the table once the listener is
+  (a subscription to the process's one LISTEN connection, ``_runtime.listener``,
+  shared with its consumers and relay, made on the first blocking call), reads the table once the listener is
   connected (so a result stored before the LISTEN is never missed), then
   sleeps until a notification for its key, the listener (re)connecting, the
   deadline, or ``poll_interval`` (a safety poll: correctness never depends on
@@ -41,14 +41,13 @@ How it works
 
 Connections per process: none until first use (the ``dramatiq`` CLI forks
 workers); then the broker's pool (``broker=``) or a pool of the backend's own
-(``url=``/``engine=``), plus one LISTEN connection in a process that has
-blocked on a result (none with ``listen=False``).
+(``url=``/``engine=``); a process that has blocked on a result shares the
+process's one LISTEN connection (none with ``listen=False``).
 """
 
 from __future__ import annotations
 
 import os
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -64,7 +63,9 @@ from dramatiq.results import Missing, ResultBackend, ResultMissing, ResultTimeou
 from dramatiq.results.backend import BACKOFF_FACTOR, DEFAULT_TIMEOUT
 from sqlalchemy.engine import URL, Engine
 
-from ._queries import queries_for_schema, with_identifiers
+from ._queries import queries_for_schema
+from ._runtime import Service
+from ._runtime.listener import Subscription, subscribe
 from .broker import PostgresBroker, deciding
 from .errors import SchemaNotReady
 from .names import DEFAULT_SCHEMA
@@ -386,25 +387,27 @@ class _Process:
 
 
 class _ResultsListener:
-    """One LISTEN connection per process; wakes the readers blocked on the keys it hears."""
+    """The result waiters of one process, woken through its one LISTEN connection (``_runtime.listener``)."""
 
     def __init__(self, backend: PostgresBackend) -> None:
-        self.logger = get_logger(__name__, type(self))
         self.backend = backend
-        self.connected = threading.Event()
         self.waiting = 0
         self._waiters: dict[str, set[threading.Event]] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dramatiq-pg-outbox-results", daemon=True)
+        self._subscription: Subscription | None = None
+        #: Set while the results channel is listened to.
+        self.connected = threading.Event()
 
     def start(self) -> None:
-        self._thread.start()
+        # A store committed while we were not listening was not heard: every reader reads again.
+        self._subscription = subscribe(
+            self.backend._broker.conninfo, self.backend.channel, self.wake, on_connect=lambda: self.wake(None)
+        )
+        self.connected = self._subscription.connected
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+    def stop(self) -> None:
+        if self._subscription is not None:
+            self._subscription.close()
 
     def add(self, message_key: str, wakeup: threading.Event) -> None:
         with self._lock:
@@ -438,73 +441,22 @@ class _ResultsListener:
         for wakeup in targets:
             wakeup.set()
 
-    def _run(self) -> None:
-        failures = 0
-        while not self._stop.is_set():
-            try:
-                self._listen()
-                failures = 0
-            except Exception as e:
-                failures += 1
-                _, backoff = compute_backoff(failures, factor=100, max_backoff=5_000)
-                self.logger.warning(
-                    "Results listener failed (attempt %d), readers poll until it reconnects in %dms: %s",
-                    failures,
-                    backoff,
-                    e,
-                )
-                self._stop.wait(backoff / 1000)
 
-    def _listen(self) -> None:
-        conn = psycopg.connect(
-            self.backend._broker.conninfo,
-            autocommit=True,
-            application_name=f"dramatiq-pg-outbox:{os.getpid()}:results",
-        )
-        try:
-            conn.execute(with_identifiers(self.backend._queries["listen"], channel=self.backend.channel))
-            self.connected.set()
-            # A store committed while we were not listening was not heard:
-            # every reader reads again now.
-            self.wake(None)
-            while not self._stop.is_set():
-                for note in conn.notifies(timeout=0.5):
-                    self.wake(note.payload)
-        finally:
-            self.connected.clear()
-            conn.close()
+class _Cleaner(Service):
+    """Runs :meth:`PostgresBackend.delete_expired` every ``interval`` ms (+-20 % jitter)."""
 
-
-class _Cleaner:
-    """Runs :meth:`PostgresBackend.delete_expired` every ``interval`` ms (+-20 % jitter), on a thread."""
+    name = "results-cleanup"
+    pause_first = True
 
     def __init__(self, backend: PostgresBackend, interval: int) -> None:
-        self.logger = get_logger(__name__, type(self))
+        super().__init__(interval / 1000, jitter=0.2, backoff_first=interval / 1000)
         self.backend = backend
-        self.interval = interval / 1000
-        #: Set after each successful pass (a test signal).
-        self.ticked = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="dramatiq-pg-outbox-results-cleanup", daemon=True
-        )
 
-    def start(self) -> None:
-        self._thread.start()
+    def run_once(self) -> int:
+        deleted = self.backend.delete_expired()
+        if deleted:
+            self.logger.debug("Deleted %d expired result(s)", deleted)
+        return deleted
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        # Jitter spreads the cleanups of many processes over the interval.
-        while not self._stop.wait(self.interval * random.uniform(0.8, 1.2)):
-            try:
-                deleted = self.backend.delete_expired()
-            except Exception as e:
-                self.logger.warning("Deleting expired results failed, retrying next interval: %s", e)
-                continue
-            if deleted:
-                self.logger.debug("Deleted %d expired result(s)", deleted)
-            self.ticked.set()
+    def log_failure(self, error: Exception, delay: float) -> None:
+        self.logger.warning("Deleting expired results failed, retrying next interval: %s", error)

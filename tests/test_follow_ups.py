@@ -267,7 +267,7 @@ def test_a_worker_back_from_an_outage_judges_no_other_worker_dead_for_a_heartbea
     # When this worker's own maintenance pass fails during the outage, then succeeds
     outage.proxy.block()
     with pytest.raises(ConnectionFailed):
-        maintenance.tick()
+        maintenance.run_once()
     outage.proxy.unblock()
     wait_for(lambda: _ticks(maintenance), 10, "a maintenance pass after the outage")
     # Then it heartbeats but releases nothing yet: the others get heartbeat_timeout to heartbeat again
@@ -276,7 +276,7 @@ def test_a_worker_back_from_an_outage_judges_no_other_worker_dead_for_a_heartbea
     # And once that has passed (passes every 0.1 s, as its loop would), a worker that is still
     # silent counts as dead
     def released() -> bool:
-        maintenance.tick()
+        maintenance.run_once()
         return _state_of(db) == "pending"
 
     waited = wait_for(released, 10, "the silent worker's message released")
@@ -285,7 +285,7 @@ def test_a_worker_back_from_an_outage_judges_no_other_worker_dead_for_a_heartbea
 
 def _ticks(maintenance: Any) -> bool:
     try:
-        maintenance.tick()
+        maintenance.run_once()
         return True
     except ConnectionFailed:
         return False

@@ -1,0 +1,343 @@
+"""The flush loop: ack/nack/requeue decisions buffered by worker threads, written in batches.
+
+Worker threads append to lock-free deques; every ``flush_interval`` ms (or at
+``flush_batch_size``) each kind is written with one set-based statement, fenced
+by the lease.  A failed write keeps its batch and is retried with backoff; the
+final flush runs on stop.  River's batch completer is the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from .host import Runtime
+from .messages import Outcome, StoredMessage, enqueue_result, enqueue_statement
+from .service import Service
+
+
+class _Flusher(Service):
+    """The flush loop of a process (a :class:`~.service.Service`, started by the first decision).
+
+    Parameters:
+      runtime(Runtime): The process's runtime; reads ``flush_interval`` (ms) and
+        ``flush_batch_size`` of its broker.  A failed flush is retried after 50 ms,
+        doubling up to 5 s.
+    """
+
+    name = "flush"
+    pause_first = True
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__(runtime.broker.flush_interval / 1000, backoff_first=0.05, backoff_max=5.0)
+        self.runtime = runtime
+        self.acks: deque[tuple[int, uuid.UUID]] = deque()
+        self.nacks: deque[tuple[int, uuid.UUID, str, str]] = deque()
+        self.failed_acks: deque[tuple[int, uuid.UUID, str, str]] = deque()
+        self.requeues: deque[tuple[int, uuid.UUID]] = deque()
+        #: Decisions with follow-ups, each written with them in one transaction.
+        self.outcomes: deque[Outcome] = deque()
+        self.notifications: deque[str] = deque()
+        #: (transaction id, payload): sent once that transaction committed.
+        self.commit_notifications: deque[tuple[str, str]] = deque()
+        self.stats = {"acked": 0, "nacked": 0, "requeued": 0, "stale": 0}
+        self._urgent = threading.Event()
+        self._flush_lock = threading.Lock()
+
+    # Called from worker threads: lock-free appends, then a cheap signal.
+    def ack(self, row_id: int, lease: uuid.UUID) -> None:
+        self.acks.append((row_id, lease))
+        self._signal(len(self.acks))
+
+    def nack(self, row_id: int, lease: uuid.UUID, error_type: str, error: str) -> None:
+        self.nacks.append((row_id, lease, error_type, error))
+        self._signal(len(self.nacks))
+
+    def ack_with_error(self, row_id: int, lease: uuid.UUID, error_type: str, error: str) -> None:
+        self.failed_acks.append((row_id, lease, error_type, error))
+        self._signal(len(self.failed_acks))
+
+    def finish(
+        self,
+        row_id: int,
+        lease: uuid.UUID,
+        kind: str,
+        error_type: str | None = None,
+        error: str | None = None,
+        messages: list[StoredMessage] | None = None,
+        statements: list[tuple[str, dict[str, Any]]] | None = None,
+    ) -> None:
+        """Buffer the end of a delivery (``kind``: ``ack``, ``ack_with_error``, ``nack``).
+
+        With follow-ups (``messages``, ``statements``) it is written with them in
+        one transaction (see :class:`Outcome`); without, with the other decisions
+        of its kind in one statement.
+        """
+        if messages or statements:
+            self.outcomes.append(
+                Outcome(row_id, lease, kind, error_type, error, messages or [], statements or [])
+            )
+            self._signal(len(self.outcomes))
+        elif kind == "ack":
+            self.ack(row_id, lease)
+        else:
+            assert error_type is not None and error is not None
+            if kind == "ack_with_error":
+                self.ack_with_error(row_id, lease, error_type, error)
+            else:
+                self.nack(row_id, lease, error_type, error)
+
+    def requeue(self, rows: Sequence[tuple[int, uuid.UUID]]) -> None:
+        self.requeues.extend(rows)
+        self._urgent.set()
+        self._signal(len(self.requeues))
+
+    def requeue_now(self, rows: Sequence[tuple[int, uuid.UUID]]) -> None:
+        """Requeue and flush at once; if the database is unreachable, the flush loop retries."""
+        self.requeue(rows)
+        try:
+            self.flush_once()
+        except Exception as e:
+            self.logger.warning("Requeue of %d message(s) deferred to the flush loop: %s", len(rows), e)
+
+    def notify_later(self, payloads: Sequence[str]) -> None:
+        """Send these NOTIFY payloads soon, from the broker's own connection."""
+        self.notifications.extend(payloads)
+        self._urgent.set()
+        self._signal(1)
+
+    def notify_after_commit(self, xid: str, payloads: Sequence[str]) -> None:
+        """Send these NOTIFY payloads once transaction ``xid`` has committed (never if it aborts)."""
+        self.commit_notifications.extend((xid, p) for p in payloads)
+        self._urgent.set()
+        self._signal(1)
+
+    def _signal(self, size: int) -> None:
+        if not self.started:
+            self.start()
+        if size >= self.runtime.broker.flush_batch_size:
+            self._urgent.set()
+        self.wake()
+
+    def pending(self) -> int:
+        buffers = (self.acks, self.nacks, self.failed_acks, self.requeues, self.outcomes, self.notifications)
+        return sum(len(b) for b in buffers)
+
+    # -- the service -----------------------------------------------------------------
+    def run_once(self) -> dict[str, int]:
+        return self.flush_once()
+
+    def pause(self, delay: float) -> None:
+        """Until a decision arrives (after a failure: ``delay``), then up to ``flush_interval`` more.
+
+        Decisions arriving in that window are written together; an urgent one (a full
+        batch, a requeue, a notification) ends the window at once.
+        """
+        if self.failures:
+            self._wake.set()  # the kept batch is written as soon as the backoff ends
+            self._stopping.wait(delay)
+        self._wake.wait()
+        self._urgent.wait(self.interval)
+        self._wake.clear()
+        self._urgent.clear()
+
+    def next_delay(self) -> float:
+        return 0.0
+
+    def log_failure(self, error: Exception, delay: float) -> None:
+        self.logger.warning(
+            "Flush failed (attempt %d), %d decisions kept for retry in %dms: %s",
+            self.failures,
+            self.pending(),
+            delay * 1000,
+            error,
+        )
+
+    def flush_once(self) -> dict[str, int]:
+        """Write everything buffered; on failure the undone part is put back and the error re-raised.
+
+        Returns:
+          dict[str, int]: How many acks, nacks, requeues were written and how many were stale.
+        """
+        with self._flush_lock:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> dict[str, int]:
+        done = {"acked": 0, "nacked": 0, "requeued": 0, "stale": 0}
+        batch = self.runtime.broker.flush_batch_size
+        kinds: tuple[tuple[str, deque[Any]], ...] = (
+            ("requeue", self.requeues),
+            ("ack", self.acks),
+            ("ack_with_error", self.failed_acks),
+            ("nack", self.nacks),
+        )
+        for name, buffer in kinds:
+            while buffer:
+                items: list[Any] = [buffer.popleft() for _ in range(min(len(buffer), batch))]
+                started = time.monotonic()
+                try:
+                    written, woken = self._write(name, items)
+                except Exception:
+                    buffer.extendleft(reversed(items))
+                    raise
+                metrics = self.runtime.broker._metrics
+                if metrics is not None:
+                    metrics.flush_seconds.labels(name).observe(time.monotonic() - started)
+                    if len(items) > written:
+                        metrics.stale.inc(len(items) - written)
+                self.runtime.untrack(items)
+                stale = len(items) - written
+                key = {"ack": "acked", "ack_with_error": "acked", "nack": "nacked", "requeue": "requeued"}[
+                    name
+                ]
+                done[key] += written
+                done["stale"] += stale
+                if stale:
+                    self.logger.warning(
+                        "%d stale %s(s) ignored: their lease expired and the message was released "
+                        "(it will be, or was, delivered again)",
+                        stale,
+                        name,
+                    )
+                for queue_name in woken:
+                    self.runtime.wake(queue_name)
+        while self.outcomes:
+            outcomes = [self.outcomes.popleft() for _ in range(min(len(self.outcomes), batch))]
+            try:
+                finished = self._write_outcomes(outcomes)
+            except Exception:
+                self.outcomes.extendleft(reversed(outcomes))
+                raise
+            self.runtime.untrack([o.fence() for o in outcomes])
+            done["acked"] += sum(o.kind != "nack" for o in finished)
+            done["nacked"] += sum(o.kind == "nack" for o in finished)
+            if len(outcomes) > len(finished):
+                done["stale"] += len(outcomes) - len(finished)
+                self.logger.warning(
+                    "%d stale decision(s) with follow-ups ignored, follow-ups included: their lease "
+                    "expired and the message was released (it will be, or was, delivered again)",
+                    len(outcomes) - len(finished),
+                )
+        if self.notifications:
+            queues = sorted({self.notifications.popleft() for _ in range(len(self.notifications))})
+            try:
+                self.runtime.execute("notify", {"channel": self.runtime.channel, "queue_names": queues})
+            except Exception:
+                self.notifications.extend(queues)
+                raise
+        if self.commit_notifications:
+            self._notify_committed()
+        for key, value in done.items():
+            self.stats[key] += value
+        return done
+
+    def _notify_committed(self) -> None:
+        pairs = [self.commit_notifications.popleft() for _ in range(len(self.commit_notifications))]
+        params = {
+            "channel": self.runtime.channel,
+            "xids": [xid for xid, _ in pairs],
+            "payloads": [payload for _, payload in pairs],
+        }
+        try:
+            rows = self.runtime.execute("notify_committed", params)
+        except Exception:
+            self.commit_notifications.extendleft(reversed(pairs))
+            raise
+        waiting = [(str(xid), str(payload)) for xid, payload, status in rows if status == "in progress"]
+        if waiting:
+            # Its COMMIT is on its way: look again at the next flush.
+            self.commit_notifications.extend(waiting)
+            self.wake()
+
+    def _statement(self, name: str, items: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+        """(SQL, parameters) of one fenced decision statement for ``(row id, lease, ...)`` items."""
+        params: dict[str, Any] = {"ids": [item[0] for item in items], "leases": [item[1] for item in items]}
+        query = name
+        if name == "requeue":
+            params["notify"] = self.runtime.broker.notify != "off"
+            params["channel"] = self.runtime.channel
+        elif name in ("nack", "ack_with_error"):
+            query = "archive"
+            params["state"] = "failed" if name == "nack" else "completed"
+            params["error_types"] = [item[2] for item in items]
+            params["errors"] = [item[3] for item in items]
+        return self.runtime.queries[query], params
+
+    def _write(self, name: str, items: list[Any]) -> tuple[int, list[str]]:
+        query, params = self._statement(name, items)
+        with self.runtime.connection() as conn:
+            cur = conn.execute(query, params)
+            if name != "requeue":
+                return cur.rowcount, []
+            rows = cur.fetchall()
+            return sum(int(n) for _, n, _ in rows), [str(q) for q, _, _ in rows]
+
+    def _write_outcomes(self, outcomes: list[Outcome]) -> list[Outcome]:
+        """Write decisions and their follow-ups in one transaction; the outcomes whose fence held.
+
+        The fenced ack/archive statements return the ids they archived; only
+        those rows' follow-ups are written.  A stale decision (its message was
+        released and will run again) takes its follow-ups with it, so they are
+        written once, by the delivery that is acked.  ``after_enqueue`` runs for
+        the stored follow-ups once the transaction has committed.
+        """
+        runtime = self.runtime
+        broker = runtime.broker
+        with runtime.connection() as conn, conn.transaction():
+            archived: set[int] = set()
+            for kind in ("ack", "ack_with_error", "nack"):
+                group = [o.fence() for o in outcomes if o.kind == kind]
+                if group:
+                    query, params = self._statement(kind, group)
+                    archived.update(int(row[0]) for row in conn.execute(query, params).fetchall())
+            written = [o for o in outcomes if o.row_id in archived]
+            messages = [m for o in written for m in o.messages]
+            stored: list[StoredMessage] = []
+            if messages:
+                name, params = enqueue_statement(
+                    messages, runtime.channel, broker.notify != "off", broker.max_fetch_interval
+                )
+                rows = conn.execute(runtime.queries[name], params).fetchall()
+                stored = enqueue_result(name, messages, rows).stored
+            # Results: one executemany per statement text (psycopg pipelines it), not a
+            # round trip per message.
+            statements: dict[str, list[dict[str, Any]]] = {}
+            for outcome in written:
+                for query, params in outcome.statements:
+                    statements.setdefault(query, []).append(params)
+            for query, many in statements.items():
+                conn.cursor().executemany(query, many)
+        for item in stored:
+            broker.emit_after("enqueue", item.message, item.delay or None)
+        return written
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Final flush (retried until ``timeout`` seconds), then stop the thread."""
+        deadline = time.monotonic() + timeout
+        while self.pending() and time.monotonic() < deadline:
+            try:
+                self.flush_once()
+            except Exception as e:
+                self.logger.warning("Final flush failed, retrying: %s", e)
+                time.sleep(0.2)
+        # Wake-ups waiting for a COMMIT in flight get a short grace (they are only wake-ups).
+        grace = min(deadline, time.monotonic() + 1.0)
+        while self.commit_notifications and time.monotonic() < grace:
+            try:
+                self.flush_once()
+            except Exception:
+                break
+            if self.commit_notifications:
+                time.sleep(0.01)
+        if self.pending():
+            self.logger.error(
+                "%d ack/nack/requeue decisions could not be written before shutdown; "
+                "those messages will be released by the rescuer and delivered again",
+                self.pending(),
+            )
+        self._urgent.set()
+        super().stop(timeout)

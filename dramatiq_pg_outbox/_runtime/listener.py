@@ -1,0 +1,176 @@
+"""One LISTEN connection per process and database: :func:`subscribe`.
+
+Consumers (the broker's channel), result waiters (the results channel) and the
+relay (the broker's channel) of one process share one connection per database
+(``conninfo``), opened with the first subscription and closed with the last.
+A notification only wakes its subscribers early; correctness never depends on
+it.  After every (re)connection each subscriber's ``on_connect`` runs once its
+channel is listened to: whatever was sent meanwhile was not heard, so it polls.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from .._queries import raw_queries, with_identifiers
+from .service import Service
+
+#: Seconds a listener waits for notifications before it looks at new subscriptions.
+LISTEN_TICK_S = 0.5
+#: Longest wait after a failed connection, in seconds (the first is 0.2 s).
+RECONNECT_MAX_S = LISTEN_TICK_S
+
+
+class Subscription:
+    """One subscriber's channel on the process's listener.
+
+    Attributes:
+      channel(str): The channel listened to.
+      connected(threading.Event): Set while its LISTEN is in force, cleared on a disconnect.
+      received(int): Notifications delivered to it.
+    """
+
+    def __init__(
+        self,
+        listener: _Listener,
+        channel: str,
+        on_notify: Callable[[str], None],
+        on_connect: Callable[[], None],
+    ) -> None:
+        self.listener = listener
+        self.channel = channel
+        self.on_notify = on_notify
+        self.on_connect = on_connect
+        self.connected = threading.Event()
+        self.received = 0
+
+    def close(self) -> None:
+        """Stop receiving; the last subscription of a listener closes its connection."""
+        _unsubscribe(self)
+
+
+class _Listener(Service):
+    """The LISTEN connection of one process to one database, fanned out to its subscriptions."""
+
+    name = "listener"
+
+    def __init__(self, conninfo: str) -> None:
+        super().__init__(LISTEN_TICK_S, backoff_max=RECONNECT_MAX_S)
+        self.conninfo = conninfo
+        self.pid = os.getpid()
+        self.subscriptions: list[Subscription] = []
+        #: Channels the connection listens to right now.
+        self.listening: set[str] = set()
+        self._lock = threading.Lock()
+
+    def snapshot(self) -> list[Subscription]:
+        with self._lock:
+            return list(self.subscriptions)
+
+    def log_failure(self, error: Exception, delay: float) -> None:
+        self.logger.warning(
+            "LISTEN connection lost (attempt %d), subscribers poll until it is back in %.2fs: %s",
+            self.failures,
+            delay,
+            error,
+        )
+
+    def run_once(self) -> int:
+        """Connect, LISTEN, deliver until stopped or disconnected; the notifications delivered."""
+        conn = psycopg.connect(
+            self.conninfo, autocommit=True, application_name=f"dramatiq-pg-outbox:{os.getpid()}:listen"
+        )
+        delivered = 0
+        try:
+            while not self.stopping:
+                for sub in self.snapshot():
+                    if sub.channel not in self.listening:
+                        conn.execute(with_identifiers(raw_queries()["listen"], channel=sub.channel))
+                        with self._lock:
+                            self.listening.add(sub.channel)
+                    if not sub.connected.is_set():
+                        sub.connected.set()
+                        # Anything sent before this LISTEN was not heard: look now.
+                        sub.on_connect()
+                for note in conn.notifies(timeout=self.interval):
+                    for sub in self.snapshot():
+                        if sub.channel == note.channel and sub.connected.is_set():
+                            sub.received += 1
+                            delivered += 1
+                            sub.on_notify(note.payload)
+        finally:
+            with self._lock:
+                self.listening.clear()
+            for sub in self.snapshot():
+                sub.connected.clear()
+            conn.close()
+        return delivered
+
+    def next_delay(self) -> float:
+        return 0.0
+
+
+#: (pid, conninfo) -> the listener of this process for that database.
+_listeners: dict[tuple[int, str], _Listener] = {}
+_registry_lock = threading.Lock()
+
+
+def subscribe(
+    conninfo: str,
+    channel: str,
+    on_notify: Callable[[str], None],
+    on_connect: Callable[[], None],
+) -> Subscription:
+    """Listen to ``channel`` on this process's one LISTEN connection to ``conninfo``.
+
+    Parameters:
+      conninfo(str): libpq connection string of the database.
+      channel(str): The NOTIFY channel (``names.channel_for`` or ``names.results_channel``).
+      on_notify(Callable[[str], None]): Called with each payload, on the listener's thread.
+      on_connect(Callable[[], None]): Called once the LISTEN is in force, after each
+        (re)connection (notifications sent before it were missed).
+
+    Returns:
+      Subscription: Close it to stop receiving.
+    """
+    key = (os.getpid(), conninfo)
+    with _registry_lock:
+        listener = _listeners.get(key)
+        if listener is None or listener.stopping:
+            listener = _listeners[key] = _Listener(conninfo)
+        sub = Subscription(listener, channel, on_notify, on_connect)
+        with listener._lock:
+            listener.subscriptions.append(sub)
+            # Its channel already listened to: in force now, not at the listener's next look.
+            ready = channel in listener.listening
+            if ready:
+                sub.connected.set()
+        listener.start()
+    if ready:
+        on_connect()
+    return sub
+
+
+def _unsubscribe(sub: Subscription) -> None:
+    listener = sub.listener
+    with _registry_lock:
+        with listener._lock:
+            if sub in listener.subscriptions:
+                listener.subscriptions.remove(sub)
+            last = not listener.subscriptions
+        sub.connected.clear()
+        if last and _listeners.get((listener.pid, listener.conninfo)) is listener:
+            del _listeners[(listener.pid, listener.conninfo)]
+    if last:
+        listener.stop(timeout=2 * LISTEN_TICK_S + 1)
+
+
+def listeners() -> dict[tuple[int, str], Any]:
+    """The live listeners of this process, by (pid, conninfo) (for tests and diagnostics)."""
+    with _registry_lock:
+        return {key: value for key, value in _listeners.items() if key[0] == os.getpid()}

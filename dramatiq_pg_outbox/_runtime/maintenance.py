@@ -1,0 +1,149 @@
+"""The maintenance loop of a process: heartbeat, release-stuck (rescue), orphans, history partitions."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass
+
+import psycopg
+
+from .host import Runtime
+from .service import Service
+
+#: Claims younger than this are never treated as orphans, in milliseconds.
+ORPHAN_GRACE_MS = 30_000
+#: Seconds between two calls of create_history_partitions by a maintenance loop (jittered +-20%).
+PARTITIONS_INTERVAL_S = 3_600
+#: Days of history partitions a maintenance loop keeps ahead (today is day 0).
+PARTITIONS_DAYS_AHEAD = 7
+
+
+@dataclass(frozen=True)
+class RescueResult:
+    """Counts from one release-stuck pass."""
+
+    released: int
+    quarantined: int
+    dead_workers: int
+
+
+class _Maintenance(Service):
+    """The maintenance loop of a process, every ``heartbeat_interval`` ms (a :class:`~.service.Service`).
+
+    Each pass heartbeats; about every ``rescue_interval`` ms (+-20 %) it releases the
+    claims of dead workers and this process's orphans; about hourly it creates history
+    partitions.  A failed pass is retried after 100 ms, doubling up to the interval.
+    """
+
+    name = "maintenance"
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__(runtime.broker.heartbeat_interval / 1000)
+        self.runtime = runtime
+        self.hostname = socket.gethostname()
+        self._next_rescue = 0.0
+        self._next_partitions = 0.0
+        #: time.monotonic() from which this process may judge others dead (see run_once).
+        self._rescue_from = 0.0
+        #: time.monotonic() of the last heartbeat of this process (the runtime heartbeats before
+        #: it starts this loop).
+        self._beat_at = time.monotonic()
+
+    def run_once(self) -> RescueResult | None:
+        """One pass; the rescue's counts when it ran."""
+        self.heartbeat()
+        now = time.monotonic()
+        broker = self.runtime.broker
+        if now - self._beat_at > 2 * broker.heartbeat_interval / 1000:
+            # Its own heartbeat was late (the database was out of reach, or slow to answer): the
+            # others' heartbeats are probably stale for the same reason, not because they died.
+            # Judge nobody before they have had a full heartbeat_timeout to heartbeat again;
+            # otherwise the first process back releases the running messages of the others
+            # (146 duplicates without this in `python -m benchmarks.chaos --quick --scenarios 9`, 0 with it).
+            self._rescue_from = now + broker.heartbeat_timeout / 1000
+        self._beat_at = now
+        if now < self._rescue_from:
+            return None
+        if now >= self._next_partitions:
+            self._next_partitions = now + PARTITIONS_INTERVAL_S * random.uniform(0.8, 1.2)
+            self.create_partitions()
+        if now >= self._next_rescue:
+            # Jitter spreads the rescuers of many processes over the interval.
+            interval = self.runtime.broker.rescue_interval / 1000
+            self._next_rescue = now + interval * random.uniform(0.8, 1.2)
+            result = self.rescue()
+            if result.released or result.quarantined:
+                self.logger.warning(
+                    "Released %d message(s) of dead workers; quarantined %d after max_deliveries=%d",
+                    result.released,
+                    result.quarantined,
+                    self.runtime.broker.max_deliveries,
+                )
+            orphans = self.release_orphans()
+            if orphans:
+                self.logger.warning("Released %d orphaned claim(s) of this process", orphans)
+            return result
+        return None
+
+    def create_partitions(self) -> int:
+        """Create the history partitions of the next days (at start, then about hourly).
+
+        Without EXECUTE on the function (a worker role not granted it), says so once and
+        stops trying: rows then land in ``history_default`` until an operator runs
+        ``dramatiq-pg-outbox maintain``; nothing is lost.
+        """
+        try:
+            rows = self.runtime.execute("create_history_partitions", {"days": PARTITIONS_DAYS_AHEAD})
+        except psycopg.errors.InsufficientPrivilege:
+            self._next_partitions = math.inf
+            self.logger.warning(
+                "This role may not create history partitions: archived rows go to history_default. "
+                "GRANT EXECUTE ON FUNCTION %s.create_history_partitions TO this role (docs/security.md), "
+                "or run 'dramatiq-pg-outbox maintain' daily as the owner",
+                self.runtime.broker.schema,
+            )
+            return 0
+        return int(rows[0][0])
+
+    def heartbeat(self) -> None:
+        """Insert or refresh this process's ``workers`` row."""
+        self.runtime.execute(
+            "heartbeat",
+            {
+                "id": self.runtime.worker_id,
+                "hostname": self.hostname,
+                "pid": os.getpid(),
+                "queues": self.runtime.queue_names(),
+            },
+        )
+
+    def rescue(self) -> RescueResult:
+        """Release (or quarantine) processing messages whose worker stopped heartbeating."""
+        broker = self.runtime.broker
+        rows = self.runtime.execute(
+            "rescue",
+            {
+                "heartbeat_timeout_ms": broker.heartbeat_timeout,
+                "max_lease_ms": broker.max_lease,
+                "max_deliveries": broker.max_deliveries,
+                "channel": self.runtime.channel,
+            },
+        )
+        released, quarantined, dead, _ = rows[0]
+        metrics = broker._metrics
+        if metrics is not None and (released or quarantined):
+            metrics.rescued.inc(int(released))
+            metrics.quarantined.inc(int(quarantined))
+        return RescueResult(int(released), int(quarantined), int(dead))
+
+    def release_orphans(self, grace_ms: int = ORPHAN_GRACE_MS) -> int:
+        """Release rows this process holds in the database but no longer in memory."""
+        known = self.runtime.known_claims()
+        rows = self.runtime.execute(
+            "release_orphans", {"owner": self.runtime.worker_id, "grace_ms": grace_ms, "known_ids": known}
+        )
+        return int(rows[0][0])

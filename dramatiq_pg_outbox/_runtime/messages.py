@@ -1,0 +1,195 @@
+"""A message in its stored form, the enqueue statement's parameters and result, notifications, errors."""
+
+from __future__ import annotations
+
+import traceback
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dramatiq import Message
+
+#: Longest text of a dead-lettered message's error that is stored, in characters.
+MAX_ERROR_CHARS = 8_000
+
+
+def format_error(exc: BaseException | None) -> tuple[str, str]:
+    """(type name, traceback text clipped to ``MAX_ERROR_CHARS``) of a failed message's exception."""
+    if exc is None:
+        return "Unknown", "the message failed without an exception (for example, it was skipped)"
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS // 2] + "\n[...]\n" + text[-MAX_ERROR_CHARS // 2 :]
+    return type(exc).__name__, text
+
+
+@dataclass
+class Outcome:
+    """The end of one delivery and what its middleware sent or stored meanwhile.
+
+    Written by the flusher in one transaction, fenced by the lease: the ack or
+    nack of row ``row_id``, then ``messages`` (a retry, the next pipeline step,
+    a callback) and ``statements`` (a result) for that row only if the fence
+    held.  Either all of it commits or none does and the message is delivered
+    again (see docs/guarantees.md, "Follow-ups belong to the ack").
+    """
+
+    row_id: int
+    lease: uuid.UUID
+    #: ``"ack"``, ``"ack_with_error"`` (the actor raised and Dramatiq acked) or ``"nack"``.
+    kind: str
+    error_type: str | None = None
+    error: str | None = None
+    #: Messages enqueued while the outcome was decided, in their stored form.
+    messages: list[StoredMessage] = field(default_factory=list)
+    #: Other writes of that phase, (statement, parameters): results of PostgresBackend.
+    statements: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def fence(self) -> tuple[int, uuid.UUID, str | None, str | None]:
+        """(row id, lease, error type, error), the item form of the plain decision buffers."""
+        return self.row_id, self.lease, self.error_type, self.error
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """A message in the form it is written: encoded and keyed when it is sent.
+
+    Encoding at ``send()`` time means an encoding error is raised by ``send()``
+    itself, and arguments mutated after ``send()`` are not what gets stored.
+    """
+
+    #: The message (on its canonical queue, without Dramatiq's ``eta``).
+    message: Message[Any]
+    #: Minimum delay before delivery, in milliseconds.
+    delay: int
+    #: ``message.encode()``: what the workers will decode.
+    payload: bytes
+    #: The idempotency key (see :func:`idempotency_key`), or None.
+    key: str | None
+
+    @classmethod
+    def of(cls, message: Message[Any], delay: int = 0) -> StoredMessage:
+        """Encode ``message`` now.
+
+        Raises:
+          ValueError: If its ``idempotency_key`` option is not a non-empty string.
+          Exception: Whatever the broker's encoder raises for unencodable arguments.
+        """
+        key = idempotency_key(message)
+        return cls(message, delay, message.encode(), key)
+
+
+def enqueue_statement(
+    items: Sequence[StoredMessage], channel: str, notify: bool, notify_within: int, return_ids: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """(query name, parameters) that store ``items`` in one statement.
+
+    One message without an idempotency key takes ``enqueue_one`` (scalar
+    parameters); other batches take ``enqueue``, or the cheaper
+    ``enqueue_unkeyed`` when no message has an idempotency key.  ``notify``
+    says whether the statement itself calls ``pg_notify``; ``notify_within``
+    (ms): delayed messages due within it are announced as ``queue@due``;
+    ``return_ids``: the statement also returns the ids of the rows it inserted.
+    Read the result with :func:`enqueue_result`.
+    """
+    if len(items) == 1 and items[0].key is None:
+        item = items[0]
+        return "enqueue_one", {
+            "queue_name": item.message.queue_name,
+            "actor_name": item.message.actor_name,
+            "message_id": item.message.message_id,
+            "delay": item.delay,
+            "payload": item.payload,
+            "channel": channel,
+            "notify": notify,
+            "notify_within": notify_within,
+            "return_ids": return_ids,
+        }
+    keys = [item.key for item in items]
+    params = {
+        "queue_names": [item.message.queue_name for item in items],
+        "actor_names": [item.message.actor_name for item in items],
+        "message_ids": [item.message.message_id for item in items],
+        "delays": [item.delay for item in items],
+        "payloads": [item.payload for item in items],
+        "channel": channel,
+        "notify": notify,
+        "notify_within": notify_within,
+        "return_ids": return_ids,
+    }
+    if any(key is not None for key in keys):
+        params["idempotency_keys"] = keys
+        return "enqueue", params
+    return "enqueue_unkeyed", params
+
+
+@dataclass
+class EnqueueResult:
+    """What one enqueue statement did (see :func:`enqueue_result`)."""
+
+    #: The messages actually stored: all but idempotency duplicates.
+    stored: list[StoredMessage]
+    #: NOTIFY payloads the statement sent, or would have sent with ``notify`` on.
+    payloads: list[str]
+    #: (row id, message id) of each inserted row, when asked for with ``return_ids``.
+    ids: list[tuple[int, str]]
+
+
+def enqueue_result(name: str, items: Sequence[StoredMessage], rows: Sequence[Sequence[Any]]) -> EnqueueResult:
+    """Read the rows of an enqueue statement (columns: payload, notified, key, id, message_id).
+
+    Every message is stored except, for ``enqueue``, those whose idempotency
+    key was already taken (the statement returns the keys it inserted; of two
+    messages with one key in a batch, the first is stored).
+    """
+    payloads = [str(row[0]) for row in rows if row[0] is not None]
+    ids = [(int(row[3]), str(row[4])) for row in rows if row[3] is not None]
+    if name != "enqueue":
+        return EnqueueResult(list(items), payloads, ids)
+    inserted_keys = {row[2] for row in rows if row[2] is not None}
+    stored = []
+    for item in items:
+        if item.key is None:
+            stored.append(item)
+        elif item.key in inserted_keys:
+            inserted_keys.discard(item.key)
+            stored.append(item)
+    return EnqueueResult(stored, payloads, ids)
+
+
+def idempotency_key(message: Message[Any]) -> str | None:
+    """The key that makes ``message`` unique in the queue tables, or None.
+
+    It is the ``idempotency_key`` option (``actor.send_with_options(...,
+    idempotency_key="...")``), for a first enqueue only: a retry that the
+    Retries middleware enqueues carries the same options (``retries`` >= 1) but
+    is the same message again, so it is stored without a key.
+
+    Raises:
+      ValueError: If the option is not a non-empty string.
+    """
+    key = message.options.get("idempotency_key")
+    if key is None or message.options.get("retries"):
+        return None
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"idempotency_key must be a non-empty string, not {key!r}")
+    return key
+
+
+def parse_notification(payload: str) -> tuple[str, int | None]:
+    """(queue name, due time or None) of a broker channel notification.
+
+    ``"<queue>"``: a message of that queue is due now.  ``"<queue>@<due>"``:
+    a delayed message falls due at ``<due>``, epoch milliseconds on the
+    database clock.  Queue names never contain ``@``; a malformed due time
+    counts as "now" (an early claim costs a round trip, never a message).
+    """
+    queue_name, at, due = payload.partition("@")
+    if not at:
+        return payload, None
+    try:
+        return queue_name, int(due)
+    except ValueError:
+        return queue_name, None

@@ -1,0 +1,295 @@
+"""What a :class:`~dramatiq_pg_outbox.PostgresBroker` opens in one process: ``_Runtime``.
+
+One ``_Runtime`` per broker per process (a fork gets a fresh one): the connection
+pool, the registry of consumers and the claims they hold, and the process's
+services (``flusher``, ``maintenance``, and a subscription to the process's one
+LISTEN connection, ``listener.subscribe``).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from dramatiq.logging import get_logger
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from .._queries import queries_for_schema
+from ..errors import ConnectionRejected, describe_rejection, translate_errors
+from ..migrations import check_schema
+from .flusher import _Flusher
+from .host import RuntimeHost, Wakeable
+from .listener import Subscription, subscribe
+from .maintenance import _Maintenance
+from .messages import StoredMessage, enqueue_result, enqueue_statement, parse_notification
+
+#: conninfo -> why the server refused the latest connection attempt of this process to it, when
+#: retrying cannot help (see errors.rejection_reason); cleared by a successful connection.
+_rejected: dict[str, str] = {}
+
+
+class _PoolConnection(psycopg.Connection[Any]):
+    """The pool's connections: a refusal that retrying cannot fix is recorded for ``_Runtime._checkout``.
+
+    psycopg_pool retries failed connection attempts in the background and
+    only logs them; a caller waiting for a connection would learn nothing
+    before ``pool_timeout``.
+    """
+
+    @classmethod
+    def connect(cls, conninfo: str = "", **kwargs: Any) -> _PoolConnection:
+        try:
+            conn = super().connect(conninfo, **kwargs)
+        except psycopg.OperationalError as e:
+            reason = describe_rejection(e, conninfo)
+            if reason is not None:
+                _rejected[conninfo] = reason
+            raise
+        _rejected.pop(conninfo, None)
+        return conn
+
+
+class _Runtime:
+    def __init__(self, broker: RuntimeHost) -> None:
+        self.logger = get_logger(__name__, type(self))
+        self.broker = broker
+        self.pid = os.getpid()
+        self.queries = queries_for_schema(broker.schema)
+        self.channel = broker.channel
+        self.worker_id = uuid.uuid4()
+        _rejected.pop(broker.conninfo, None)
+        self.pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+            broker.conninfo,
+            connection_class=_PoolConnection,
+            min_size=1,
+            max_size=broker.pool_size,
+            # The application name tells operators (pg_stat_activity) which
+            # process holds which connection: "dramatiq-pg-outbox:<pid>".
+            kwargs={"autocommit": True, "application_name": f"dramatiq-pg-outbox:{self.pid}"},
+            timeout=broker.pool_timeout / 1000,
+            name=f"dramatiq-pg-outbox-{self.pid}",
+            open=False,
+        )
+        self.pool.open(wait=False)
+        # Reentrant: register() heartbeats, and the heartbeat reads queue_names().
+        self._lock = threading.RLock()
+        self._schema_ok = not broker.check_schema
+        self.consumers: dict[str, set[Wakeable]] = defaultdict(set)
+        #: Claims this process holds: row id -> lease.  Removed once the
+        #: flusher has written the outcome of that lease (see untrack).
+        self.inflight: dict[int, uuid.UUID] = {}
+        self._inflight_lock = threading.Lock()
+        #: Database clock minus this process's time.monotonic(), in milliseconds,
+        #: as seen by the latest claim (see observe_clock); until then, the wall clock's.
+        self.clock_offset_ms = (time.time() - time.monotonic()) * 1000
+        self.flusher = _Flusher(self)
+        self.maintenance: _Maintenance | None = None
+        #: This runtime's subscription to the process's LISTEN connection (consumers only).
+        self.listener: Subscription | None = None
+        self.closed = False
+
+    # -- connections --------------------------------------------------------
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled autocommit connection; connection errors become Dramatiq's."""
+        with translate_errors():
+            conn = self._getconn()
+            try:
+                if not self._schema_ok:
+                    self._check_schema(conn)
+                yield conn
+            finally:
+                self.pool.putconn(conn)
+
+    def _getconn(self) -> psycopg.Connection[Any]:
+        # An idle pooled connection with unread input has been told something
+        # by the server, typically "terminating connection" (a restart,
+        # pg_terminate_backend, an idle timeout).  Check those before use and
+        # replace the dead ones, so a statement is never sent on them: no
+        # spurious ConnectionClosed after a server-side disconnect.  Healthy
+        # idle connections have nothing to read and cost no round trip.
+        for _ in range(self.broker.pool_size + 1):
+            conn = self._checkout()
+            if not _has_input(conn):
+                return conn
+            try:
+                ConnectionPool.check_connection(conn)
+                return conn
+            except psycopg.Error:
+                conn.close()
+                self.pool.putconn(conn)
+        return self._checkout()
+
+    def _checkout(self) -> psycopg.Connection[Any]:
+        """A connection from the pool within ``pool_timeout``; fail at once on a refusal retries cannot fix.
+
+        Raises:
+          ConnectionRejected: The server refused a connection attempt for good (password,
+            role, database, pg_hba.conf): raised as soon as the pool's attempt failed.
+          psycopg_pool.PoolTimeout: No connection within ``pool_timeout``.
+        """
+        conninfo = self.broker.conninfo
+        deadline = time.monotonic() + self.broker.pool_timeout / 1000
+        step = 0.05
+        while True:
+            reason = _rejected.get(conninfo)
+            if reason is not None:
+                raise ConnectionRejected(reason)
+            remaining = deadline - time.monotonic()
+            try:
+                # Short waits while the pool has no connection, so that a refusal recorded
+                # meanwhile is seen within 50 ms; a pool whose connections are all busy is
+                # waited on for the rest of pool_timeout, in its queue.
+                return self.pool.getconn(timeout=max(0.001, min(remaining, step)))
+            except PoolTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+                if self.pool.get_stats().get("pool_size", 0) > 0:
+                    step = remaining
+
+    def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Run query ``name`` on a pooled autocommit connection; its rows (``[]`` if none)."""
+        with self.connection() as conn:
+            cur = conn.execute(self.queries[name], params)
+            return cur.fetchall() if cur.description else []
+
+    def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
+        check_schema(conn, self.broker.schema, url=self.broker.safe_url)
+        self._schema_ok = True
+
+    # -- producing ----------------------------------------------------------
+    def enqueue(self, items: Sequence[StoredMessage], *, notify: bool) -> list[StoredMessage]:
+        """Store ``items`` with one statement (one commit) on the pool.
+
+        Returns:
+          list[StoredMessage]: Those actually stored (not idempotency duplicates).
+        """
+        name, params = enqueue_statement(items, self.channel, notify, self.broker.max_fetch_interval)
+        with self.connection() as conn:
+            rows = conn.execute(self.queries[name], params).fetchall()
+        return enqueue_result(name, items, rows).stored
+
+    # -- consuming ----------------------------------------------------------
+    def register(self, consumer: Wakeable) -> None:
+        with self._lock:
+            self.consumers[consumer.queue_name].add(consumer)
+            if self.maintenance is None:
+                maintenance = _Maintenance(self)
+                # The workers row must exist before this process claims anything: a rescue
+                # pass elsewhere releases the claims of an owner it has no heartbeat from.
+                try:
+                    maintenance.heartbeat()
+                except BaseException:
+                    self.consumers[consumer.queue_name].discard(consumer)
+                    raise
+                self.maintenance = maintenance
+                self.maintenance.start()
+            if self.listener is None and self.broker.listen:
+                # Anything sent while not listening was missed: every consumer polls then.
+                self.listener = subscribe(
+                    self.broker.conninfo, self.channel, self.notified, on_connect=lambda: self.wake(None)
+                )
+
+    def unregister(self, consumer: Wakeable) -> None:
+        with self._lock:
+            self.consumers[consumer.queue_name].discard(consumer)
+
+    def queue_names(self) -> list[str]:
+        with self._lock:
+            return sorted(name for name, group in self.consumers.items() if group)
+
+    def wake(self, queue_name: str | None, due_ms: int | None = None) -> None:
+        """Wake the consumers of ``queue_name`` (all consumers for ``None``).
+
+        Parameters:
+          queue_name(str|None): The queue whose consumers claim.
+          due_ms(int|None): Claim at this time (epoch milliseconds, database
+            clock) instead of now: a delayed message falls due then.  It can
+            only move a consumer's next claim earlier.
+        """
+        with self._lock:
+            groups = list(self.consumers.values()) if queue_name is None else [self.consumers.get(queue_name)]
+            targets = [c for group in groups if group for c in group]
+        if due_ms is None:
+            for consumer in targets:
+                consumer.notify()
+            return
+        # The payload's due time is floored to the millisecond: +1 never wakes early.
+        at = (due_ms + 1 - self.clock_offset_ms) / 1000
+        for consumer in targets:
+            consumer.notify_due(due_ms, at)
+
+    def notified(self, payload: str) -> None:
+        """Wake consumers for one notification of the broker channel (see parse_notification)."""
+        queue_name, due_ms = parse_notification(payload)
+        self.wake(queue_name, due_ms)
+
+    def observe_clock(self, db_now_ms: float, sent: float) -> None:
+        """Record the database clock seen by a statement sent at ``sent`` (``time.monotonic()``).
+
+        The offset includes the one-way latency of that statement, so a claim
+        sent at ``due - offset`` on this clock reaches the server at ``due``.
+        """
+        self.clock_offset_ms = db_now_ms - sent * 1000
+
+    def track(self, rows: Sequence[tuple[Any, ...]], lease: uuid.UUID) -> None:
+        """Record the claim of ``rows`` (row id first) under ``lease``."""
+        with self._inflight_lock:
+            for row in rows:
+                self.inflight[row[0]] = lease
+
+    def untrack(self, items: Sequence[tuple[Any, ...]]) -> None:
+        """Forget claims whose outcome was written: ``(row id, lease, ...)`` items.
+
+        Only an entry with that same lease goes: after a stale decision, the
+        entry may belong to a newer claim of the same row by this process.
+        """
+        with self._inflight_lock:
+            for item in items:
+                if self.inflight.get(item[0]) == item[1]:
+                    del self.inflight[item[0]]
+
+    def known_claims(self) -> list[int]:
+        """Row ids of the claims this process holds."""
+        with self._inflight_lock:
+            return list(self.inflight)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.listener is not None:
+            self.listener.close()
+        if self.maintenance is not None:
+            self.maintenance.stop()
+        self.flusher.stop()
+        if self.maintenance is not None:
+            try:
+                self.execute("unregister_worker", {"id": self.worker_id})
+            except Exception as e:
+                self.logger.warning("Could not unregister worker %s: %s", self.worker_id, e)
+        self.pool.close(timeout=5)
+
+
+def _has_input(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle pooled connection is closed or has unread input, without a round trip.
+
+    ``poll()``: ``select()`` raises ``ValueError`` for a descriptor >= 1024.
+    psycopg_pool's ``check_connection`` costs a round trip per checkout
+    (~120 us here; +20-35 % on a ``send()`` outside a transaction, measured).
+    """
+    if conn.closed:
+        return True
+    if not hasattr(select, "poll"):  # Windows: select() has no descriptor-number limit there
+        return bool(select.select([conn.fileno()], [], [], 0)[0])
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
