@@ -15,7 +15,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import psycopg
 from dramatiq import Message
@@ -28,10 +28,10 @@ from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL, Engine, make_url
 
 from ._binding import current_binding
-from ._config import BrokerOptions, NotifyMode
 from ._runtime import StoredMessage, _Runtime, format_error
 from .errors import describe_rejection, libpq_detail
 from .names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
+from .options import BrokerOptions, NotifyMode
 from .urls import libpq_url, safe_url
 
 #: Delivery number from which a message runs alone in its consumer (or at its last allowed delivery).
@@ -57,6 +57,20 @@ def deciding() -> _PostgresMessage | None:
     """
     message: _PostgresMessage | None = getattr(_deciding, "message", None)
     return message
+
+
+T = TypeVar("T")
+
+
+class _Option(Generic[T]):
+    """A read-only attribute of the broker that reads the option of the same name in ``broker.options``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, broker: PostgresBroker, owner: type | None = None) -> T:
+        value: T = getattr(broker.options, self.name)
+        return value
 
 
 class PostgresBroker(Broker):
@@ -115,6 +129,23 @@ class PostgresBroker(Broker):
         value and the rule.
     """
 
+    # The tuning options, read from :attr:`options` (validated there, never copied).
+    pool_size = _Option[int]()
+    pool_timeout = _Option[int]()
+    max_deliveries = _Option[int]()
+    overfetch_factor = _Option[float]()
+    min_fetch_interval = _Option[int]()
+    max_fetch_interval = _Option[int]()
+    flush_interval = _Option[int]()
+    flush_batch_size = _Option[int]()
+    heartbeat_interval = _Option[int]()
+    heartbeat_timeout = _Option[int]()
+    rescue_interval = _Option[int]()
+    max_lease = _Option["int | None"]()
+    notify = _Option[NotifyMode]()
+    listen = _Option[bool]()
+    check_schema = _Option[bool]()
+
     def __init__(
         self,
         *,
@@ -168,21 +199,8 @@ class PostgresBroker(Broker):
             listen=listen,
             check_schema=check_schema,
         )
-        self.pool_size = options.pool_size
-        self.pool_timeout = options.pool_timeout
-        self.max_deliveries = options.max_deliveries
-        self.overfetch_factor = options.overfetch_factor
-        self.min_fetch_interval = options.min_fetch_interval
-        self.max_fetch_interval = options.max_fetch_interval
-        self.flush_interval = options.flush_interval
-        self.flush_batch_size = options.flush_batch_size
-        self.heartbeat_interval = options.heartbeat_interval
-        self.heartbeat_timeout = options.heartbeat_timeout
-        self.rescue_interval = options.rescue_interval
-        self.max_lease = options.max_lease
-        self.notify: NotifyMode = options.notify
-        self.listen = options.listen
-        self.check_schema = options.check_schema
+        #: The validated tuning options (also readable as attributes: ``broker.max_fetch_interval``).
+        self.options = options
         self.queues: set[str] = set()
         self._runtime: _Runtime | None = None
         self._runtime_lock = threading.Lock()
@@ -316,7 +334,7 @@ class PostgresBroker(Broker):
             elif binding is not None:
                 binding.add(self, stored)
             else:
-                for item in self.runtime.enqueue(stored, notify=self.notify != "off"):
+                for item in self.runtime.enqueue(stored, notify=self.options.notify != "off"):
                     self.emit_after("enqueue", item.message, item.delay or None)
         return prepared
 
@@ -490,7 +508,7 @@ class _PostgresConsumer(Consumer):
         self.runtime = broker.runtime
         self.queue_name = queue_name
         self.timeout = timeout
-        self.limit = max(1, math.ceil(max(prefetch, 1) * broker.overfetch_factor))
+        self.limit = max(1, math.ceil(max(prefetch, 1) * broker.options.overfetch_factor))
         self._buffer: deque[_PostgresMessage] = deque()
         self._outstanding = 0
         self._lock = threading.Lock()
@@ -515,7 +533,7 @@ class _PostgresConsumer(Consumer):
         self.claims = 0
         self.empty_claims = 0
         #: Deliveries from which a message runs alone (see _isolate).
-        self._suspect_at = min(SUSPECT_AT_DELIVERY, broker.max_deliveries)
+        self._suspect_at = min(SUSPECT_AT_DELIVERY, broker.options.max_deliveries)
         #: Row id of a redelivered message running alone (see _isolate).
         self._isolated: int | None = None
         self._closed = False
@@ -628,7 +646,8 @@ class _PostgresConsumer(Consumer):
         self.empty_claims += not rows
         self._more = len(rows) >= limit
         now = time.monotonic()
-        interval = self.broker.min_fetch_interval if self._more else self.broker.max_fetch_interval
+        options = self.broker.options
+        interval = options.min_fetch_interval if self._more else options.max_fetch_interval
         self._poll_at = now + interval / 1000
         if not self._more and now >= self._rank_at:
             self._refresh_rank()
@@ -636,7 +655,7 @@ class _PostgresConsumer(Consumer):
         # which is ~one-way latency after `sent`: sent at sent + next_due_in, the
         # next claim reaches the server when the row is due.
         self._due_at = math.inf if next_due_in_ms is None else sent + next_due_in_ms / 1000
-        if on_time and self._more and self._consumers > 1 and self.broker.notify != "off":
+        if on_time and self._more and self._consumers > 1 and self.broker.options.notify != "off":
             # More became due at once than this consumer can take: wake the others.
             self.runtime.flusher.notify_later([self.queue_name])
         self.runtime.track(rows, lease)
@@ -664,13 +683,13 @@ class _PostgresConsumer(Consumer):
 
     def _refresh_rank(self) -> None:
         """Learn how many live processes consume this queue and this one's rank (see ``_mine``)."""
-        self._rank_at = time.monotonic() + self.broker.heartbeat_interval / 1000
+        self._rank_at = time.monotonic() + self.broker.options.heartbeat_interval / 1000
         ((consumers, rank, listed),) = self.runtime.execute(
             "consumer_rank",
             {
                 "queue_name": self.queue_name,
                 "worker_id": self.runtime.worker_id,
-                "heartbeat_timeout_ms": self.broker.heartbeat_timeout,
+                "heartbeat_timeout_ms": self.broker.options.heartbeat_timeout,
             },
         )
         # Not listed yet (the heartbeat that names this queue is still to come): wake for all.

@@ -229,7 +229,8 @@ class _Written:
     @property
     def notify_after_commit(self) -> bool:
         """Whether the wake-up is sent after the commit (never in the transaction)."""
-        return self.broker.notify == "after_commit" or (self.twophase and self.broker.notify != "off")
+        notify = self.broker.options.notify
+        return notify == "after_commit" or (self.twophase and notify != "off")
 
 
 #: (engine URL, schema) pairs whose revision was checked, per broker.
@@ -260,8 +261,8 @@ def _write(
     name, params = enqueue_statement(
         items,
         broker.channel,
-        broker.notify == "transaction" and not twophase,
-        broker.max_fetch_interval,
+        broker.options.notify == "transaction" and not twophase,
+        broker.options.max_fetch_interval,
         return_ids,
     )
     rows = conn.exec_driver_sql(queries_for_schema(broker.schema)[name], params).fetchall()

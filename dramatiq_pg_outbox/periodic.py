@@ -717,8 +717,9 @@ class Scheduler(Service):
                 advance["runs"].append(len(due.ticks))
                 advance["missed"].append(due.missed)
             if items:
+                options = broker.options
                 query, params = enqueue_statement(
-                    items, broker.channel, broker.notify == "transaction", broker.max_fetch_interval
+                    items, broker.channel, options.notify == "transaction", options.max_fetch_interval
                 )
                 result = enqueue_result(query, items, conn.execute(self._queries[query], params).fetchall())
                 stored, payloads = result.stored, result.payloads
@@ -726,7 +727,7 @@ class Scheduler(Service):
         # Committed: the ticks are enqueued and the schedules advanced, together.
         for item in stored:
             broker.emit_after("enqueue", item.message, None)
-        if broker.notify == "after_commit" and payloads:
+        if broker.options.notify == "after_commit" and payloads:
             runtime.flusher.notify_later(payloads)
         duplicates = len(items) - len(stored)
         if duplicates:

@@ -359,7 +359,7 @@ class Relay(Service):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, not {batch_size!r}")
         super().__init__(
-            broker.max_fetch_interval / 1000, backoff_first=BACKOFF_FIRST_S, backoff_max=BACKOFF_MAX_S
+            broker.options.max_fetch_interval / 1000, backoff_first=BACKOFF_FIRST_S, backoff_max=BACKOFF_MAX_S
         )
         self.broker = broker
         self.target = target
@@ -523,7 +523,7 @@ class Relay(Service):
         self._report_every = report_every
         self._next_report = time.monotonic() + report_every if report_every else float("inf")
         subscription = None
-        if self.broker.listen:
+        if self.broker.options.listen:
             subscription = subscribe(self.broker.conninfo, self.broker.channel, self._notified, self.wake)
         try:
             self.run_forever()

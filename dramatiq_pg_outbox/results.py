@@ -178,8 +178,8 @@ class PostgresBackend(ResultBackend):
         self.schema = self._broker.schema
         self.channel = results_channel(self.schema)
         if broker is not None:
-            self.listen = broker.listen if listen is None else listen
-            self.notify = broker.notify != "off" if notify is None else notify
+            self.listen = broker.options.listen if listen is None else listen
+            self.notify = broker.options.notify != "off" if notify is None else notify
         else:
             self.listen = listen is not False
             self.notify = notify is not False

@@ -33,7 +33,7 @@ class _Flusher(Service):
     pause_first = True
 
     def __init__(self, runtime: Runtime) -> None:
-        super().__init__(runtime.broker.flush_interval / 1000, backoff_first=0.05, backoff_max=5.0)
+        super().__init__(runtime.broker.options.flush_interval / 1000, backoff_first=0.05, backoff_max=5.0)
         self.runtime = runtime
         self.acks: deque[tuple[int, uuid.UUID]] = deque()
         self.nacks: deque[tuple[int, uuid.UUID, str, str]] = deque()
@@ -119,7 +119,7 @@ class _Flusher(Service):
     def _signal(self, size: int) -> None:
         if not self.started:
             self.start()
-        if size >= self.runtime.broker.flush_batch_size:
+        if size >= self.runtime.broker.options.flush_batch_size:
             self._urgent.set()
         self.wake()
 
@@ -168,7 +168,7 @@ class _Flusher(Service):
 
     def _flush_locked(self) -> dict[str, int]:
         done = {"acked": 0, "nacked": 0, "requeued": 0, "stale": 0}
-        batch = self.runtime.broker.flush_batch_size
+        batch = self.runtime.broker.options.flush_batch_size
         kinds: tuple[tuple[str, deque[Any]], ...] = (
             ("requeue", self.requeues),
             ("ack", self.acks),
@@ -258,7 +258,7 @@ class _Flusher(Service):
         params: dict[str, Any] = {"ids": [item[0] for item in items], "leases": [item[1] for item in items]}
         query = name
         if name == "requeue":
-            params["notify"] = self.runtime.broker.notify != "off"
+            params["notify"] = self.runtime.broker.options.notify != "off"
             params["channel"] = self.runtime.channel
         elif name in ("nack", "ack_with_error"):
             query = "archive"
@@ -298,8 +298,9 @@ class _Flusher(Service):
             messages = [m for o in written for m in o.messages]
             stored: list[StoredMessage] = []
             if messages:
+                options = broker.options
                 name, params = enqueue_statement(
-                    messages, runtime.channel, broker.notify != "off", broker.max_fetch_interval
+                    messages, runtime.channel, options.notify != "off", options.max_fetch_interval
                 )
                 rows = conn.execute(runtime.queries[name], params).fetchall()
                 stored = enqueue_result(name, messages, rows).stored

@@ -42,7 +42,7 @@ class _Maintenance(Service):
     name = "maintenance"
 
     def __init__(self, runtime: Runtime) -> None:
-        super().__init__(runtime.broker.heartbeat_interval / 1000)
+        super().__init__(runtime.broker.options.heartbeat_interval / 1000)
         self.runtime = runtime
         self.hostname = socket.gethostname()
         self._next_rescue = 0.0
@@ -58,13 +58,13 @@ class _Maintenance(Service):
         self.heartbeat()
         now = time.monotonic()
         broker = self.runtime.broker
-        if now - self._beat_at > 2 * broker.heartbeat_interval / 1000:
+        if now - self._beat_at > 2 * broker.options.heartbeat_interval / 1000:
             # Its own heartbeat was late (the database was out of reach, or slow to answer): the
             # others' heartbeats are probably stale for the same reason, not because they died.
             # Judge nobody before they have had a full heartbeat_timeout to heartbeat again;
             # otherwise the first process back releases the running messages of the others
             # (146 duplicates without this in `python -m benchmarks.chaos --quick --scenarios 9`, 0 with it).
-            self._rescue_from = now + broker.heartbeat_timeout / 1000
+            self._rescue_from = now + broker.options.heartbeat_timeout / 1000
         self._beat_at = now
         if now < self._rescue_from:
             return None
@@ -73,7 +73,7 @@ class _Maintenance(Service):
             self.create_partitions()
         if now >= self._next_rescue:
             # Jitter spreads the rescuers of many processes over the interval.
-            interval = self.runtime.broker.rescue_interval / 1000
+            interval = self.runtime.broker.options.rescue_interval / 1000
             self._next_rescue = now + interval * random.uniform(0.8, 1.2)
             result = self.rescue()
             if result.released or result.quarantined:
@@ -81,7 +81,7 @@ class _Maintenance(Service):
                     "Released %d message(s) of dead workers; quarantined %d after max_deliveries=%d",
                     result.released,
                     result.quarantined,
-                    self.runtime.broker.max_deliveries,
+                    self.runtime.broker.options.max_deliveries,
                 )
             orphans = self.release_orphans()
             if orphans:
@@ -127,9 +127,9 @@ class _Maintenance(Service):
         rows = self.runtime.execute(
             "rescue",
             {
-                "heartbeat_timeout_ms": broker.heartbeat_timeout,
-                "max_lease_ms": broker.max_lease,
-                "max_deliveries": broker.max_deliveries,
+                "heartbeat_timeout_ms": broker.options.heartbeat_timeout,
+                "max_lease_ms": broker.options.max_lease,
+                "max_deliveries": broker.options.max_deliveries,
                 "channel": self.runtime.channel,
             },
         )

@@ -70,18 +70,18 @@ class _Runtime:
             broker.conninfo,
             connection_class=_PoolConnection,
             min_size=1,
-            max_size=broker.pool_size,
+            max_size=broker.options.pool_size,
             # The application name tells operators (pg_stat_activity) which
             # process holds which connection: "dramatiq-pg-outbox:<pid>".
             kwargs={"autocommit": True, "application_name": f"dramatiq-pg-outbox:{self.pid}"},
-            timeout=broker.pool_timeout / 1000,
+            timeout=broker.options.pool_timeout / 1000,
             name=f"dramatiq-pg-outbox-{self.pid}",
             open=False,
         )
         self.pool.open(wait=False)
         # Reentrant: register() heartbeats, and the heartbeat reads queue_names().
         self._lock = threading.RLock()
-        self._schema_ok = not broker.check_schema
+        self._schema_ok = not broker.options.check_schema
         self.consumers: dict[str, set[Wakeable]] = defaultdict(set)
         #: Claims this process holds: row id -> lease.  Removed once the
         #: flusher has written the outcome of that lease (see untrack).
@@ -116,7 +116,7 @@ class _Runtime:
         # replace the dead ones, so a statement is never sent on them: no
         # spurious ConnectionClosed after a server-side disconnect.  Healthy
         # idle connections have nothing to read and cost no round trip.
-        for _ in range(self.broker.pool_size + 1):
+        for _ in range(self.broker.options.pool_size + 1):
             conn = self._checkout()
             if not _has_input(conn):
                 return conn
@@ -137,7 +137,7 @@ class _Runtime:
           psycopg_pool.PoolTimeout: No connection within ``pool_timeout``.
         """
         conninfo = self.broker.conninfo
-        deadline = time.monotonic() + self.broker.pool_timeout / 1000
+        deadline = time.monotonic() + self.broker.options.pool_timeout / 1000
         step = 0.05
         while True:
             reason = _rejected.get(conninfo)
@@ -172,7 +172,7 @@ class _Runtime:
         Returns:
           list[StoredMessage]: Those actually stored (not idempotency duplicates).
         """
-        name, params = enqueue_statement(items, self.channel, notify, self.broker.max_fetch_interval)
+        name, params = enqueue_statement(items, self.channel, notify, self.broker.options.max_fetch_interval)
         with self.connection() as conn:
             rows = conn.execute(self.queries[name], params).fetchall()
         return enqueue_result(name, items, rows).stored
@@ -192,7 +192,7 @@ class _Runtime:
                     raise
                 self.maintenance = maintenance
                 self.maintenance.start()
-            if self.listener is None and self.broker.listen:
+            if self.listener is None and self.broker.options.listen:
                 # Anything sent while not listening was missed: every consumer polls then.
                 self.listener = subscribe(
                     self.broker.conninfo, self.channel, self.notified, on_connect=lambda: self.wake(None)
