@@ -1,6 +1,7 @@
 """The one loader of the package's SQL: every statement lives in a ``.sql`` file.
 
-Each file holds one query per ``-- name: <name> --`` header.  Comment lines stay in
+Each file holds one query per ``-- name: <name> --`` header; ``queries.sql`` also
+holds the shared conditions (``-- fragment: <name> --``, see :func:`fragments`).  Comment lines stay in
 the file for readers and are dropped on loading (a placeholder-looking word in a
 comment never reaches psycopg); the trailing ``;`` is dropped too.  ``{schema}`` is
 replaced by the quoted schema name; a few statements name another identifier in
@@ -27,7 +28,7 @@ from importlib import resources
 
 from .names import quote_ident
 
-_HEADER = re.compile(r"^-- name: ([a-z_]+) --$", re.MULTILINE)
+_HEADER = re.compile(r"^-- (name|fragment): ([a-z_]+) --$", re.MULTILINE)
 
 #: The broker's SQL files, relative to the package: one namespace.
 SQL_FILES = ("queries.sql", "admin.sql", "relay.sql", "spark.sql")
@@ -35,9 +36,36 @@ SQL_FILES = ("queries.sql", "admin.sql", "relay.sql", "spark.sql")
 DASHBOARD_SQL = "dashboard/queries.sql"
 
 
+def _parse(path: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(queries, fragments) of one ``.sql`` file, comments and the trailing ``;`` dropped."""
+    text = resources.files(__package__).joinpath(path).read_text(encoding="utf-8")
+    parts = _HEADER.split(text)
+    # parts = [preamble, kind1, name1, body1, kind2, name2, body2, ...]
+    found: dict[str, dict[str, str]] = {"name": {}, "fragment": {}}
+    for kind, name, body in zip(parts[1::3], parts[2::3], parts[3::3], strict=True):
+        if name in found["name"] or name in found["fragment"]:
+            raise ValueError(f"{path} defines {name!r} twice")
+        lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
+        found[kind][name] = "\n".join(lines).strip().rstrip(";")
+    return found["name"], found["fragment"]
+
+
+@lru_cache(maxsize=1)
+def fragments() -> dict[str, str]:
+    """The shared conditions of ``queries.sql`` (``-- fragment: <name> --``), by name.
+
+    A query names one as ``{<name>}``: one rule written once, such as
+    ``worker_alive`` (when a worker process counts as alive), used by the claim's
+    ranking, the rescuer, the metrics and the dashboard.
+    """
+    return _parse("queries.sql")[1]
+
+
 @lru_cache(maxsize=8)
 def file_queries(path: str) -> dict[str, str]:
     """The queries of one ``.sql`` file of the package by name, ``{schema}`` not yet filled in.
+
+    Fragments (:func:`fragments`) are filled in.
 
     Parameters:
       path(str): Relative to the package, e.g. ``"queries.sql"``.
@@ -45,15 +73,11 @@ def file_queries(path: str) -> dict[str, str]:
     Raises:
       ValueError: If the file defines a name twice.
     """
-    text = resources.files(__package__).joinpath(path).read_text(encoding="utf-8")
-    parts = _HEADER.split(text)
-    # parts = [preamble, name1, body1, name2, body2, ...]
-    queries: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2], strict=True):
-        if name in queries:
-            raise ValueError(f"{path} defines {name!r} twice")
-        lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
-        queries[name] = "\n".join(lines).strip().rstrip(";")
+    queries = _parse(path)[0]
+    for name, sql in queries.items():
+        for fragment, text in fragments().items():
+            sql = sql.replace("{" + fragment + "}", text)
+        queries[name] = sql
     return queries
 
 

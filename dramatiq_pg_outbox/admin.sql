@@ -97,7 +97,7 @@ SELECT 'dead', queue_name, NULL, count(*)::float8
   FROM {schema}.history WHERE state = 'failed' AND finished_at > now() - interval '1 hour' GROUP BY 2
 UNION ALL
 SELECT 'workers', NULL, NULL, count(*)::float8
-  FROM {schema}.workers WHERE heartbeat_at > now() - make_interval(secs => %(heartbeat_timeout_ms)s / 1000.0);
+  FROM {schema}.workers AS w WHERE {worker_alive};
 
 -- name: ping --
 -- Whether a server answers (the test servers' readiness probe).

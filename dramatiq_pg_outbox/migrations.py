@@ -101,12 +101,19 @@ def parse_schema_revision(comment: str | None) -> int | None:
 
 
 def schema_not_ready(
-    schema: str, row: Sequence[Any] | None, *, url: str, fix_url: str = "<DATABASE_URL>"
+    schema: str,
+    row: Sequence[Any] | None,
+    *,
+    url: str,
+    fix_url: str = "<DATABASE_URL>",
+    minimum: int = SCHEMA_REVISION,
+    reader: str = "this version",
 ) -> SchemaNotReady | None:
     """The error to raise for a schema, from the row of the ``schema_revision`` query.
 
-    One wording for every caller (the broker, ``outbox()``, the CLI): what is
-    wrong and the ``dramatiq-pg-outbox migrate`` command that fixes it.
+    The one schema check: one rule and one wording for every caller (the broker,
+    ``outbox()``, the CLI, the dashboard): what is wrong and the
+    ``dramatiq-pg-outbox migrate`` command that fixes it.
 
     Parameters:
       schema(str): The schema holding the tables.
@@ -114,10 +121,12 @@ def schema_not_ready(
         ``schema_revision`` query of ``queries.sql``; ``None`` counts as missing.
       url(str): The database, as it may be shown (password masked).
       fix_url(str): What to pass to ``--url`` in the command.  Default ``<DATABASE_URL>``.
+      minimum(int): The oldest revision the reader works with.  Default :data:`SCHEMA_REVISION`.
+      reader(str): Who needs it, in the message.  Default ``"this version"``.
 
     Returns:
       SchemaNotReady|None: The error when the tables are missing or older than
-      :data:`SCHEMA_REVISION`, else ``None``.
+      ``minimum``, else ``None``.
     """
     exists, comment = (bool(row[0]), row[1]) if row is not None else (False, None)
     fix = f"dramatiq-pg-outbox migrate --url {fix_url} --schema {schema}"
@@ -126,25 +135,34 @@ def schema_not_ready(
             f"The dramatiq-pg-outbox tables do not exist in schema {schema!r} of {url}. Run: {fix}"
         )
     revision = parse_schema_revision(comment)
-    if revision is None or revision < SCHEMA_REVISION:
+    if revision is None or revision < minimum:
         at = "an unknown revision" if revision is None else f"revision {revision}"
+        needs = f"{reader} needs {minimum}"
+        if minimum != SCHEMA_REVISION:
+            needs += f" or later (and this version's workers {SCHEMA_REVISION})"
         return SchemaNotReady(
-            f"The dramatiq-pg-outbox schema {schema!r} of {url} is at {at}, "
-            f"this version needs {SCHEMA_REVISION}. Run: {fix}"
+            f"The dramatiq-pg-outbox schema {schema!r} of {url} is at {at}, {needs}. Run: {fix}"
         )
     return None
 
 
 def check_schema(
-    conn: psycopg.Connection[Any], schema: str, *, url: str, fix_url: str = "<DATABASE_URL>"
+    conn: psycopg.Connection[Any],
+    schema: str,
+    *,
+    url: str,
+    fix_url: str = "<DATABASE_URL>",
+    minimum: int = SCHEMA_REVISION,
+    reader: str = "this version",
 ) -> int:
-    """Check that ``schema`` holds the tables at the revision this package needs.
+    """Check that ``schema`` holds the tables at the revision its reader needs.
 
     Parameters:
       conn(psycopg.Connection): A connection to the database to check.
       schema(str): The schema holding the tables.
       url(str): The database, as it may be shown in the error (password masked).
       fix_url(str): What the error's ``migrate`` command passes to ``--url``.
+      minimum(int), reader(str): As for :func:`schema_not_ready`.
 
     Raises:
       SchemaNotReady: If the tables are missing or old; the message names the
@@ -155,7 +173,7 @@ def check_schema(
     """
     table = f"{quote_ident(schema)}.messages"
     row = conn.execute(raw_queries()["schema_revision"], {"table": table}).fetchone()
-    error = schema_not_ready(schema, row, url=url, fix_url=fix_url)
+    error = schema_not_ready(schema, row, url=url, fix_url=fix_url, minimum=minimum, reader=reader)
     if error is not None:
         raise error
     assert row is not None

@@ -4,6 +4,13 @@
 -- are psycopg named placeholders with explicit casts.  Times compared across
 -- processes always come from the database clock (now()).
 
+-- fragment: worker_alive --
+-- The one rule for "worker process w is alive": it heartbeated within
+-- heartbeat_timeout (milliseconds), on the database clock.  Used by the
+-- consumers' ranking, the rescuer (which releases the claims of the others and
+-- drops their rows), the Prometheus gauge and the dashboard.
+w.heartbeat_at >= now() - %(heartbeat_timeout_ms)s::bigint * interval '1 millisecond'
+
 -- name: enqueue --
 -- Inserts any number of messages in one statement (one row per array element)
 -- and wakes the listeners of every queue that got a message: the payload is the
@@ -225,9 +232,9 @@ FROM clock LEFT JOIN claimed ON true;
 SELECT count(*)::int AS consumers,
        count(*) FILTER (WHERE id < %(worker_id)s::uuid)::int AS rank,
        coalesce(bool_or(id = %(worker_id)s::uuid), false) AS listed
-FROM {schema}.workers
-WHERE %(queue_name)s = ANY (queues)
-  AND heartbeat_at >= now() - %(heartbeat_timeout_ms)s::bigint * interval '1 millisecond';
+FROM {schema}.workers AS w
+WHERE %(queue_name)s = ANY (w.queues)
+  AND {worker_alive};
 
 -- name: ack --
 -- Archives completed messages: the DELETE and the INSERT into history are one
@@ -317,8 +324,7 @@ WITH stuck AS (
       AND (
         NOT EXISTS (
             SELECT 1 FROM {schema}.workers AS w
-            WHERE w.id = m.owner
-              AND w.heartbeat_at >= now() - %(heartbeat_timeout_ms)s * interval '1 millisecond'
+            WHERE w.id = m.owner AND {worker_alive}
         )
         OR m.acquired_at < now() - %(max_lease_ms)s::bigint * interval '1 millisecond'
       )
@@ -350,8 +356,8 @@ released AS (
     RETURNING m.queue_name
 ),
 dead_workers AS (
-    DELETE FROM {schema}.workers
-    WHERE heartbeat_at < now() - %(heartbeat_timeout_ms)s * interval '1 millisecond'
+    DELETE FROM {schema}.workers AS w
+    WHERE NOT ({worker_alive})
     RETURNING id
 ),
 woken AS (

@@ -12,6 +12,7 @@ from dramatiq_pg_outbox._queries import (
     DASHBOARD_SQL,
     SQL_FILES,
     file_queries,
+    fragments,
     queries_for_schema,
     raw_queries,
     with_identifiers,
@@ -103,3 +104,15 @@ def test_comments_never_reach_the_server() -> None:
         for name, sql in file_queries(path).items():
             assert not any(line.lstrip().startswith("--") for line in sql.splitlines()), (path, name)
             assert not sql.endswith(";"), (path, name)
+
+
+def test_the_rule_of_a_live_worker_is_written_once() -> None:
+    # Given every .sql file of the package as written
+    texts = [(PACKAGE / path).read_text() for path in (*SQL_FILES, DASHBOARD_SQL)]
+    # Then one condition on heartbeat_at decides liveness (the worker_alive fragment) ...
+    assert sum(len(re.findall(r"heartbeat_at\s*[<>]", text)) for text in texts) == 1
+    rule = fragments()["worker_alive"]
+    # ... and the ranking, the rescuer, the gauge and the dashboard all apply it
+    for name in ("consumer_rank", "rescue", "metrics_gauges"):
+        assert rule in raw_queries()[name], name
+    assert rule in file_queries(DASHBOARD_SQL)["workers"]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..dashboard import BASIC_AUTH_ENV, TOKEN_ENV
+from ..migrations import check_schema
 from .common import EXIT_USAGE, CliError, _connect, _database
 
 _INSTALL_HINT = "pip install 'dramatiq-pg-outbox[dashboard]'"
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from ..dashboard.app import Settings, create_app
+        from ..dashboard.app import MIN_SCHEMA_REVISION, Settings, create_app
     except ImportError as e:
         raise CliError(f"the dashboard needs its extra ({e.name} is missing): {_INSTALL_HINT}") from None
     allowed_hosts = _allowed_hosts(args.host, args.allowed_host)
@@ -124,7 +125,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e).rstrip("."), EXIT_USAGE) from None
     with _connect(db) as conn:
-        _check_schema(conn, settings.schema, url=db.shown, fix_url=db.fix_url)
+        check_schema(
+            conn,
+            settings.schema,
+            url=db.shown,
+            fix_url=db.fix_url,
+            minimum=MIN_SCHEMA_REVISION,
+            reader="the dashboard",
+        )
     sock = _listen(args.host, args.port)
     port = sock.getsockname()[1]
     if settings.auth == "none" and not _is_loopback(args.host):
@@ -190,36 +198,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _check_schema(conn: Any, schema: str, *, url: str, fix_url: str) -> None:
-    """Refuse a schema that is missing or older than :data:`~.store.MIN_SCHEMA_REVISION`.
-
-    Raises:
-      SchemaNotReady: Naming the ``dramatiq-pg-outbox migrate`` command that fixes it.
-    """
-    from ..dashboard.store import MIN_SCHEMA_REVISION, queries_for_schema
-    from ..errors import SchemaNotReady
-    from ..migrations import SCHEMA_REVISION, parse_schema_revision, schema_not_ready
-    from ..names import quote_ident
-
-    row = conn.execute(
-        queries_for_schema(schema)["schema_revision"], {"table": f"{quote_ident(schema)}.messages"}
-    ).fetchone()
-    exists, comment = (bool(row[0]), row[1]) if row else (False, None)
-    revision = parse_schema_revision(comment)
-    if exists and revision is not None and revision >= MIN_SCHEMA_REVISION:
-        return
-    if not exists:
-        error = schema_not_ready(schema, row, url=url, fix_url=fix_url)
-        assert error is not None
-        raise error
-    at = "an unknown revision" if revision is None else f"revision {revision}"
-    raise SchemaNotReady(
-        f"The dramatiq-pg-outbox schema {schema!r} of {url} is at {at}, the dashboard needs "
-        f"{MIN_SCHEMA_REVISION} or later (and this version's workers {SCHEMA_REVISION}). "
-        f"Run: dramatiq-pg-outbox migrate --url {fix_url} --schema {schema}"
-    )
 
 
 __all__ = ["add_parser", "run"]

@@ -6,9 +6,6 @@
 -- analytics views and functions of migration 0003 (queue_backlog,
 -- message_stats(), message_errors, message_attempts).
 
--- name: schema_revision --
-SELECT to_regclass(%(table)s) IS NOT NULL, obj_description(to_regclass(%(table)s), 'pg_class');
-
 -- name: clock --
 SELECT now();
 
@@ -85,11 +82,12 @@ WHERE id = %(id)s;
 
 -- name: workers --
 -- Consumer processes by heartbeat, with the rows each one holds now
--- (messages_owner_idx).
+-- (messages_owner_idx), and whether the rescuer counts them alive.
 SELECT w.id, w.hostname, w.pid, w.queues, w.started_at,
        extract(epoch FROM now() - w.heartbeat_at)::double precision AS heartbeat_age_s,
        (SELECT count(*) FROM {schema}.messages AS m WHERE m.owner = w.id AND m.state = 'processing')
-           AS processing
+           AS processing,
+       {worker_alive} AS alive
 FROM {schema}.workers AS w
 ORDER BY w.hostname, w.pid;
 

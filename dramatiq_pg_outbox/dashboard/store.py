@@ -21,12 +21,13 @@ from psycopg_pool import AsyncConnectionPool
 
 from .._queries import DASHBOARD_SQL, file_queries
 from .._queries import queries_for_schema as all_queries_for_schema
-from ..migrations import parse_schema_revision
-from ..names import quote_ident
+from ..options import BrokerOptions
 from ..urls import libpq_url
 
 #: The oldest schema revision the dashboard reads: the analytics views of migration 0003.
 MIN_SCHEMA_REVISION = 3
+#: The workers' heartbeat_timeout the dashboard judges them by (the broker's default), in milliseconds.
+HEARTBEAT_TIMEOUT = BrokerOptions().heartbeat_timeout
 
 T = TypeVar("T")
 
@@ -103,6 +104,9 @@ class WorkerRow:
     started_at: dt.datetime
     heartbeat_age_s: float
     processing: int
+    #: Whether it counts as alive for workers on the default ``heartbeat_timeout`` (the rule
+    #: ``worker_alive`` of queries.sql, the one the rescuer applies).
+    alive: bool
 
 
 @dataclass(frozen=True)
@@ -260,12 +264,6 @@ class Store:
         value: dt.datetime = rows[0][0]
         return value
 
-    async def schema_revision(self) -> tuple[bool, int | None]:
-        """(whether ``<schema>.messages`` exists, the revision recorded in its comment)."""
-        rows = await self._tuples("schema_revision", {"table": f"{quote_ident(self.schema)}.messages"})
-        exists, comment = rows[0]
-        return bool(exists), parse_schema_revision(comment)
-
     async def queues(self) -> list[QueueRow]:
         return await self._rows(QueueRow, "queues")
 
@@ -280,7 +278,7 @@ class Store:
         return rows[0] if rows else None
 
     async def workers(self) -> list[WorkerRow]:
-        return await self._rows(WorkerRow, "workers")
+        return await self._rows(WorkerRow, "workers", {"heartbeat_timeout_ms": HEARTBEAT_TIMEOUT})
 
     async def failed(self, where: FailedFilter, limit: int, offset: int) -> list[FailedRow]:
         return await self._rows(FailedRow, "failed", {**where.params(), "limit": limit, "offset": offset})
