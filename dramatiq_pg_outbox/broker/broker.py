@@ -2,18 +2,15 @@
 
 Storage layout: see ``alembic/versions/0001_initial.py``; every statement is in
 ``queries.sql``.  Design notes (the four loops, lease fencing, liveness-based
-rescue) are in the README and in ``_runtime.py``.
+rescue) are in docs/design.md and in the ``_runtime`` package.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import time
-import uuid
-from collections import deque
 from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
 
@@ -21,43 +18,22 @@ import psycopg
 from dramatiq import Message
 from dramatiq.broker import Broker, Consumer, MessageProxy
 from dramatiq.common import dq_name, q_name, xq_name
-from dramatiq.errors import DecodeError, QueueJoinTimeout, QueueNotFound
-from dramatiq.logging import get_logger
+from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.middleware import Middleware
 from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL, Engine, make_url
 
-from ._binding import current_binding
-from ._runtime import StoredMessage, _Runtime, format_error
-from .errors import describe_rejection, libpq_detail
-from .names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
-from .options import BrokerOptions, NotifyMode
-from .urls import libpq_url, safe_url
-
-#: Delivery number from which a message runs alone in its consumer (or at its last allowed delivery).
-SUSPECT_AT_DELIVERY = 3
-#: Upcoming delayed rows a claim reads to find the next due time of its consumer (see _mine).
-LOOK_AHEAD = 64
+from .._binding import current_binding
+from .._runtime import StoredMessage, _Runtime
+from ..errors import describe_rejection, libpq_detail
+from ..names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
+from ..options import BrokerOptions, NotifyMode
+from ..urls import libpq_url, safe_url
+from .consumer import _deciding, _PostgresConsumer, _PostgresMessage, deciding
 
 #: Signals whose middleware hooks run while a delivery's outcome is decided:
 #: what they enqueue or store is written with the ack or nack (see PostgresBroker.emit_after).
 FOLLOW_UP_SIGNALS = frozenset({"process_message", "skip_message", "ack", "nack"})
-
-#: Per thread: the claimed message whose outcome this thread is deciding, if any.
-_deciding = threading.local()
-
-
-def deciding() -> _PostgresMessage | None:
-    """The message whose follow-ups this thread is collecting, if any.
-
-    Set by :meth:`PostgresBroker.emit_after` while the ``after_process_message``,
-    ``after_skip_message``, ``after_ack`` and ``after_nack`` hooks of a claimed
-    message run on a worker thread; None elsewhere (in particular inside the
-    actor's own body).  Its broker is ``message.consumer.broker``.
-    """
-    message: _PostgresMessage | None = getattr(_deciding, "message", None)
-    return message
-
 
 T = TypeVar("T")
 
@@ -464,326 +440,3 @@ def _stored_form(message: Message[Any] | MessageProxy) -> Message[Any]:
         options = {k: v for k, v in message.options.items() if k != "eta"}
         message = dataclasses.replace(message, queue_name=queue_name, options=options)
     return message
-
-
-class _PostgresMessage(MessageProxy):
-    """A claimed message: carries its row id and lease for fenced acks."""
-
-    def __init__(
-        self, message: Message[Any], row_id: int, lease: uuid.UUID, attempts: int, consumer: _PostgresConsumer
-    ) -> None:
-        super().__init__(message)
-        #: The consumer that claimed it: its buffer slot is freed on ack, even when
-        #: Dramatiq acks through a consumer restarted after a connection error.
-        self.consumer = consumer
-        self.row_id = row_id
-        self.lease = lease
-        #: Claims of this stored message so far, this one included.
-        self.attempts = attempts
-        #: Messages enqueued by middleware while its outcome is decided (see PostgresBroker.emit_after).
-        self.follow_ups: list[StoredMessage] = []
-        #: Other writes of that phase (results), as (statement, parameters).
-        self.statements: list[tuple[str, dict[str, Any]]] = []
-        #: Set by emit_before("ack"/"nack"): the decision waits for emit_after.
-        self.deferred = False
-        #: The decision taken by ack or nack: (kind, error type, error).
-        self.outcome: tuple[str, str | None, str | None] | None = None
-
-
-class _PostgresConsumer(Consumer):
-    """Fetch loop + hand-off.  ``__next__`` runs on Dramatiq's consumer thread
-    and claims in batches; ack/nack may come from any thread.
-
-    An idle consumer claims again at the earliest of: its poll deadline
-    (``max_fetch_interval`` after the last claim); the due time of the
-    queue's earliest delayed row, which every claim returns, or of a
-    ``"<queue>@<due>"`` notification, if that due time is this consumer's
-    (see ``_mine``); at once on a ``"<queue>"`` notification or when a slot
-    frees up.
-    """
-
-    def __init__(self, broker: PostgresBroker, queue_name: str, prefetch: int, timeout: int) -> None:
-        self.logger = get_logger(__name__, type(self))
-        self.broker = broker
-        self.runtime = broker.runtime
-        self.queue_name = queue_name
-        self.timeout = timeout
-        self.limit = max(1, math.ceil(max(prefetch, 1) * broker.options.overfetch_factor))
-        self._buffer: deque[_PostgresMessage] = deque()
-        self._outstanding = 0
-        self._lock = threading.Lock()
-        self._wakeup = threading.Event()
-        self._notified = False
-        self._more = False
-        #: time.monotonic() of the next poll (or refill, with a backlog).  Consumer thread only.
-        self._poll_at = 0.0
-        #: time.monotonic() at which the earliest delayed row that the last claim
-        #: reported falls due, if that due time is ours (inf: none).  Consumer thread only.
-        self._due_at = math.inf
-        #: time.monotonic() of the earliest due time of ours announced by a
-        #: "<queue>@<due>" notification since the last claim began (inf: none).
-        #: Lowered by the listener thread, reset by the consumer thread, under _lock.
-        self._due_hint = math.inf
-        #: Live worker processes consuming this queue, and this one's rank among
-        #: them (see _mine); refreshed every heartbeat_interval, after a claim.
-        self._consumers = 1
-        self._rank = 0
-        self._rank_at = 0.0
-        #: Claims made, and claims that returned no message (see docs/design.md, "Delays").
-        self.claims = 0
-        self.empty_claims = 0
-        #: Deliveries from which a message runs alone (see _isolate).
-        self._suspect_at = min(SUSPECT_AT_DELIVERY, broker.options.max_deliveries)
-        #: Row id of a redelivered message running alone (see _isolate).
-        self._isolated: int | None = None
-        self._closed = False
-        self.runtime.register(self)
-
-    def notify(self) -> None:
-        """Called by the listener: something may be ready now."""
-        self._notified = True
-        self._wakeup.set()
-
-    def notify_due(self, due_ms: int, at: float) -> None:
-        """Called by the listener: a delayed message falls due.
-
-        Moves the next claim earlier, never later, and claims nothing before
-        then; ignored if the due time is another consumer's (see ``_mine``).
-
-        Parameters:
-          due_ms(int): The due time, epoch milliseconds on the database clock.
-          at(float): The same instant on this process's ``time.monotonic()``, in seconds.
-        """
-        if not self._mine(due_ms):
-            return
-        with self._lock:
-            if at >= self._due_hint:
-                return
-            self._due_hint = at
-        self._wakeup.set()
-
-    def _mine(self, due_ms: int) -> bool:
-        """Whether this consumer wakes for a due time: one of the queue's consumers does.
-
-        Every consumer waking at every due time would make each delayed
-        message cost one claim per worker process, all but one of them empty
-        (a thundering herd).  Due times are dealt out by ``due_ms mod n ==
-        rank`` among the n live processes of the queue; the others find the
-        message at their next poll if the one dealt it cannot claim it.
-        """
-        return self._consumers <= 1 or due_ms % self._consumers == self._rank
-
-    def __next__(self) -> MessageProxy | None:
-        deadline = time.monotonic() + self.timeout / 1000
-        while True:
-            if self._buffer:
-                return self._buffer.popleft()
-            if self._closed:
-                return None
-            # Cleared before the conditions are read: a notify, notify_due or
-            # release that lands after this line interrupts the wait below.
-            self._wakeup.clear()
-            free = self.limit - self._outstanding
-            can_fetch = free >= self._threshold() and self._isolated is None
-            due_at = min(self._due_at, self._due_hint)
-            fetch_at = min(self._poll_at, due_at)
-            now = time.monotonic()
-            if can_fetch and (self._notified or now >= fetch_at):
-                on_time = not self._notified and now >= due_at
-                self._notified = False
-                # Whatever was announced so far is committed, so this claim sees it.
-                with self._lock:
-                    self._due_hint = math.inf
-                self._fetch(free, on_time)
-                continue
-            wait_until = min(deadline, fetch_at) if can_fetch else deadline
-            remaining = wait_until - time.monotonic()
-            if remaining <= 0:
-                if time.monotonic() >= deadline:
-                    return None
-                continue
-            self._wakeup.wait(remaining)
-
-    def _threshold(self) -> int:
-        # With a backlog, wait for half the buffer to drain so claims stay batched;
-        # when idle, fetch as soon as one slot is free (latency).
-        return max(1, self.limit // 2) if self._more else 1
-
-    def _fetch(self, limit: int, on_time: bool = False) -> int:
-        """Claim up to ``limit`` messages into the buffer and plan the next claim.
-
-        Parameters:
-          limit(int): Most messages to claim.
-          on_time(bool): Whether a due time of ours, not a poll or a notification, started this claim.
-
-        Returns:
-          int: Messages claimed (including any handed back by ``_isolate``).
-        """
-        lease = uuid.uuid4()
-        sent = time.monotonic()
-        metrics = self.broker._metrics
-        rows = self.runtime.execute(
-            "claim",
-            {
-                "queue_name": self.queue_name,
-                "limit": limit,
-                "lease": lease,
-                "owner": self.runtime.worker_id,
-                "consumers": self._consumers,
-                "rank": self._rank,
-                "look_ahead": LOOK_AHEAD,
-            },
-        )
-        # Every row carries the clock columns; a claim of nothing is one row with a NULL id.
-        next_due_in_ms, db_now_ms = rows[0][3:5]
-        self.runtime.observe_clock(db_now_ms, sent)
-        rows = sorted((row[:3] for row in rows if row[0] is not None), key=lambda row: row[0])
-        if metrics is not None:
-            metrics.claim_seconds.labels(self.queue_name).observe(time.monotonic() - sent)
-            if rows:
-                metrics.claimed.labels(self.queue_name).inc(len(rows))
-        self.claims += 1
-        self.empty_claims += not rows
-        self._more = len(rows) >= limit
-        now = time.monotonic()
-        options = self.broker.options
-        interval = options.min_fetch_interval if self._more else options.max_fetch_interval
-        self._poll_at = now + interval / 1000
-        if not self._more and now >= self._rank_at:
-            self._refresh_rank()
-        # The claim returned our next due time (see _mine), relative to its now(),
-        # which is ~one-way latency after `sent`: sent at sent + next_due_in, the
-        # next claim reaches the server when the row is due.
-        self._due_at = math.inf if next_due_in_ms is None else sent + next_due_in_ms / 1000
-        if on_time and self._more and self._consumers > 1 and self.broker.options.notify != "off":
-            # More became due at once than this consumer can take: wake the others.
-            self.runtime.flusher.notify_later([self.queue_name])
-        self.runtime.track(rows, lease)
-        suspects = [row for row in rows if row[1] >= self._suspect_at]
-        if suspects:
-            rows = self._isolate(suspects[0], [row for row in rows if row is not suspects[0]], lease)
-        for row_id, attempts, payload in rows:
-            try:
-                message = Message.decode(bytes(payload))
-            except DecodeError as e:
-                self.logger.error(
-                    "Dead-lettering undecodable message %d of queue %r: %s", row_id, self.queue_name, e
-                )
-                _, error = format_error(e.__cause__ or e)
-                self.runtime.flusher.nack(row_id, lease, "DecodeError", error)
-                if row_id == self._isolated:
-                    self._isolated = None
-                continue
-            if message.queue_name != self.queue_name:
-                message = dataclasses.replace(message, queue_name=self.queue_name)
-            with self._lock:
-                self._outstanding += 1
-            self._buffer.append(_PostgresMessage(message, row_id, lease, attempts, self))
-        return len(rows)
-
-    def _refresh_rank(self) -> None:
-        """Learn how many live processes consume this queue and this one's rank (see ``_mine``)."""
-        self._rank_at = time.monotonic() + self.broker.options.heartbeat_interval / 1000
-        ((consumers, rank, listed),) = self.runtime.execute(
-            "consumer_rank",
-            {
-                "queue_name": self.queue_name,
-                "worker_id": self.runtime.worker_id,
-                "heartbeat_timeout_ms": self.broker.options.heartbeat_timeout,
-            },
-        )
-        # Not listed yet (the heartbeat that names this queue is still to come): wake for all.
-        self._consumers, self._rank = (int(consumers), int(rank)) if listed else (1, 0)
-
-    def _isolate(
-        self, suspect: tuple[Any, ...], others: list[tuple[Any, ...]], lease: uuid.UUID
-    ) -> list[Any]:
-        """Run a message alone from its third (or its last allowed) delivery.
-
-        A message claimed twice before without an ack may be what killed its
-        workers.  Every message a dying process holds is charged an attempt,
-        so running a suspect beside others would push innocent messages
-        towards ``max_deliveries``; running it alone means only the suspect
-        pays for its own crashes.  The rest of this claim is handed back at
-        once (refunded) and this consumer claims nothing more until the
-        suspect is acked or nacked.  (RabbitMQ quorum queues' delivery-limit
-        charges every unacked message of a dead channel alike, with no such
-        protection.)
-        """
-        if others:
-            self.runtime.flusher.requeue_now([(row[0], lease) for row in others])
-            if self.broker._metrics is not None:
-                self.broker._metrics.requeued.labels(self.queue_name).inc(len(others))
-        self.logger.info(
-            "Message %d of queue %r is on delivery %d: running it alone",
-            suspect[0],
-            self.queue_name,
-            suspect[1],
-        )
-        self._isolated = suspect[0]
-        return [suspect]
-
-    def _release(self, row_id: int) -> None:
-        """Free the buffer slot of a message this consumer claimed (ack, nack or requeue)."""
-        with self._lock:
-            self._outstanding -= 1
-            free = self.limit - self._outstanding
-        if row_id == self._isolated:
-            self._isolated = None
-            self._wakeup.set()
-        elif free == self._threshold():
-            # Just crossed the refill threshold: let __next__ claim now.
-            self._wakeup.set()
-
-    def ack(self, message: MessageProxy) -> None:
-        assert isinstance(message, _PostgresMessage)
-        exception = getattr(message, "_exception", None)
-        if exception is None:
-            message.outcome = ("ack", None, None)
-        else:
-            # The actor raised but Dramatiq acks: Retries enqueued a retry (a
-            # follow-up of this outcome).  Keep the error in history.
-            message.outcome = ("ack_with_error", *format_error(exception))
-        self._decided(message)
-        if self.broker._metrics is not None:
-            self.broker._metrics.acked.labels(self.queue_name).inc()
-
-    def nack(self, message: MessageProxy) -> None:
-        assert isinstance(message, _PostgresMessage)
-        message.outcome = ("nack", *format_error(getattr(message, "_exception", None)))
-        self._decided(message)
-        if self.broker._metrics is not None:
-            self.broker._metrics.nacked.labels(self.queue_name).inc()
-
-    def _decided(self, message: _PostgresMessage) -> None:
-        message.consumer._release(message.row_id)
-        if not message.deferred:
-            # Called outside Dramatiq's worker (no emit_before): write it now.
-            self.submit(message)
-
-    def submit(self, message: _PostgresMessage) -> None:
-        """Hand a decided message, with its follow-ups, to the flusher."""
-        assert message.outcome is not None
-        follow_ups, statements = message.follow_ups, message.statements
-        message.follow_ups, message.statements = [], []
-        self.runtime.flusher.finish(message.row_id, message.lease, *message.outcome, follow_ups, statements)
-
-    def requeue(self, messages: Iterable[MessageProxy]) -> None:
-        """Hand unstarted messages back at once, without charging them an attempt."""
-        claimed = [m for m in messages if isinstance(m, _PostgresMessage)]
-        if not claimed:
-            return
-        for message in claimed:
-            message.consumer._release(message.row_id)
-        self.runtime.flusher.requeue_now([(m.row_id, m.lease) for m in claimed])
-        if self.broker._metrics is not None:
-            self.broker._metrics.requeued.labels(self.queue_name).inc(len(claimed))
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.runtime.unregister(self)
-        unstarted = list(self._buffer)
-        self._buffer.clear()
-        self.requeue(unstarted)

