@@ -32,17 +32,12 @@ Security:
 
 from __future__ import annotations
 
-import base64
-import binascii
 import datetime as dt
-import hashlib
-import hmac
 import logging
 import re
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 from urllib.parse import urlencode
@@ -51,10 +46,8 @@ import jinja2
 import psycopg
 import psycopg_pool
 from starlette.applications import Starlette
-from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
@@ -63,9 +56,20 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from ..names import DEFAULT_SCHEMA, validate_schema_name
 from ..urls import mask_password
 from . import charts
+from .security import (
+    _SESSION_COOKIE,
+    LOOPBACK_HOSTS,
+    Settings,
+    _action_form,
+    _base_context,
+    _checked_form,
+    _flash,
+    _Guard,
+    _same,
+    _token_mark,
+)
 from .store import MIN_SCHEMA_REVISION, FailedFilter, Store, decode_payload
 
 logger = logging.getLogger(__name__)
@@ -86,18 +90,6 @@ WINDOWS: dict[str, tuple[dt.timedelta, dt.timedelta, str]] = {
 MAX_ACTORS = 8
 
 _QUEUE_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
-_SESSION_COOKIE = "dpo_dashboard"
-_SECURITY_HEADERS = {
-    # No script may run at all: the dashboard has none.
-    "Content-Security-Policy": (
-        "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
-        "frame-ancestors 'none'; base-uri 'none'"
-    ),
-    "X-Content-Type-Options": "nosniff",
-    "X-Frame-Options": "DENY",
-    "Referrer-Policy": "same-origin",
-    "Cache-Control": "no-store",
-}
 
 
 def broker_channel(url: str, schema: str) -> str:
@@ -109,175 +101,6 @@ def broker_channel(url: str, schema: str) -> str:
     from ..broker import PostgresBroker
 
     return PostgresBroker(url=url, schema=schema).channel
-
-
-#: Host names a dashboard answers by default: the loopback names a local browser uses.
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How a dashboard is served.
-
-    Parameters:
-      url(str): PostgreSQL URL of the broker's database.
-      schema(str): Schema of the broker tables.  Default ``dramatiq``.
-      read_only(bool): Hide and refuse (403) every action.  Default False.
-      token(str|None): Require this token (``Authorization: Bearer`` or the login form).
-      basic_auth(tuple[str, str]|None): Require HTTP basic auth with this (user, password).
-      session_secret(str|None): Key signing the session cookie; default a random one
-        per process (sessions end when the server restarts).  A session logged in with
-        the token carries a keyed digest of that token: once the token changes, old
-        sessions no longer count as logged in, whatever the secret.
-      allowed_hosts(tuple[str, ...]): ``Host`` header values answered (without the port;
-        a leading ``*`` matches any prefix, ``*`` alone any host); any other gets 400,
-        so a page elsewhere cannot read the dashboard through DNS rebinding.  Default
-        :data:`LOOPBACK_HOSTS`; the CLI adds its ``--host`` and ``--allowed-host`` values.
-
-    Raises:
-      ValueError: If both ``token`` and ``basic_auth`` are given, either is empty, or
-        ``schema`` is invalid.
-    """
-
-    url: str
-    schema: str = DEFAULT_SCHEMA
-    read_only: bool = False
-    token: str | None = None
-    basic_auth: tuple[str, str] | None = None
-    session_secret: str | None = None
-    allowed_hosts: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.allowed_hosts:
-            object.__setattr__(self, "allowed_hosts", LOOPBACK_HOSTS)
-        validate_schema_name(self.schema)
-        if self.token is not None and self.basic_auth is not None:
-            raise ValueError("choose one of token and basic auth, not both")
-        if self.token is not None and not self.token:
-            raise ValueError("the token is empty")
-        if self.basic_auth is not None and not all(self.basic_auth):
-            raise ValueError("basic auth needs a non-empty user and password (USER:PASSWORD)")
-
-    @property
-    def auth(self) -> str:
-        """``token``, ``basic`` or ``none``."""
-        return "token" if self.token else "basic" if self.basic_auth else "none"
-
-
-# -- auth ---------------------------------------------------------------------
-def _same(given: str, expected: str) -> bool:
-    return secrets.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
-
-
-def _token_mark(token: str) -> str:
-    """What a logged-in session stores: a keyed digest of the token it logged in with.
-
-    The session cookie is signed, not encrypted, so the token itself is never put
-    in it; a session whose mark is not the current token's (the token was rotated,
-    e.g. after a leak) is logged out.
-    """
-    key = b"dramatiq-pg-outbox dashboard session"
-    return hmac.new(key, token.encode("utf-8"), hashlib.sha256).hexdigest()
-
-
-def _authorized(request: Request, settings: Settings) -> bool:
-    header = request.headers.get("authorization", "")
-    scheme, _, credentials = header.partition(" ")
-    if settings.token is not None:
-        if scheme.lower() == "bearer" and _same(credentials.strip(), settings.token):
-            return True
-        mark = request.session.get("authenticated")
-        return isinstance(mark, str) and _same(mark, _token_mark(settings.token))
-    if settings.basic_auth is not None:
-        if scheme.lower() != "basic":
-            return False
-        try:
-            user, _, password = (
-                base64.b64decode(credentials.strip(), validate=True).decode("utf-8").partition(":")
-            )
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        # Both compared, always, so the time taken does not tell which one was wrong.
-        user_ok = _same(user, settings.basic_auth[0])
-        password_ok = _same(password, settings.basic_auth[1])
-        return user_ok and password_ok
-    return True
-
-
-class _Guard(BaseHTTPMiddleware):
-    """401 for requests without the configured credentials; security headers on every response."""
-
-    def __init__(self, app: Any, settings: Settings, templates: Jinja2Templates) -> None:
-        super().__init__(app)
-        self.settings = settings
-        self.templates = templates
-
-    async def dispatch(
-        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        path = request.url.path
-        public = path in ("/healthz", "/login") or path.startswith("/static/")
-        if public or _authorized(request, self.settings):
-            response = await call_next(request)
-        elif self.settings.basic_auth is not None:
-            response = PlainTextResponse(
-                "401 Unauthorized: this dashboard needs HTTP basic auth",
-                status_code=401,
-                headers={"WWW-Authenticate": 'Basic realm="dramatiq-pg-outbox", charset="UTF-8"'},
-            )
-        else:
-            response = self.templates.TemplateResponse(
-                request,
-                "login.html",
-                _base_context(request, self.settings, next=path),
-                status_code=401,
-                headers={"WWW-Authenticate": 'Bearer realm="dramatiq-pg-outbox"'},
-            )
-        for name, value in _SECURITY_HEADERS.items():
-            response.headers.setdefault(name, value)
-        return response
-
-
-def _csrf_token(request: Request) -> str:
-    token = request.session.get("csrf")
-    if not isinstance(token, str):
-        token = request.session["csrf"] = secrets.token_urlsafe(32)
-    return token
-
-
-async def _checked_form(request: Request) -> FormData:
-    """The form of a POST, after the CSRF check (403 when the token is missing or wrong)."""
-    form = await request.form()
-    given = form.get("csrf_token")
-    expected = request.session.get("csrf")
-    if not isinstance(given, str) or not isinstance(expected, str) or not _same(given, expected):
-        raise HTTPException(
-            403, "The form's CSRF token is missing or out of date: reload the page and try again."
-        )
-    return form
-
-
-async def _action_form(request: Request) -> FormData:
-    """The form of an action: 403 in read-only mode, then the CSRF check."""
-    settings: Settings = request.app.state.settings
-    if settings.read_only:
-        raise HTTPException(403, "This dashboard is read-only (--read-only): actions are disabled.")
-    return await _checked_form(request)
-
-
-def _flash(request: Request, text: str) -> None:
-    request.session["flash"] = text
-
-
-def _base_context(request: Request, settings: Settings, **extra: Any) -> dict[str, Any]:
-    return {
-        "read_only": settings.read_only,
-        "auth": settings.auth,
-        "schema": settings.schema,
-        "csrf_token": _csrf_token(request),
-        "flash": request.session.pop("flash", None),
-        **extra,
-    }
 
 
 # -- formatting ---------------------------------------------------------------

@@ -1,295 +1,31 @@
-"""Transactional enqueue (the outbox): ``actor.send()`` inside an application transaction.
+"""The SQLAlchemy events an outbox listens to: Session transactions, Connection commits, savepoints, 2PC.
 
-Usage::
-
-    with Session(engine) as session:
-        with outbox(session):
-            session.add(user)
-            send_welcome_email.send(user.id)
-        session.commit()          # the message exists iff this commits
-
-    async with AsyncSession(async_engine) as session:
-        async with outbox(session):
-            ...
-        await session.commit()
-
-How a message follows its transaction
--------------------------------------
-Inside the block, ``send()`` encodes the message at once (an encoding error is
-raised by ``send()``; arguments changed afterwards are not what is stored) and
-buffers it with no I/O, so nothing blocks an event loop.  The buffer belongs to
-the database transaction the message was sent in, never to a Session object:
-
-- ``Session``/``AsyncSession``: the innermost open ``SessionTransaction`` (the
-  root transaction or a ``begin_nested()`` savepoint).  If the session has no
-  transaction yet, one is begun (no I/O), so that a ``rollback()`` before any
-  SQL still discards the message.
-- ``Connection``/``AsyncConnection``: the innermost savepoint of the
-  connection's transaction, followed through SQLAlchemy's savepoint events.
-
-A savepoint that rolls back drops the messages sent in it and in the
-savepoints inside it; one that is released hands them to the enclosing
-transaction; a root rollback, a ``close()`` without commit, or a transaction
-ending any other way drops them all.  Just before the root transaction commits
-(the session's ``before_commit``, the connection's ``commit`` event) the
-survivors are written through that transaction's own connection, one
-multi-row INSERT per broker, so Postgres commits or rolls them back with the
-business rows and delivers their ``pg_notify`` at commit.  Messages sent while
-the commit is under way (from a flush hook) are written at once.
-
-Dramatiq's ``after_enqueue`` runs only for messages actually stored: never
-for an idempotency duplicate, a message of a rolled-back savepoint, or a
-transaction whose ``COMMIT`` fails (a ``DEFERRABLE INITIALLY DEFERRED``
-constraint, a serialization failure).  It runs in the thread (and context)
-that commits, once the database has acknowledged the ``COMMIT``:
-
-- ``Session``/``AsyncSession``: in the session's ``after_commit`` event.
-- ``Connection``/``AsyncConnection``: SQLAlchemy has no after-commit event for
-  connections (its ``commit`` event fires before ``COMMIT`` is sent), so the
-  outbox wraps ``do_commit`` of the engine's dialect, once per dialect: the
-  messages run ``after_enqueue`` right after the driver's ``commit()``
-  returned, before ``Connection.commit()`` returns.  When no middleware of
-  the broker overrides ``after_enqueue``, nothing is registered: a commit
-  pays one dictionary lookup.
-
-Not covered: a ``Session`` that joined a transaction it does not commit
-(``Session(bind=connection)`` on a connection already in a transaction) runs
-``after_enqueue`` at ``session.commit()``, before that transaction commits.
-
-With ``notify="after_commit"`` the wake-up is sent from the broker's own
-connection after the commit (for connections: once ``pg_xact_status``
-reports the transaction committed).
-
-Savepoints must be made through SQLAlchemy (``begin_nested()``): a
-``SAVEPOINT`` sent as raw SQL is invisible to the buffer.
-
-Two-phase transactions (``Connection.begin_twophase()``, ``Session(twophase=True)``):
-the messages are written before ``PREPARE TRANSACTION`` (the ``prepare_twophase``
-event; a two-phase transaction committed without ``prepare()`` is written at
-its ``commit_twophase`` event, like a plain commit), never with a NOTIFY in
-them (PostgreSQL cannot prepare a transaction that ran NOTIFY): the wake-up is
-sent from the broker's connection once ``pg_xact_status`` reports the
-transaction committed (sessions: in ``after_commit``).  ``after_enqueue`` runs
-after ``COMMIT PREPARED`` (the dialect's ``do_commit_twophase`` is wrapped too).
-
-A binding ends with its ``with`` block.  ``asyncio.create_task``,
-``asyncio.to_thread`` and ``contextvars.copy_context().run`` copy it into the
-task or thread they start; a send there after the block has ended raises
-:class:`~dramatiq_pg_outbox.errors.OutboxError` instead of buffering into a
-transaction that may be committed and closed already.  :func:`outside_outbox`
-sends on purpose through the broker's pool from such code.
-
-Supported binds: SQLAlchemy ``Session``, ``Connection``, ``AsyncSession`` and
-``AsyncConnection`` using the psycopg (3) or psycopg2 driver.
+Messages added inside a transaction are kept per root transaction (Session) or
+per connection (Connection) and written before the commit; after_enqueue runs
+once the database commit is done; a rollback (of a savepoint too) drops them.
 """
 
 from __future__ import annotations
 
-import shlex
 import threading
 import weakref
-from collections.abc import Iterable
-from contextvars import Token
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
-from dramatiq import Middleware
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Dialect, Engine, Transaction
-from sqlalchemy.engine.base import TwoPhaseTransaction
 from sqlalchemy.exc import UnboundExecutionError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.pool import PoolProxiedConnection
 
-from ._binding import Binding, _bindings
-from ._binding import outside_outbox as outside_outbox
-from ._queries import queries_for_schema
-from ._runtime import StoredMessage, enqueue_result, enqueue_statement
-from .broker import PostgresBroker
-from .errors import OutboxError
-from .migrations import schema_not_ready
-from .names import quote_ident
-from .urls import safe_url
+from .._binding import outside_outbox as outside_outbox
+from .._queries import queries_for_schema
+from .._runtime import StoredMessage
+from ..broker import PostgresBroker
+from ..errors import OutboxError
 
 #: What :func:`outbox` binds to.
-Bind = Session | Connection | AsyncSession | AsyncConnection
-
-
-def outbox(bind: Bind, broker: PostgresBroker | None = None) -> Outbox:
-    """Bind ``actor.send()`` to a SQLAlchemy transaction for the duration of a ``with`` block.
-
-    Parameters:
-      bind(Session|Connection|AsyncSession|AsyncConnection): Whose transaction the messages join.
-      broker(PostgresBroker|None): Only messages of this broker join it.  Default None: the
-        messages of every ``PostgresBroker`` (each written to its own schema).
-
-    Raises:
-      OutboxError: If ``broker`` is not a PostgresBroker, or the bind is not supported.
-
-    Returns:
-      Outbox: A context manager: ``with`` for sync binds, ``async with`` for async ones.
-    """
-    if broker is not None and not isinstance(broker, PostgresBroker):
-        raise OutboxError(f"outbox() needs a PostgresBroker, not {broker!r}.")
-    return Outbox(bind, broker)
-
-
-class Outbox:
-    """A transactional-enqueue binding; create it with :func:`outbox`."""
-
-    def __init__(self, bind: Bind, broker: PostgresBroker | None) -> None:
-        if not isinstance(bind, (Session, Connection, AsyncSession, AsyncConnection)):
-            raise OutboxError(
-                f"outbox() binds a SQLAlchemy Session, Connection or their async forms, not {bind!r}"
-            )
-        self.bind = bind
-        self.broker = broker
-        #: True once the ``with`` block has exited: a copy of the context that outlived it
-        #: (a task or thread started inside) must not buffer into its transaction.
-        self.ended = False
-        self._token: Token[tuple[Binding, ...]] | None = None
-
-    @property
-    def is_async(self) -> bool:
-        return isinstance(self.bind, (AsyncSession, AsyncConnection))
-
-    def add(self, broker: PostgresBroker, items: list[StoredMessage]) -> None:
-        """Buffer encoded messages in the bind's current transaction (called by ``enqueue_many``).
-
-        Raises:
-          OutboxError: If an ``AsyncConnection`` was not started.
-        """
-        bind = self.bind
-        if isinstance(bind, AsyncSession):
-            _session_add(bind.sync_session, broker, items)
-        elif isinstance(bind, Session):
-            _session_add(bind, broker, items)
-        else:
-            conn = bind.sync_connection if isinstance(bind, AsyncConnection) else bind
-            if conn is None:
-                raise OutboxError("This AsyncConnection is not started: `async with engine.connect()`.")
-            _connection_add(conn, broker, items)
-
-    def _push(self) -> None:
-        _install_session_listeners()
-        self.ended = False
-        self._token = _bindings.set((*_bindings.get(), self))
-
-    def _pop(self) -> None:
-        self.ended = True
-        if self._token is not None:
-            _bindings.reset(self._token)
-            self._token = None
-
-    def __enter__(self) -> Outbox:
-        if self.is_async:
-            raise OutboxError("This bind is async: use `async with outbox(session):`.")
-        self._push()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        # Nothing is written here: the messages stay with their transaction.
-        self._pop()
-
-    async def __aenter__(self) -> Outbox:
-        if not self.is_async:
-            raise OutboxError("This bind is sync: use `with outbox(session):`.")
-        self._push()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._pop()
-
-
-# -- writing ------------------------------------------------------------------
-
-
-@dataclass
-class _Written:
-    """What one statement stored, for the after-commit steps."""
-
-    broker: PostgresBroker
-    stored: list[StoredMessage]
-    payloads: list[str]
-    #: (row id, message id) of the rows, when they were written inside a savepoint that
-    #: may still roll back (connections only): checked at commit.
-    ids: list[tuple[int, str]] = field(default_factory=list)
-    #: The transaction id, for ``notify="after_commit"`` (or two-phase) on a Connection.
-    xid: str | None = None
-    #: Written in a two-phase transaction: PostgreSQL cannot PREPARE a transaction that ran
-    #: NOTIFY, so the wake-up is sent after the second phase, from the broker's connection.
-    twophase: bool = False
-
-    @property
-    def notify_after_commit(self) -> bool:
-        """Whether the wake-up is sent after the commit (never in the transaction)."""
-        notify = self.broker.options.notify
-        return notify == "after_commit" or (self.twophase and notify != "off")
-
-
-#: (engine URL, schema) pairs whose revision was checked, per broker.
-_schema_checked: weakref.WeakKeyDictionary[PostgresBroker, set[str]] = weakref.WeakKeyDictionary()
-
-
-def _check_schema(conn: Connection, broker: PostgresBroker) -> None:
-    """Raise :class:`SchemaNotReady` if the broker's tables are missing or old on ``conn``'s database."""
-    key = safe_url(conn.engine.url)
-    checked = _schema_checked.setdefault(broker, set())
-    if key in checked:
-        return
-    table = f"{quote_ident(broker.schema)}.messages"
-    row = conn.exec_driver_sql(queries_for_schema(broker.schema)["schema_revision"], {"table": table}).first()
-    # The command names the bind's database (its secrets masked, to be filled in by the reader).
-    error = schema_not_ready(broker.schema, row, url=key, fix_url=shlex.quote(key))
-    if error is not None:
-        raise error
-    checked.add(key)
-
-
-def _write(
-    conn: Connection, broker: PostgresBroker, items: list[StoredMessage], return_ids: bool = False
-) -> _Written:
-    """Insert ``items`` through ``conn``, in its transaction, with one statement."""
-    _check_schema(conn, broker)
-    twophase = isinstance(conn.get_transaction(), TwoPhaseTransaction)
-    name, params = enqueue_statement(
-        items,
-        broker.channel,
-        broker.options.notify == "transaction" and not twophase,
-        broker.options.max_fetch_interval,
-        return_ids,
-    )
-    rows = conn.exec_driver_sql(queries_for_schema(broker.schema)[name], params).fetchall()
-    result = enqueue_result(name, items, rows)
-    return _Written(broker, result.stored, result.payloads, result.ids, twophase=twophase)
-
-
-def _by_broker(
-    items: Iterable[tuple[PostgresBroker, StoredMessage]],
-) -> dict[PostgresBroker, list[StoredMessage]]:
-    groups: dict[PostgresBroker, list[StoredMessage]] = {}
-    for broker, item in items:
-        groups.setdefault(broker, []).append(item)
-    return groups
-
-
-def _after_enqueue(written: _Written) -> None:
-    for item in written.stored:
-        written.broker.emit_after("enqueue", item.message, item.delay or None)
-
-
-def _wants_after_enqueue(broker: PostgresBroker) -> bool:
-    """Whether a middleware of ``broker`` overrides Dramatiq's no-op ``after_enqueue``."""
-    return any(type(m).after_enqueue is not Middleware.after_enqueue for m in broker.middleware)
-
-
-# -- sessions -------------------------------------------------------------------
+from .writes import _after_enqueue, _by_broker, _wants_after_enqueue, _write, _Written
 
 
 @dataclass

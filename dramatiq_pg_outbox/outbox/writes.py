@@ -1,0 +1,104 @@
+"""What an outbox writes on the application's connection: the messages, the schema check, after_enqueue."""
+
+from __future__ import annotations
+
+import shlex
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dramatiq import Middleware
+from sqlalchemy.engine import Connection
+from sqlalchemy.engine.base import TwoPhaseTransaction
+
+from .._binding import outside_outbox as outside_outbox
+from .._queries import queries_for_schema
+from .._runtime import StoredMessage, enqueue_result, enqueue_statement
+from ..broker import PostgresBroker
+from ..migrations import schema_not_ready
+from ..names import quote_ident
+from ..urls import safe_url
+
+#: What :func:`outbox` binds to.
+
+
+@dataclass
+class _Written:
+    """What one statement stored, for the after-commit steps."""
+
+    broker: PostgresBroker
+    stored: list[StoredMessage]
+    payloads: list[str]
+    #: (row id, message id) of the rows, when they were written inside a savepoint that
+    #: may still roll back (connections only): checked at commit.
+    ids: list[tuple[int, str]] = field(default_factory=list)
+    #: The transaction id, for ``notify="after_commit"`` (or two-phase) on a Connection.
+    xid: str | None = None
+    #: Written in a two-phase transaction: PostgreSQL cannot PREPARE a transaction that ran
+    #: NOTIFY, so the wake-up is sent after the second phase, from the broker's connection.
+    twophase: bool = False
+
+    @property
+    def notify_after_commit(self) -> bool:
+        """Whether the wake-up is sent after the commit (never in the transaction)."""
+        notify = self.broker.options.notify
+        return notify == "after_commit" or (self.twophase and notify != "off")
+
+
+#: (engine URL, schema) pairs whose revision was checked, per broker.
+_schema_checked: weakref.WeakKeyDictionary[PostgresBroker, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _check_schema(conn: Connection, broker: PostgresBroker) -> None:
+    """Raise :class:`SchemaNotReady` if the broker's tables are missing or old on ``conn``'s database."""
+    key = safe_url(conn.engine.url)
+    checked = _schema_checked.setdefault(broker, set())
+    if key in checked:
+        return
+    table = f"{quote_ident(broker.schema)}.messages"
+    row = conn.exec_driver_sql(queries_for_schema(broker.schema)["schema_revision"], {"table": table}).first()
+    # The command names the bind's database (its secrets masked, to be filled in by the reader).
+    error = schema_not_ready(broker.schema, row, url=key, fix_url=shlex.quote(key))
+    if error is not None:
+        raise error
+    checked.add(key)
+
+
+def _write(
+    conn: Connection, broker: PostgresBroker, items: list[StoredMessage], return_ids: bool = False
+) -> _Written:
+    """Insert ``items`` through ``conn``, in its transaction, with one statement."""
+    _check_schema(conn, broker)
+    twophase = isinstance(conn.get_transaction(), TwoPhaseTransaction)
+    name, params = enqueue_statement(
+        items,
+        broker.channel,
+        broker.options.notify == "transaction" and not twophase,
+        broker.options.max_fetch_interval,
+        return_ids,
+    )
+    rows = conn.exec_driver_sql(queries_for_schema(broker.schema)[name], params).fetchall()
+    result = enqueue_result(name, items, rows)
+    return _Written(broker, result.stored, result.payloads, result.ids, twophase=twophase)
+
+
+def _by_broker(
+    items: Iterable[tuple[PostgresBroker, StoredMessage]],
+) -> dict[PostgresBroker, list[StoredMessage]]:
+    groups: dict[PostgresBroker, list[StoredMessage]] = {}
+    for broker, item in items:
+        groups.setdefault(broker, []).append(item)
+    return groups
+
+
+def _after_enqueue(written: _Written) -> None:
+    for item in written.stored:
+        written.broker.emit_after("enqueue", item.message, item.delay or None)
+
+
+def _wants_after_enqueue(broker: PostgresBroker) -> bool:
+    """Whether a middleware of ``broker`` overrides Dramatiq's no-op ``after_enqueue``."""
+    return any(type(m).after_enqueue is not Middleware.after_enqueue for m in broker.middleware)
+
+
+# -- sessions -------------------------------------------------------------------

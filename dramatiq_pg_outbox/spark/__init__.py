@@ -1,0 +1,300 @@
+"""Bulk enqueue from a Spark DataFrame: one Dramatiq message per row.
+
+Usage (``pip install 'dramatiq-pg-outbox[spark]'``)::
+
+    from dramatiq_pg_outbox.spark import enqueue_dataframe
+
+    result = enqueue_dataframe(
+        customers,                     # a pyspark.sql.DataFrame
+        notify_customer,               # a dramatiq Actor (or its name, with queue_name=)
+        args=["customer_id", "email"], # columns -> positional arguments
+        kwargs={"segment": "segment"}, # keyword argument -> column
+        key="customer_id",             # the row's unique key
+        batch_id="newsletter-2026-11", # the same id on a re-run adds nothing
+        url="postgresql://app@db/app",
+    )
+    print(result.enqueued, result.skipped)
+
+How it writes
+-------------
+The executors write, not the driver: each partition's task (``mapInArrow``)
+runs one transaction on one connection: a ``COPY`` into a temporary table,
+then one ``INSERT ... SELECT ... ON CONFLICT DO NOTHING`` into the messages
+table, then at most one ``NOTIFY`` (delivered at commit).  Rows stream into
+``COPY`` batch by batch, so a partition is never held in memory.
+
+Payloads are built one of two ways, with the same result (same ids, keys
+and decoded messages):
+
+- by Spark expressions, when the encoder is Dramatiq's default JSON encoder,
+  the key is a string or integer column and the arguments are string,
+  boolean, integer or floating point columns: no Python runs per row, and
+  Arrow writes the batches to ``COPY`` as CSV;
+- else in the executors' Python, row by row, with the driver's encoder
+  (custom encoders such as pickle, arrays, structs, ...).  A value the
+  encoder refuses (a ``Decimal`` or a ``date`` with JSON) fails the job.
+
+Idempotency
+-----------
+Every row gets the idempotency key ``"<batch_id>:<key>"`` and the message id
+``uuid5(NAMESPACE, that key)``.  The database keeps one message per key (the
+unique index of migration 0002, and the key is looked up in history too), so
+a Spark task that is retried, a speculative duplicate task, or a re-run of
+the whole job with the same ``batch_id`` adds nothing that already exists,
+whether or not the messages were processed in between.  A second statement in
+the same transaction removes any row whose twin was archived to history while
+the insert ran, so this holds even while workers are acking.
+
+Bad input
+---------
+A null key, or an argument that the message encoder cannot encode (with the
+default JSON encoder: a ``Decimal``, a ``date``...; cast such columns first),
+raises :class:`EnqueueError` naming the column and the row's key.  The
+partition's transaction is rolled back (it writes nothing) and the Spark job
+fails.  Other partitions may have committed: run the job again with the same
+``batch_id`` once the data is fixed; it adds only what is missing.
+
+Connection budget
+-----------------
+One connection per running task, for the length of the task: at most
+``min(number of partitions, total executor cores)`` connections at a time.
+Use ``max_partitions=`` to cap it (the DataFrame is coalesced).  The driver
+opens none.
+
+The messages are ordinary messages: a ``dramatiq`` worker with a
+:class:`~dramatiq_pg_outbox.PostgresBroker` on the same schema processes them.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._jdbc import jdbc_options
+from ..names import DEFAULT_SCHEMA, channel_for, validate_schema_name
+from ..urls import libpq_url
+
+if TYPE_CHECKING:
+    from dramatiq import Actor
+    from dramatiq.encoder import Encoder
+    from pyspark.sql import DataFrame
+from .encoding import (
+    NAMESPACE,
+    EnqueueError,
+    EnqueueResult,
+    _arrow_rows,
+    _encode_rows,
+    _Plan,
+    _prepare_in_jvm,
+    idempotency_key_for,
+    message_id_for,
+)
+from .write import write_partition, write_prepared_partition
+
+__all__ = [
+    "NAMESPACE",
+    "EnqueueError",
+    "EnqueueResult",
+    "_Plan",
+    "_encode_rows",
+    "_prepare_in_jvm",
+    "enqueue_dataframe",
+    "idempotency_key_for",
+    "jdbc_jar",
+    "jdbc_options",
+    "local_session",
+    "message_id_for",
+    "write_partition",
+    "write_prepared_partition",
+]
+
+
+def enqueue_dataframe(
+    df: DataFrame,
+    actor: Actor[Any, Any] | str,
+    *,
+    key: str,
+    batch_id: str,
+    args: Sequence[str] = (),
+    kwargs: Mapping[str, str] | None = None,
+    url: str | None = None,
+    schema: str | None = None,
+    queue_name: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    delay: int = 0,
+    notify: bool = True,
+    max_partitions: int | None = None,
+    encoder: Encoder | None = None,
+) -> EnqueueResult:
+    """Enqueue one message per row of ``df``, idempotently, written by the executors.
+
+    Parameters:
+      df(DataFrame): The rows.
+      actor(Actor|str): The actor (its name and queue are used), or an actor name
+        with ``queue_name=``.  The actor need not be importable on the executors.
+      key(str): Column that identifies a row within the batch (not null).
+      batch_id(str): Identifies this enqueue job; re-running with the same id adds nothing.
+      args(list[str]): Columns passed as positional arguments, in order.
+      kwargs(dict[str, str]): Keyword argument name -> column.
+      url(str): Database URL.  Default: the URL of the actor's PostgresBroker.
+      schema(str): The broker's schema.  Default: the actor's broker's, else ``dramatiq``.
+      queue_name(str): Queue.  Default: the actor's queue.
+      options(dict): Extra message options (e.g. ``max_retries``).
+      delay(int): Delay before the messages are due, in milliseconds.
+      notify(bool): Wake listening workers (one NOTIFY per partition, at commit).
+      max_partitions(int): Cap on partitions, hence on concurrent connections.
+      encoder(Encoder): Message encoder.  Default: ``dramatiq.get_encoder()`` of the driver.
+
+    Raises:
+      EnqueueError: (from the Spark job) a null key or an argument that cannot be encoded.
+      ValueError: For bad parameters (unknown column, bad schema or queue name).
+
+    Returns:
+      EnqueueResult: Counts and timing.
+    """
+    import dramatiq
+    from dramatiq.common import q_name
+
+    from ..broker import PostgresBroker
+    from ..names import validate_queue_name
+
+    plan_args = tuple(args)
+    plan_kwargs = tuple((kwargs or {}).items())
+    if not isinstance(batch_id, str) or not batch_id:
+        raise ValueError(f"batch_id must be a non-empty string, not {batch_id!r}")
+    if isinstance(actor, str):
+        actor_name, broker = actor, None
+        if queue_name is None:
+            raise ValueError("Pass queue_name= with an actor name.")
+    else:
+        actor_name, broker = actor.actor_name, actor.broker
+        queue_name = queue_name or actor.queue_name
+    queue_name = q_name(validate_queue_name(queue_name))
+    pg_broker = broker if isinstance(broker, PostgresBroker) else None
+    if url is None:
+        if pg_broker is None:
+            raise ValueError("Pass url= (the actor's broker is not a PostgresBroker).")
+        conninfo = pg_broker.conninfo
+    else:
+        conninfo = libpq_url(url)
+    if schema is None:
+        schema = pg_broker.schema if pg_broker is not None else DEFAULT_SCHEMA
+    validate_schema_name(schema)
+    columns = set(df.columns)
+    wanted = [key, *plan_args, *(column for _, column in plan_kwargs)]
+    missing = [c for c in wanted if c not in columns]
+    if missing:
+        raise ValueError(f"Column(s) {missing} not in the DataFrame (columns: {sorted(columns)})")
+    if delay < 0:
+        raise ValueError(f"delay must be a non-negative number of milliseconds, not {delay!r}")
+    encoder = encoder or dramatiq.get_encoder()
+    try:
+        encoder.encode({"options": dict(options or {})})
+    except Exception as e:
+        raise ValueError(f"options cannot be encoded with {type(encoder).__name__}: {e}") from e
+    plan = _Plan.build(
+        key=key,
+        args=plan_args,
+        kwargs=dict(plan_kwargs),
+        conninfo=conninfo,
+        schema=schema,
+        channel=channel_for(schema),
+        queue_name=queue_name,
+        actor_name=actor_name,
+        batch_id=batch_id,
+        options=dict(options or {}),
+        delay_ms=int(delay),
+        notify=notify,
+        encoder=encoder,
+    )
+    selected = df.select(*plan.columns)
+    if max_partitions is not None:
+        if max_partitions < 1:
+            raise ValueError(f"max_partitions must be at least 1, not {max_partitions!r}")
+        if selected.rdd.getNumPartitions() > max_partitions:
+            selected = selected.coalesce(max_partitions)
+
+    prepared = _prepare_in_jvm(selected, plan, int(time.time() * 1000))
+    in_jvm = prepared is not None  # the closure below must not capture a DataFrame
+
+    # Arrow carries the rows to the Python workers column by column, much
+    # faster than pickled Row objects; each task returns its counts as one row.
+    def write(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        if not in_jvm:
+            read, enqueued = write_partition(plan, _arrow_rows(batches))
+        else:
+            read, enqueued = write_prepared_partition(plan, batches)
+        yield pa.RecordBatch.from_pydict({"rows": [read], "enqueued": [enqueued]})
+
+    started = time.perf_counter()
+    source = selected if prepared is None else prepared
+    try:
+        counts = source.mapInArrow(write, "rows long, enqueued long").collect()
+    except Exception as e:
+        # An executor's EnqueueError reaches the driver inside Spark's own
+        # exception; raise it as itself, with its message.
+        found = re.search(r"EnqueueError: ([^\n]+)", str(e))
+        if found:
+            raise EnqueueError(found.group(1)) from e
+        raise
+    seconds = time.perf_counter() - started
+    rows = sum(int(r["rows"]) for r in counts)
+    enqueued = sum(int(r["enqueued"]) for r in counts)
+    return EnqueueResult(
+        batch_id=batch_id,
+        rows=rows,
+        enqueued=enqueued,
+        skipped=rows - enqueued,
+        partitions=len(counts),
+        seconds=seconds,
+    )
+
+
+#: Spark types whose JSON (``to_json``) decodes to what Dramatiq's JSON encoder would write.
+
+
+DEBIAN_JDBC_JAR = "/usr/share/java/postgresql.jar"
+#: Environment variable naming another JDBC driver jar.
+JDBC_JAR_ENV_VAR = "DRAMATIQ_PG_OUTBOX_JDBC_JAR"
+
+
+def jdbc_jar() -> str | None:
+    """Path of a PostgreSQL JDBC driver jar (``$DRAMATIQ_PG_OUTBOX_JDBC_JAR``, else Debian's), or None."""
+    import os
+
+    for candidate in (os.environ.get(JDBC_JAR_ENV_VAR), DEBIAN_JDBC_JAR):
+        if candidate and os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def local_session(app_name: str = "dramatiq-pg-outbox", *, cores: str = "*", memory: str = "1g") -> Any:
+    """A ``local[cores]`` SparkSession with the UI off and the JDBC driver jar when one is found.
+
+    Sets ``SPARK_LOCAL_IP=127.0.0.1`` unless already set.  For laptops, tests
+    and examples; on a cluster, build the session as usual.
+    """
+    import os
+
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = (
+        SparkSession.builder.master(f"local[{cores}]")
+        .appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", memory)
+        .config("spark.sql.shuffle.partitions", "8")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.showConsoleProgress", "false")
+    )
+    jar = jdbc_jar()
+    if jar is not None:
+        builder = builder.config("spark.jars", jar)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    return session
