@@ -457,7 +457,7 @@ WITH doomed AS (
 )
 DELETE FROM {schema}.results AS r USING doomed WHERE r.message_key = doomed.message_key;
 
--- Periodic jobs (dramatiq_pg_outbox/periodic.py; table: alembic/versions/0006_periodic.py).
+-- Periodic jobs (dramatiq_pg_outbox/periodic/; table: alembic/versions/0006_periodic.py).
 -- A scheduler passes the schedules it declares as parallel arrays (name,
 -- cron, every_ms, tz: the rule).  A row belongs to a scheduler when its name
 -- AND its rule are the declared ones: during a rolling deploy that changed a

@@ -1,4 +1,4 @@
--- The outbox relay's statements (dramatiq_pg_outbox/relay.py), one query per
+-- The outbox relay's statements (dramatiq_pg_outbox/relay/), one query per
 -- "-- name: <name> --" header, in the namespace of queries.sql.  The relay
 -- archives what it published with the broker's own "archive" statement.
 

@@ -1,4 +1,4 @@
--- The Spark integration's statements (dramatiq_pg_outbox/spark.py and
+-- The Spark integration's statements (dramatiq_pg_outbox/spark/ and
 -- spark_analytics.py), one query per "-- name: <name> --" header, in the
 -- namespace of queries.sql.
 
