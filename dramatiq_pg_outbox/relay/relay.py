@@ -364,24 +364,3 @@ class RelayCollector:
             due.add_metric([queue_name], waiting)
         yield seconds
         yield due
-
-
-def target_broker(url: str) -> Broker:
-    """Dramatiq's RabbitmqBroker (``amqp://``, ``amqps://``; with publisher confirms) or RedisBroker
-    (``redis://``, ``rediss://``, ``unix://``) for a URL.
-
-    Raises:
-      ValueError: For another scheme.
-      ImportError: If pika (RabbitMQ) or redis is not installed (``pip install 'dramatiq[rabbitmq]'``
-        or ``'dramatiq[redis]'``).
-    """
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme in ("amqp", "amqps"):
-        from dramatiq.brokers.rabbitmq import RabbitmqBroker
-
-        return RabbitmqBroker(url=url, confirm_delivery=True)
-    if scheme in ("redis", "rediss", "unix"):
-        from dramatiq.brokers.redis import RedisBroker
-
-        return RedisBroker(url=url)
-    raise ValueError(f"--to must be an amqp://, amqps://, redis:// or rediss:// URL, not {scheme or url!r}")
