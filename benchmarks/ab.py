@@ -77,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default="drain,latency")
     parser.add_argument("--systems", default="dramatiq-pg-outbox,RedisBroker")
     parser.add_argument("--out", default="out/ab", help="directory of the JSON results")
+    parser.add_argument("--add-to", default=None, help="an ab.json of the same revisions: add its rounds")
     args = parser.parse_args(argv)
     passthrough = ["--scenarios", args.scenarios, "--systems", args.systems]
     base = tempfile.mkdtemp(prefix="dpo-ab-")
     sides = {"before": _worktree(args.before, base), "after": _worktree(args.after, base)}
     results: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+    if args.add_to:
+        with open(args.add_to) as f:
+            results = json.load(f)["results"]
     try:
         for round_no in range(args.rounds):
             order = ("before", "after") if round_no % 2 == 0 else ("after", "before")
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for tree in sides.values():
             subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=ROOT, capture_output=True)
-    print(f"\n{args.rounds} interleaved rounds, before = {args.before}, after = {args.after}\n")
+    rounds = len(next(iter(results["before"].values()), []))
+    print(f"\n{rounds} interleaved rounds, before = {args.before}, after = {args.after}\n")
     print("| figure | before: median (min-max) | after: median (min-max) | medians in each other's range |")
     print("|---|---|---|---|")
     for name in sorted(set(results["before"]) & set(results["after"])):

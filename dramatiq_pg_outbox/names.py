@@ -53,6 +53,8 @@ MAX_CHANNEL_BYTES = 63
 CHANNEL_HASH_DIGITS = 16
 #: Prefix of the results NOTIFY channel of a schema.
 RESULTS_CHANNEL_PREFIX = "dramatiq_pg_outbox_results."
+#: Prefix of the rate-limit events NOTIFY channel of a schema.
+RATE_LIMITS_CHANNEL_PREFIX = "dramatiq_pg_outbox_limits."
 
 
 def channel_for(schema: str) -> str:
@@ -93,6 +95,17 @@ def results_channel(schema: str) -> str:
     if len(channel.encode()) <= MAX_CHANNEL_BYTES:
         return channel
     return RESULTS_CHANNEL_PREFIX + hashlib.sha256(schema.encode()).hexdigest()[:CHANNEL_HASH_DIGITS]
+
+
+def rate_limits_channel(schema: str) -> str:
+    """The NOTIFY channel of the rate-limit events in ``schema`` (``wait_notify`` wakes ``wait``).
+
+    ``dramatiq_pg_outbox_limits.<schema>``, shortened like :func:`results_channel`.
+    """
+    channel = RATE_LIMITS_CHANNEL_PREFIX + schema
+    if len(channel.encode()) <= MAX_CHANNEL_BYTES:
+        return channel
+    return RATE_LIMITS_CHANNEL_PREFIX + hashlib.sha256(schema.encode()).hexdigest()[:CHANNEL_HASH_DIGITS]
 
 
 def validate_queue_name(queue_name: str) -> str:

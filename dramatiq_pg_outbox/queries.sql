@@ -615,3 +615,91 @@ ORDER BY removed_at IS NOT NULL, name;
 -- The maintenance loop's hourly call: the day partitions of history for today
 -- and the next %(days)s days (migration 0007; a SECURITY DEFINER function).
 SELECT {schema}.create_history_partitions(%(days)s);
+
+-- Rate limits (dramatiq_pg_outbox/rate_limits.py; tables: alembic/versions/0008_rate_limits.py).
+-- One statement per operation of Dramatiq's RateLimiterBackend, atomic under
+-- concurrency: a missing key takes the INSERT path, an existing one the
+-- ON CONFLICT path, which locks the row and re-checks its condition against
+-- the newest version of it.  A row past expires_at counts as 0 (absent).  Each
+-- returns one true row when the operation was applied; none, or a false row,
+-- when it was not.
+
+-- name: rate_limit_add --
+-- Adds the key with the value unless it exists (an expired row is replaced).
+INSERT INTO {schema}.rate_limits AS r (key, value, expires_at)
+VALUES (%(key)s, %(value)s, now() + %(ttl)s::bigint * interval '1 millisecond')
+ON CONFLICT (key) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at
+    WHERE r.expires_at <= now()
+RETURNING true;
+
+-- name: rate_limit_incr --
+-- Adds %(amount)s unless the result would exceed %(maximum)s; renews the TTL.
+-- A missing key that may not take the amount is inserted already expired
+-- (absent for every statement; the cleanup deletes it): only the RETURNING
+-- value, false then, tells the caller.
+INSERT INTO {schema}.rate_limits AS r (key, value, expires_at)
+SELECT %(key)s, %(amount)s::bigint,
+       CASE WHEN %(amount)s::bigint <= %(maximum)s::bigint
+            THEN now() + %(ttl)s::bigint * interval '1 millisecond' ELSE '-infinity' END
+ON CONFLICT (key) DO UPDATE
+    SET value = CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END + excluded.value,
+        expires_at = now() + %(ttl)s::bigint * interval '1 millisecond'
+    WHERE CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END + excluded.value <= %(maximum)s::bigint
+RETURNING r.expires_at > now();
+
+-- name: rate_limit_decr --
+-- Subtracts %(amount)s unless the result would fall below %(minimum)s; renews
+-- the TTL (a missing key is 0, handled as in rate_limit_incr).
+INSERT INTO {schema}.rate_limits AS r (key, value, expires_at)
+SELECT %(key)s, -%(amount)s::bigint,
+       CASE WHEN -%(amount)s::bigint >= %(minimum)s::bigint
+            THEN now() + %(ttl)s::bigint * interval '1 millisecond' ELSE '-infinity' END
+ON CONFLICT (key) DO UPDATE
+    SET value = CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END + excluded.value,
+        expires_at = now() + %(ttl)s::bigint * interval '1 millisecond'
+    WHERE CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END + excluded.value >= %(minimum)s::bigint
+RETURNING r.expires_at > now();
+
+-- name: rate_limit_incr_and_sum --
+-- Adds %(amount)s to the key unless the key's new value, or %(amount)s plus the
+-- sum of the live %(keys)s, would exceed %(maximum)s (a window limiter: the key
+-- is the current bucket, the keys the buckets of the window).  A function of
+-- migration 0008: it locks the window's keys, then sums them as committed.
+SELECT true
+WHERE {schema}.rate_limit_incr_and_sum(
+    %(key)s, %(keys)s::text[], %(amount)s::bigint, %(maximum)s::bigint, %(ttl)s::bigint
+);
+
+-- name: rate_limit_notify --
+-- Publishes an event on the key for %(ttl)s ms (kept until then: a late waiter
+-- still sees it) and, with %(notify)s, wakes the waiters (payload: the key).
+WITH event AS (
+    INSERT INTO {schema}.rate_limit_events AS e (key, expires_at)
+    VALUES (%(key)s, now() + %(ttl)s::bigint * interval '1 millisecond')
+    ON CONFLICT (key) DO UPDATE SET expires_at = greatest(e.expires_at, excluded.expires_at)
+    RETURNING key
+)
+SELECT pg_notify(%(channel)s, key) FROM event WHERE %(notify)s;
+
+-- name: rate_limit_event --
+-- Whether an event was published on the key and has not expired.
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.rate_limit_events WHERE key = %(key)s AND expires_at > now()
+);
+
+-- name: rate_limit_delete_expired --
+-- The cleanup: expired keys and events, at most %(limit)s of each per call.
+WITH keys AS (
+    DELETE FROM {schema}.rate_limits WHERE key IN (
+        SELECT key FROM {schema}.rate_limits WHERE expires_at <= now()
+        LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+    )
+    RETURNING 1
+), events AS (
+    DELETE FROM {schema}.rate_limit_events WHERE key IN (
+        SELECT key FROM {schema}.rate_limit_events WHERE expires_at <= now()
+        LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+    )
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM keys) + (SELECT count(*) FROM events);

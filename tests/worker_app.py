@@ -90,3 +90,34 @@ def crash(key: str) -> None:
     """Kills its own worker process (a poison message), recording the start first."""
     _execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
     os._exit(1)
+
+
+_limiter: dict[int, Any] = {}
+
+
+def _contention_limiter() -> Any:
+    """A ConcurrentRateLimiter(limit=3) on the rate-limit tables, one per process."""
+    limiter = _limiter.get(os.getpid())
+    if limiter is None:
+        from dramatiq.rate_limits import ConcurrentRateLimiter
+
+        from dramatiq_pg_outbox.rate_limits import PostgresBackend
+
+        backend = PostgresBackend(broker=broker)
+        limiter = _limiter[os.getpid()] = ConcurrentRateLimiter(backend, "contention", limit=3, ttl=60_000)
+    return limiter
+
+
+@dramatiq.actor(max_retries=0, time_limit=120_000)
+def limited(key: str, hold: float) -> None:
+    """Runs its critical section under the limiter (retrying until admitted), counting holders."""
+    while True:
+        with _contention_limiter().acquire(raise_on_failure=False) as acquired:
+            if acquired:
+                # One row: the UPDATE's row lock makes running and peak exact.
+                _execute("UPDATE limiter SET running = running + 1, peak = greatest(peak, running + 1)", ())
+                time.sleep(hold)
+                _execute("UPDATE limiter SET running = running - 1, runs = runs + 1", ())
+                break
+        time.sleep(0.002)
+    _record(key)

@@ -1,0 +1,299 @@
+"""A PostgreSQL backend for Dramatiq's rate limiters, barriers and group callbacks.
+
+Why: Dramatiq's ``ConcurrentRateLimiter``, ``WindowRateLimiter``,
+``BucketRateLimiter``, ``Barrier`` and the ``GroupCallbacks`` middleware take a
+``RateLimiterBackend``, and Dramatiq ships Redis, Memcached and an in-memory stub.
+With this one, a project that runs PostgreSQL needs no second server for them.
+
+Usage::
+
+    from dramatiq.rate_limits import ConcurrentRateLimiter
+    from dramatiq_pg_outbox.rate_limits import PostgresBackend
+
+    backend = PostgresBackend(broker=broker)          # or url=..., engine=...
+    mutex = ConcurrentRateLimiter(backend, "distributed-mutex", limit=1)
+
+    with mutex.acquire():
+        ...
+
+    broker.add_middleware(GroupCallbacks(backend))     # group(...).add_completion_callback
+
+How it works
+------------
+- Table ``<schema>.rate_limits`` (``key``, ``value``, ``expires_at``), created by
+  revision 0008 (``dramatiq-pg-outbox migrate``).  Every operation is one
+  statement (``queries.sql``, ``rate_limit_*``): ``INSERT ... ON CONFLICT DO
+  UPDATE ... WHERE <the condition>``, so a missing key and an existing one are
+  handled atomically, with no read-modify-write race between processes (the
+  conflicting row is locked and its condition re-checked against its newest
+  version).  A row past its ``expires_at`` (``now() + ttl``, database clock)
+  counts as absent; TTLs are in milliseconds, as in Dramatiq.
+- ``wait_notify`` stores an event row that lives for its TTL (a waiter that
+  arrives late still sees it, as with Dramatiq's Redis backend) and sends a
+  NOTIFY on ``names.rate_limits_channel``; ``wait`` reads the event and sleeps
+  until a notification for its key, through the process's one LISTEN connection
+  (``_runtime.listener``), re-reading at least every ``poll_interval``; with
+  ``listen=False`` it polls.
+- Expired keys and events are deleted by each process that writes, every
+  ``cleanup_interval`` (a :class:`~._runtime.Service`); no cron job.
+
+``incr_and_sum`` (the window limiter) is a function of migration 0008: it takes a
+transaction-scoped advisory lock per key of the window, in one order, then sums
+the window as committed, so callers of overlapping windows never both pass.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from dramatiq.rate_limits.backend import RateLimiterBackend
+from sqlalchemy.engine import URL, Engine
+
+from ._queries import queries_for_schema
+from ._runtime import Service
+from ._runtime.listener import Subscription, subscribe
+from .broker import PostgresBroker
+from .names import DEFAULT_SCHEMA, rate_limits_channel
+
+#: Default period of the cleanup of expired keys, in milliseconds.
+DEFAULT_CLEANUP_INTERVAL = 60_000
+#: Rows of each table deleted per cleanup statement.
+CLEANUP_BATCH = 10_000
+
+
+class PostgresBackend(RateLimiterBackend):
+    """Dramatiq's ``RateLimiterBackend`` on PostgreSQL tables.
+
+    Parameters:
+      url(str): PostgreSQL URL (``postgresql://`` or a SQLAlchemy URL).
+        Exactly one of ``url``, ``engine`` and ``broker``.
+      engine(sqlalchemy.engine.Engine): Take the URL of this engine.
+      broker(PostgresBroker): Use this broker's database, schema and connection pool.
+      schema(str): Schema of the tables.  Default: the broker's, else ``dramatiq``.
+      pool_size(int): Most pooled connections per process (``url``/``engine`` only).  Default 4.
+      listen(bool): Whether ``wait`` LISTENs for events.  Default: the broker's
+        ``listen``, else True.
+      poll_interval(int): Longest sleep of ``wait`` between two reads, in
+        milliseconds (the polling period without LISTEN).  Default 1000.
+      cleanup_interval(int|None): Period of the cleanup of expired keys in each
+        process that writes, in milliseconds (+-20 % jitter); None turns it off
+        (call :meth:`delete_expired`).  Default 60000.
+
+    Raises:
+      ValueError: If not exactly one of ``url``, ``engine``, ``broker`` is given,
+        ``schema`` differs from the broker's, or an interval is not an integer >= 1.
+      TypeError: If ``broker`` is not a :class:`PostgresBroker`.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | URL | None = None,
+        engine: Engine | None = None,
+        broker: PostgresBroker | None = None,
+        schema: str | None = None,
+        pool_size: int = 4,
+        listen: bool | None = None,
+        poll_interval: int = 1_000,
+        cleanup_interval: int | None = DEFAULT_CLEANUP_INTERVAL,
+    ) -> None:
+        if sum(x is not None for x in (url, engine, broker)) != 1:
+            raise ValueError("Pass exactly one of url=, engine= and broker=.")
+        for name, value in (
+            ("poll_interval", poll_interval),
+            ("cleanup_interval", 1 if cleanup_interval is None else cleanup_interval),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+        if broker is not None:
+            if not isinstance(broker, PostgresBroker):
+                raise TypeError(f"broker must be a PostgresBroker, not {type(broker).__name__}")
+            if schema is not None and schema != broker.schema:
+                raise ValueError(
+                    f"schema={schema!r} differs from the broker's schema {broker.schema!r}: "
+                    "the rate-limit tables live beside the broker's tables."
+                )
+            self.broker = broker
+            self._owns_broker = False
+        else:
+            self.broker = PostgresBroker(
+                url=url,
+                engine=engine,
+                schema=schema or DEFAULT_SCHEMA,
+                middleware=[],
+                pool_size=pool_size,
+                listen=False,
+            )
+            self._owns_broker = True
+        self.schema = self.broker.schema
+        self.channel = rate_limits_channel(self.schema)
+        self.listen = (broker.options.listen if broker is not None else True) if listen is None else listen
+        self.poll_interval = poll_interval
+        self.cleanup_interval = cleanup_interval
+        self._queries = queries_for_schema(self.schema)
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._waiters: _Waiters | None = None
+        self._cleaner: _Cleaner | None = None
+
+    def __repr__(self) -> str:
+        return f"<rate_limits.PostgresBackend {self.broker.safe_url} schema={self.schema!r}>"
+
+    # -- Dramatiq's RateLimiterBackend -------------------------------------------------
+    def add(self, key: str, value: int, ttl: int) -> bool:
+        """Add ``key`` with ``value`` for ``ttl`` ms unless it exists; whether it was added."""
+        return self._succeeds("rate_limit_add", {"key": key, "value": value, "ttl": ttl})
+
+    def incr(self, key: str, amount: int, maximum: int, ttl: int) -> bool:
+        """Add ``amount`` to ``key`` unless it would exceed ``maximum``; whether it did."""
+        params = {"key": key, "amount": amount, "maximum": maximum, "ttl": ttl}
+        return self._succeeds("rate_limit_incr", params)
+
+    def decr(self, key: str, amount: int, minimum: int, ttl: int) -> bool:
+        """Subtract ``amount`` from ``key`` unless it would fall below ``minimum``; whether it did."""
+        params = {"key": key, "amount": amount, "minimum": minimum, "ttl": ttl}
+        return self._succeeds("rate_limit_decr", params)
+
+    def incr_and_sum(
+        self, key: str, keys: Callable[[], Iterable[str]], amount: int, maximum: int, ttl: int
+    ) -> bool:
+        """Add ``amount`` to ``key`` unless ``amount`` plus the sum of ``keys()`` would exceed ``maximum``."""
+        params = {"key": key, "keys": list(keys()), "amount": amount, "maximum": maximum, "ttl": ttl}
+        return self._succeeds("rate_limit_incr_and_sum", params)
+
+    def wait(self, key: str, timeout: int) -> bool:
+        """Wait up to ``timeout`` ms for an event on ``key``; whether one was published (and lives)."""
+        deadline = time.monotonic() + timeout / 1000
+        waiters = self._state_waiters() if self.listen else None
+        wakeup = threading.Event()
+        if waiters is not None:
+            waiters.add(key, wakeup)
+        try:
+            while True:
+                wakeup.clear()
+                if self._event(key):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                wakeup.wait(min(self.poll_interval / 1000, remaining))
+        finally:
+            if waiters is not None:
+                waiters.remove(key, wakeup)
+
+    def wait_notify(self, key: str, ttl: int) -> None:
+        """Publish an event on ``key`` that lives ``ttl`` ms, and wake its waiters."""
+        params = {"key": key, "ttl": ttl, "channel": self.channel, "notify": True}
+        self.broker.runtime.execute("rate_limit_notify", params)
+        self._start_cleaner()
+
+    # -- maintenance -------------------------------------------------------------------
+    def delete_expired(self) -> int:
+        """Delete expired keys and events (many processes may run it at once); how many rows went."""
+        total = 0
+        while True:
+            rows = self.broker.runtime.execute("rate_limit_delete_expired", {"limit": CLEANUP_BATCH})
+            deleted = int(rows[0][0])
+            total += deleted
+            if deleted < CLEANUP_BATCH:
+                return total
+
+    def close(self) -> None:
+        """Stop this process's waiters' subscription and cleanup; close the backend's own pool."""
+        with self._lock:
+            waiters, self._waiters = self._waiters, None
+            cleaner, self._cleaner = self._cleaner, None
+        if waiters is not None and self._pid == os.getpid():
+            waiters.close()
+        if cleaner is not None and self._pid == os.getpid():
+            cleaner.stop()
+        if self._owns_broker:
+            self.broker.close()
+
+    # -- internals ---------------------------------------------------------------------
+    def _succeeds(self, name: str, params: dict[str, Any]) -> bool:
+        # One row (true) when the operation was applied; none, or one false row, when not.
+        rows = self.broker.runtime.execute(name, params)
+        self._start_cleaner()
+        return bool(rows) and bool(rows[0][0])
+
+    def _event(self, key: str) -> bool:
+        rows = self.broker.runtime.execute("rate_limit_event", {"key": key})
+        return bool(rows[0][0])
+
+    def _fork_check(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._waiters = None
+            self._cleaner = None
+
+    def _state_waiters(self) -> _Waiters:
+        with self._lock:
+            self._fork_check()
+            if self._waiters is None:
+                self._waiters = _Waiters(self.broker.conninfo, self.channel)
+            return self._waiters
+
+    def _start_cleaner(self) -> None:
+        if self.cleanup_interval is None or (self._cleaner is not None and self._pid == os.getpid()):
+            return
+        with self._lock:
+            self._fork_check()
+            if self._cleaner is None:
+                self._cleaner = _Cleaner(self, self.cleanup_interval)
+                self._cleaner.start()
+
+
+class _Waiters:
+    """The threads of one process blocked in ``wait``, woken through its one LISTEN connection."""
+
+    def __init__(self, conninfo: str, channel: str) -> None:
+        self._by_key: dict[str, set[threading.Event]] = {}
+        self._lock = threading.Lock()
+        # Events published while not listening were not heard: every waiter reads again.
+        self._subscription: Subscription = subscribe(conninfo, channel, self.wake, lambda: self.wake(None))
+
+    def add(self, key: str, wakeup: threading.Event) -> None:
+        with self._lock:
+            self._by_key.setdefault(key, set()).add(wakeup)
+
+    def remove(self, key: str, wakeup: threading.Event) -> None:
+        with self._lock:
+            group = self._by_key.get(key)
+            if group is not None:
+                group.discard(wakeup)
+                if not group:
+                    del self._by_key[key]
+
+    def wake(self, key: str | None) -> None:
+        with self._lock:
+            if key:
+                targets = list(self._by_key.get(key, ()))
+            else:
+                targets = [w for group in self._by_key.values() for w in group]
+        for wakeup in targets:
+            wakeup.set()
+
+    def close(self) -> None:
+        self._subscription.close()
+
+
+class _Cleaner(Service):
+    """Deletes expired keys and events every ``interval`` ms (+-20 %)."""
+
+    name = "rate-limits-cleanup"
+    pause_first = True
+
+    def __init__(self, backend: PostgresBackend, interval: int) -> None:
+        super().__init__(interval / 1000, jitter=0.2, backoff_first=interval / 1000)
+        self.backend = backend
+
+    def run_once(self) -> int:
+        return self.backend.delete_expired()
+
+
+__all__ = ["PostgresBackend"]

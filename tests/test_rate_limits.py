@@ -1,0 +1,289 @@
+"""Dramatiq's rate limiters, barriers and group callbacks on PostgreSQL (rate_limits.PostgresBackend)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import dramatiq
+import pytest
+from dramatiq import group
+from dramatiq.middleware import GroupCallbacks
+from dramatiq.rate_limits import (
+    Barrier,
+    BucketRateLimiter,
+    ConcurrentRateLimiter,
+    RateLimitExceeded,
+    WindowRateLimiter,
+)
+
+from dramatiq_pg_outbox.rate_limits import PostgresBackend
+from tests.helpers import count, wait_for
+
+#: Generous bound for things that take milliseconds, in seconds (a loaded 2-core machine).
+SOON = 15
+
+
+@pytest.fixture
+def backend(make_broker: Any, db: Any) -> Iterator[PostgresBackend]:
+    db.execute("TRUNCATE dramatiq.rate_limits, dramatiq.rate_limit_events")
+    backend = PostgresBackend(broker=make_broker(), cleanup_interval=None)
+    yield backend
+    backend.close()
+
+
+# -- the backend's operations ------------------------------------------------------------
+def test_each_operation_keeps_its_bound_and_an_expired_key_counts_as_absent(backend: PostgresBackend) -> None:
+    # add: only when absent
+    assert backend.add("a", 5, 60_000)
+    assert not backend.add("a", 7, 60_000)
+    # incr: up to the maximum, never past it
+    assert backend.incr("c", 2, 3, 60_000)
+    assert backend.incr("c", 1, 3, 60_000)
+    assert not backend.incr("c", 1, 3, 60_000)
+    assert not backend.incr("fresh", 4, 3, 60_000)
+    # decr: down to the minimum, never past it; a missing key is 0
+    assert backend.decr("c", 3, 0, 60_000)
+    assert not backend.decr("c", 1, 0, 60_000)
+    assert not backend.decr("missing", 1, 0, 60_000)
+    assert backend.decr("signed", 2, -5, 60_000)
+    # an expired key is gone for every operation
+    assert backend.add("short", 1, 50)
+    assert backend.incr("short-counter", 3, 3, 50)
+    time.sleep(0.2)
+    assert backend.add("short", 9, 60_000)
+    assert backend.incr("short-counter", 3, 3, 60_000)
+    # and the cleanup deletes the expired rows: the two refused new keys ("fresh", "missing"),
+    # stored already expired; the others were renewed
+    assert backend.delete_expired() == 2
+    assert backend.delete_expired() == 0
+
+
+def test_incr_and_sum_bounds_the_sum_of_the_window(backend: PostgresBackend) -> None:
+    keys = ["w1", "w2", "w3"]
+    assert backend.incr_and_sum("w1", lambda: keys, 2, 5, 60_000)
+    assert backend.incr_and_sum("w2", lambda: keys, 2, 5, 60_000)
+    assert backend.incr_and_sum("w3", lambda: keys, 1, 5, 60_000)
+    assert not backend.incr_and_sum("w3", lambda: keys, 1, 5, 60_000)
+    # a key outside the window does not count
+    assert backend.incr_and_sum("w4", lambda: ["w4"], 5, 5, 60_000)
+
+
+def test_expired_keys_are_cleaned_by_a_loop_without_a_cron_job(make_broker: Any, db: Any) -> None:
+    # Given a backend whose cleanup runs every 100 ms, and short-lived keys and events
+    db.execute("TRUNCATE dramatiq.rate_limits, dramatiq.rate_limit_events")
+    backend = PostgresBackend(broker=make_broker(), cleanup_interval=100)
+    try:
+        for i in range(20):
+            assert backend.add(f"k{i}", 1, 50)
+        backend.wait_notify("event", 50)
+        # Then they disappear from the tables once expired
+        wait_for(
+            lambda: (
+                count(db, "SELECT count(*) FROM dramatiq.rate_limits")
+                + count(db, "SELECT count(*) FROM dramatiq.rate_limit_events")
+                == 0
+            ),
+            SOON,
+            "the expired rows to be deleted",
+        )
+    finally:
+        backend.close()
+
+
+def test_an_event_lives_for_its_ttl_so_a_late_waiter_sees_it(backend: PostgresBackend) -> None:
+    backend.wait_notify("late", 500)
+    started = time.monotonic()
+    assert backend.wait("late", 1_000)
+    assert time.monotonic() - started < 0.5
+    time.sleep(0.6)
+    assert not backend.wait("late", 1_000)
+
+
+def test_a_waiter_wakes_on_the_notification_not_the_poll(make_broker: Any, db: Any) -> None:
+    # Given a backend that polls only every 10 s, and a thread waiting on a key
+    db.execute("TRUNCATE dramatiq.rate_limits, dramatiq.rate_limit_events")
+    backend = PostgresBackend(broker=make_broker(), cleanup_interval=None, poll_interval=10_000)
+    try:
+        woke: list[float] = []
+
+        def wait() -> None:
+            if backend.wait("k", 8_000):
+                woke.append(time.monotonic())
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(1.0)  # the waiter is waiting (and subscribed)
+        # When another party publishes the event
+        sent = time.monotonic()
+        backend.wait_notify("k", 10_000)
+        waiter.join(SOON)
+        # Then the waiter wakes at once, long before its next poll
+        assert woke and woke[0] - sent < 1.0
+    finally:
+        backend.close()
+
+
+# -- Dramatiq's limiters and barrier on it --------------------------------------------------
+def test_a_concurrent_rate_limiter_is_released_after_each_call(backend: PostgresBackend) -> None:
+    mutex = ConcurrentRateLimiter(backend, "sequential", limit=1)
+    calls = 0
+    for _ in range(8):
+        with mutex.acquire(raise_on_failure=False) as acquired:
+            calls += bool(acquired)
+    assert calls == 8
+
+
+def test_a_concurrent_rate_limiter_of_one_is_a_mutex(backend: PostgresBackend) -> None:
+    mutex = ConcurrentRateLimiter(backend, "mutex", limit=1)
+    calls: list[int] = []
+
+    def work() -> None:
+        with mutex.acquire(raise_on_failure=False) as acquired:
+            if acquired:
+                calls.append(1)
+                time.sleep(1.0)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for future in [pool.submit(work) for _ in range(8)]:
+            future.result()
+    assert sum(calls) == 1
+
+
+def test_a_concurrent_rate_limiter_limits_concurrency(backend: PostgresBackend) -> None:
+    limiter = ConcurrentRateLimiter(backend, "four", limit=4)
+    calls: list[int] = []
+
+    def work() -> None:
+        try:
+            with limiter.acquire():
+                calls.append(1)
+                time.sleep(1.0)
+        except RateLimitExceeded:
+            pass
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        for future in [pool.submit(work) for _ in range(32)]:
+            future.result()
+    assert 3 <= sum(calls) <= 4
+
+
+def test_a_window_rate_limiter_admits_at_most_its_limit_per_window(backend: PostgresBackend) -> None:
+    limiter = WindowRateLimiter(backend, "window", limit=10, window=5)
+    calls: list[int] = []
+
+    def work() -> None:
+        with limiter.acquire(raise_on_failure=False) as acquired:
+            calls.append(bool(acquired))
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        for future in [pool.submit(work) for _ in range(40)]:
+            future.result()
+    assert sum(calls) == 10
+
+
+def test_a_bucket_rate_limiter_admits_at_most_its_limit_per_bucket(backend: PostgresBackend) -> None:
+    limiter = BucketRateLimiter(backend, "bucket", limit=2, bucket=5_000)
+    # (start early in a bucket, so that the calls do not straddle two)
+    while time.time() * 1000 % 5_000 > 2_000:
+        time.sleep(0.05)
+    admitted = 0
+    for _ in range(8):
+        with limiter.acquire(raise_on_failure=False) as acquired:
+            admitted += bool(acquired)
+    assert admitted == 2
+
+
+def test_a_barrier_opens_on_its_last_party(backend: PostgresBackend) -> None:
+    barrier = Barrier(backend, "barrier", ttl=30_000)
+    assert barrier.create(parties=2)
+    assert not barrier.create(parties=10)
+    assert not barrier.wait(block=False)
+    assert barrier.wait(block=False)
+
+
+def test_a_barrier_blocks_its_parties_until_the_last_one_arrives(backend: PostgresBackend) -> None:
+    barrier = Barrier(backend, "blocking", ttl=30_000)
+    assert barrier.create(parties=2)
+    times: list[float] = []
+
+    def party(delay: float) -> None:
+        time.sleep(delay)
+        assert barrier.wait(timeout=5_000)
+        times.append(time.monotonic())
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for future in [pool.submit(party, 0.1), pool.submit(party, 1.0)]:
+            future.result()
+    # the first party waited for the second (woken by its notification, not a poll)
+    assert len(times) == 2 and abs(times[0] - times[1]) <= 0.25
+
+
+def test_a_barrier_wait_times_out(backend: PostgresBackend) -> None:
+    barrier = Barrier(backend, "alone", ttl=30_000)
+    assert barrier.create(parties=2)
+    started = time.monotonic()
+    assert not barrier.wait(timeout=1_000)
+    assert 0.9 <= time.monotonic() - started < 5
+
+
+def test_group_completion_callbacks_run_once_on_this_backend(
+    make_broker: Any, start_worker: Any, db: Any
+) -> None:
+    # Given a broker with GroupCallbacks on this backend, and a group of five
+    db.execute("TRUNCATE dramatiq.rate_limits, dramatiq.rate_limit_events")
+    broker = make_broker()
+    backend = PostgresBackend(broker=broker, cleanup_interval=None)
+    broker.add_middleware(GroupCallbacks(backend))
+    done: list[int] = []
+    finished: list[str] = []
+
+    @dramatiq.actor(broker=broker)
+    def part(i: int) -> None:
+        done.append(i)
+
+    @dramatiq.actor(broker=broker)
+    def all_done() -> None:
+        finished.append("once")
+
+    start_worker(broker)
+    try:
+        # When the group runs
+        parts = group(part.message(i) for i in range(5))
+        parts.add_completion_callback(all_done.message())
+        parts.run()
+        # Then the callback runs once, after every part
+        wait_for(lambda: finished == ["once"], SOON, "the completion callback")
+        assert sorted(done) == [0, 1, 2, 3, 4]
+        time.sleep(0.5)
+        assert finished == ["once"]
+    finally:
+        backend.close()
+
+
+def test_eight_processes_of_eight_threads_never_exceed_a_limit_of_three(
+    producer: Any, worker_process: Any, db: Any
+) -> None:
+    # Given 8 worker processes x 8 threads whose actor holds ConcurrentRateLimiter(limit=3)
+    db.execute(
+        "TRUNCATE dramatiq.rate_limits, dramatiq.rate_limit_events;"
+        "DROP TABLE IF EXISTS limiter;"
+        "CREATE TABLE limiter (running int NOT NULL, peak int NOT NULL, runs int NOT NULL);"
+        "INSERT INTO limiter VALUES (0, 0, 0)"
+    )
+    wp = worker_process(processes=8, threads=8)
+    try:
+        # When 150 messages compete for it
+        for i in range(150):
+            producer.limited.send(f"l{i}", 0.02)
+        wait_for(lambda: count(db, "SELECT count(*) FROM received") == 150, 180, "every message")
+        # Then all ran, never more than 3 at once, and the limit was reached (there was contention)
+        running, peak, runs = db.execute("SELECT running, peak, runs FROM limiter").fetchone()
+        assert (running, runs) == (0, 150)
+        assert peak == 3
+    finally:
+        wp.stop()
+        db.execute("DROP TABLE IF EXISTS limiter")
