@@ -81,7 +81,8 @@ DROP TABLE {schema}.{partition};
 DELETE FROM {schema}.{partition} WHERE finished_at < %(cutoff)s;
 
 -- name: metrics_gauges --
--- Every Prometheus gauge in one statement: (kind, queue_name, state, value) rows.
+-- Every Prometheus gauge in one statement: (kind, queue_name, state, value) rows
+-- (kinds: messages, oldest, dead, workers, paused).
 SELECT 'messages', queue_name,
        CASE WHEN state = 'processing' THEN 'processing'
             WHEN next_attempt_at <= now() THEN 'due' ELSE 'delayed' END,
@@ -97,7 +98,10 @@ SELECT 'dead', queue_name, NULL, count(*)::float8
   FROM {schema}.history WHERE state = 'failed' AND finished_at > now() - interval '1 hour' GROUP BY 2
 UNION ALL
 SELECT 'workers', NULL, NULL, count(*)::float8
-  FROM {schema}.workers AS w WHERE {worker_alive};
+  FROM {schema}.workers AS w WHERE {worker_alive}
+UNION ALL
+SELECT 'paused', queue_name, NULL, 1::float8
+  FROM {schema}.queue_pauses;
 
 -- name: ping --
 -- Whether a server answers (the test servers' readiness probe).

@@ -32,6 +32,8 @@ Database gauges (label ``queue_name`` unless said otherwise):
 ``dramatiq_pg_outbox_dead_letters_last_hour``                messages dead-lettered in the last hour
 ``dramatiq_pg_outbox_live_workers`` (no label)               worker processes whose last heartbeat is
                                                              younger than ``heartbeat_timeout``
+``dramatiq_pg_outbox_queue_paused``                         1 while the queue is paused
+                                                             (``dramatiq-pg-outbox pause``), else 0
 ``dramatiq_pg_outbox_database_up`` (no label)                1 if the last statement succeeded, else 0
 ==========================================================  ==========================================
 
@@ -52,7 +54,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -85,6 +87,7 @@ class Snapshot:
       live_workers(float): Worker processes with a fresh heartbeat.
       up(bool): Whether the statement succeeded (all else is empty when not).
       taken_at(float): ``time.monotonic()`` when it was read.
+      paused(set[str]): The paused queues (``dramatiq-pg-outbox pause``).
     """
 
     messages: dict[tuple[str, str], float]
@@ -93,6 +96,7 @@ class Snapshot:
     live_workers: float
     up: bool
     taken_at: float
+    paused: set[str] = field(default_factory=set)
 
 
 class DatabaseCollector:
@@ -160,6 +164,7 @@ class DatabaseCollector:
         oldest: dict[str, float] = {}
         dead: dict[str, float] = {}
         workers = 0.0
+        paused: set[str] = set()
         for kind, queue_name, state, value in rows:
             if kind == "messages":
                 messages[(queue_name, state)] = value
@@ -167,9 +172,11 @@ class DatabaseCollector:
                 oldest[queue_name] = value
             elif kind == "dead":
                 dead[queue_name] = value
+            elif kind == "paused":
+                paused.add(queue_name)
             else:
                 workers = value
-        return Snapshot(messages, oldest, dead, workers, True, time.monotonic())
+        return Snapshot(messages, oldest, dead, workers, True, time.monotonic(), paused)
 
     def collect(self) -> Iterator[Metric]:
         """Yield the gauges (``prometheus_client``'s collector protocol)."""
@@ -186,7 +193,7 @@ class DatabaseCollector:
             "Messages by queue and state (due, delayed, processing)",
             labels=["queue_name", "state"],
         )
-        queues = sorted({q for q, _ in snap.messages})
+        queues = sorted({q for q, _ in snap.messages} | snap.paused)
         for queue_name in queues:
             for state in STATES:
                 messages.add_metric([queue_name, state], snap.messages.get((queue_name, state), 0.0))
@@ -212,6 +219,14 @@ class DatabaseCollector:
         )
         workers.add_metric([], snap.live_workers)
         yield workers
+        paused = GaugeMetricFamily(
+            f"{PREFIX}_queue_paused",
+            "1 while the queue is paused (dramatiq-pg-outbox pause), 0 once resumed",
+            labels=["queue_name"],
+        )
+        for queue_name in sorted(set(queues) | snap.paused):
+            paused.add_metric([queue_name], 1.0 if queue_name in snap.paused else 0.0)
+        yield paused
 
     def close(self) -> None:
         """Close the connection (a later read opens a new one)."""

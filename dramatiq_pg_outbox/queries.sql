@@ -180,6 +180,8 @@ WITH candidates AS (
     WHERE queue_name = %(queue_name)s
       AND state = 'pending'
       AND next_attempt_at <= now()
+      -- A paused queue (queue_pauses) is not claimed: a one-time primary-key probe.
+      AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
     ORDER BY next_attempt_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -703,3 +705,30 @@ WITH keys AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM keys) + (SELECT count(*) FROM events);
+
+-- Queue pauses (dramatiq-pg-outbox pause/resume, the dashboard; table: alembic/versions/0009_queue_pauses.py).
+
+-- name: pause_queues --
+-- Pauses the queues (each with its delay queue, in %(queue_names)s): consumers
+-- and relays stop claiming them at their next claim; sends still store.
+-- Returns the queues that were not paused yet.
+INSERT INTO {schema}.queue_pauses (queue_name)
+SELECT unnest(%(queue_names)s::text[])
+ON CONFLICT (queue_name) DO NOTHING
+RETURNING queue_name;
+
+-- name: resume_queues --
+-- Resumes the queues and wakes their consumers (they claim at once).  Returns
+-- the queues that were paused.
+WITH resumed AS (
+    DELETE FROM {schema}.queue_pauses WHERE queue_name = ANY (%(queue_names)s::text[])
+    RETURNING queue_name
+),
+woken AS (
+    SELECT pg_notify(%(channel)s, queue_name) FROM resumed
+)
+SELECT queue_name FROM resumed WHERE (SELECT count(*) FROM woken) >= 0;
+
+-- name: paused_queues --
+-- The paused queues and since when (database clock), oldest first.
+SELECT queue_name, paused_at FROM {schema}.queue_pauses ORDER BY paused_at, queue_name;

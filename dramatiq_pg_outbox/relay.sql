@@ -8,6 +8,7 @@
 WITH picked AS (
     SELECT m.id FROM {schema}.messages AS m
     WHERE m.queue_name = ANY(%(queues)s::text[]) AND m.state = 'pending' AND m.next_attempt_at <= now()
+      AND m.queue_name <> ALL (ARRAY(SELECT queue_name FROM {schema}.queue_pauses))
     ORDER BY m.next_attempt_at, m.id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED

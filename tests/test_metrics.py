@@ -195,6 +195,7 @@ def test_the_scraped_gauges_match_the_tables(db: Any, broker: PostgresBroker, me
         "dramatiq_pg_outbox_oldest_due_message_age_seconds",
         "dramatiq_pg_outbox_dead_letters_last_hour",
         "dramatiq_pg_outbox_live_workers",
+        "dramatiq_pg_outbox_queue_paused",
     }
 
 

@@ -10,6 +10,7 @@ import shutil
 from typing import Any
 
 import psycopg
+from dramatiq.common import dq_name, q_name
 
 from .._queries import queries_for_schema, with_identifiers
 from ..migrations import VERSION_TABLE, script_location, upgrade, upgrade_sql
@@ -81,6 +82,7 @@ def _status(args: argparse.Namespace) -> int:
         messages = conn.execute(queries["status_messages"]).fetchall()
         failed = conn.execute(queries["status_failed"]).fetchall()
         workers = conn.execute(queries["status_workers"]).fetchall()
+        paused = conn.execute(queries["paused_queues"]).fetchall()
     if messages:
         _table(
             [(q, state, n, delayed, _duration(age)) for q, state, n, delayed, age in messages],
@@ -95,6 +97,12 @@ def _status(args: argparse.Namespace) -> int:
     else:
         print("no dead letters")
     print()
+    canonical = [(q, at) for q, at in paused if q == q_name(q)]
+    if canonical:
+        utc = datetime.timezone.utc
+        since = ", ".join(f"{q} (since {at.astimezone(utc):%Y-%m-%d %H:%M:%S} UTC)" for q, at in canonical)
+        print(f"paused: {since}")
+        print()
     if workers:
         _table(
             [(host, pid, _queue_list(queues), f"{_duration(age)} ago") for host, pid, queues, age in workers],
@@ -104,6 +112,43 @@ def _status(args: argparse.Namespace) -> int:
     else:
         print("no workers")
     return 0
+
+
+def _pause(args: argparse.Namespace) -> int:
+    names = _queue_names(args.queues)
+    with _checked_connection(args) as (conn, queries, _):
+        rows = conn.execute(queries["pause_queues"], {"queue_names": names}).fetchall()
+    _say_each(
+        args.queues,
+        rows,
+        "paused queue {!r}: workers stop claiming it at their next claim; sends still store",
+        "queue {!r} was already paused",
+    )
+    return 0
+
+
+def _resume(args: argparse.Namespace) -> int:
+    names = _queue_names(args.queues)
+    params = {"queue_names": names, "channel": channel_for(args.schema)}
+    with _checked_connection(args) as (conn, queries, _):
+        rows = conn.execute(queries["resume_queues"], params).fetchall()
+    _say_each(args.queues, rows, "resumed queue {!r}: its workers were woken", "queue {!r} was not paused")
+    return 0
+
+
+def _say_each(queues: list[str], rows: list[tuple[Any, ...]], changed: str, unchanged: str) -> None:
+    """One line per queue: ``changed`` if the statement returned it, else ``unchanged``."""
+    returned = {str(r[0]) for r in rows}
+    for queue in queues:
+        print((changed if queue in returned else unchanged).format(queue))
+
+
+def _queue_names(queues: list[str]) -> list[str]:
+    """Each queue and its delay queue (both are paused and resumed together)."""
+    for queue in queues:
+        if queue != q_name(queue):
+            raise CliError(f"{queue!r} is a delay queue: pause or resume {q_name(queue)!r}", EXIT_USAGE)
+    return [name for queue in queues for name in (queue, dq_name(queue))]
 
 
 def _metrics(args: argparse.Namespace) -> int:

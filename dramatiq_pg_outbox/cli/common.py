@@ -22,7 +22,7 @@ from psycopg.conninfo import conninfo_to_dict
 from .._queries import queries_for_schema
 from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, login_name, rejection_reason
 from ..migrations import check_schema
-from ..names import DEFAULT_SCHEMA, validate_schema_name
+from ..names import DEFAULT_SCHEMA, validate_queue_name, validate_schema_name
 from ..urls import SECRET_PARAMETERS, libpq_url, mask_password
 
 #: Name of the program in messages.
@@ -109,6 +109,14 @@ def _non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
+
+
+def _queue_name(text: str) -> str:
+    """A valid queue name (letters, digits, ``_ . -``), for argparse."""
+    try:
+        return validate_queue_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
 
 
 def _age(text: str) -> datetime.timedelta:

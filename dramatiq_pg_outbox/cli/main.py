@@ -7,6 +7,8 @@ Subcommands::
     status        messages per queue and state, dead letters per queue, workers
     failed        the newest dead letters with their exception lines
     retry-failed  put dead letters back on their queue (fresh attempts)
+    pause         stop claiming queues (messages keep arriving and wait)
+    resume        claim paused queues again (their workers are woken)
     prune         drop the history partitions (and delete the rows) older than a given age
     maintain      create the history partitions of the next days (workers do it hourly)
     dashboard     serve the web dashboard (extra: dashboard)
@@ -52,8 +54,10 @@ from .commands import (
     _maintain,
     _metrics,
     _migrate,
+    _pause,
     _prune,
     _relay,
+    _resume,
     _retry_failed,
     _status,
 )
@@ -71,6 +75,7 @@ from .common import (
     _Parser,
     _port,
     _positive_int,
+    _queue_name,
     _report,
     _scrub,
     _secrets_in,
@@ -113,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
         help="only this history id (repeatable)",
     )
     retry.set_defaults(run=_retry_failed)
+
+    pause = sub.add_parser("pause", parents=[common], help="stop claiming queues (sends still store)")
+    pause.add_argument("queues", nargs="+", type=_queue_name, metavar="QUEUE", help="a queue name")
+    pause.set_defaults(run=_pause)
+    resume = sub.add_parser("resume", parents=[common], help="claim paused queues again")
+    resume.add_argument("queues", nargs="+", type=_queue_name, metavar="QUEUE", help="a queue name")
+    resume.set_defaults(run=_resume)
 
     prune = sub.add_parser("prune", parents=[common], help="drop history older than an age")
     prune.add_argument(

@@ -7,7 +7,8 @@ Pages (GET): ``/`` queues, ``/queues/{queue}`` a queue's live messages,
 the database answers).
 
 Actions (POST, refused with 403 in read-only mode or without the CSRF token
-of the session): ``/failed/retry``, ``/queues/{queue}/purge``,
+of the session): ``/failed/retry``, ``/queues/{queue}/purge``, ``/queues/{queue}/pause``,
+``/queues/{queue}/resume``,
 ``/messages/{id}/cancel``.
 
 Security:
@@ -198,15 +199,19 @@ class Dashboard:
         for row in await self.store.queue_minutes():
             minutes.setdefault(row.queue_name, {})[row.minute] = row.n
         sparks = {q.queue_name: charts.sparkline(minutes.get(q.queue_name, {}), now) for q in queues}
-        return self.render(request, "queues.html", page="queues", queues=queues, sparks=sparks, now=now)
+        paused = await self.store.paused_queues()
+        return self.render(
+            request, "queues.html", page="queues", queues=queues, sparks=sparks, now=now, paused=paused
+        )
 
     async def queue(self, request: Request) -> Response:
         name = _queue_name(request)
         messages = await self.store.queue_messages(name, QUEUE_MESSAGES)
         summary = next((q for q in await self.store.queues() if q.queue_name == name), None)
+        paused = await self.store.paused_queues()
         return self.render(
             request, "queue.html", page="queues", queue_name=name, messages=messages, summary=summary,
-            limit=QUEUE_MESSAGES,
+            limit=QUEUE_MESSAGES, paused_at=paused.get(name),
         )  # fmt: skip
 
     async def message(self, request: Request) -> Response:
@@ -313,6 +318,28 @@ class Dashboard:
         logger.info("dashboard: purged %d waiting message(s) of queue %r", n, name)
         return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
 
+    async def pause(self, request: Request) -> Response:
+        name = _queue_name(request)
+        await _action_form(request)
+        if await self.store.pause_queue(name):
+            _flash(
+                request, f"Paused queue {name}: workers stop claiming it; messages keep arriving and wait."
+            )
+            logger.info("dashboard: paused queue %r", name)
+        else:
+            _flash(request, f"Queue {name} was already paused.")
+        return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
+
+    async def resume(self, request: Request) -> Response:
+        name = _queue_name(request)
+        await _action_form(request)
+        if await self.store.resume_queue(name):
+            _flash(request, f"Resumed queue {name}: its workers were woken.")
+            logger.info("dashboard: resumed queue %r", name)
+        else:
+            _flash(request, f"Queue {name} was not paused.")
+        return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
+
     async def cancel(self, request: Request) -> Response:
         row_id = int(request.path_params["id"])
         await _action_form(request)
@@ -411,6 +438,8 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
         Route("/", d.queues, name="queues"),
         Route("/queues/{queue_name}", d.queue, name="queue"),
         Route("/queues/{queue_name}/purge", d.purge, methods=["POST"], name="purge"),
+        Route("/queues/{queue_name}/pause", d.pause, methods=["POST"], name="pause"),
+        Route("/queues/{queue_name}/resume", d.resume, methods=["POST"], name="resume"),
         Route("/messages/{id:int}", d.message, name="message"),
         Route("/messages/{id:int}/cancel", d.cancel, methods=["POST"], name="cancel"),
         Route("/workers", d.workers, name="workers"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
+from dramatiq.common import dq_name, q_name
 from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -316,6 +317,30 @@ class Store:
             cur = await conn.execute(all_queries_for_schema(self.schema)["retry_failed"], params)
             rows = await cur.fetchall()
         return {queue_name: int(n) for queue_name, n, _, _ in rows}
+
+    async def paused_queues(self) -> dict[str, dt.datetime]:
+        """The paused queues and since when; empty on a schema older than migration 0009."""
+        try:
+            async with self.pool.connection() as conn:
+                cur = await conn.execute(all_queries_for_schema(self.schema)["paused_queues"])
+                rows = await cur.fetchall()
+        except psycopg.errors.UndefinedTable:
+            return {}
+        return {str(q): at for q, at in rows if q == q_name(q)}
+
+    async def pause_queue(self, queue_name: str) -> bool:
+        """Pause a queue and its delay queue (the CLI's statement); whether it was running."""
+        params = {"queue_names": [queue_name, dq_name(queue_name)]}
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(all_queries_for_schema(self.schema)["pause_queues"], params)
+            return bool(await cur.fetchall())
+
+    async def resume_queue(self, queue_name: str) -> bool:
+        """Resume a queue and its delay queue, waking their workers; whether it was paused."""
+        params = {"queue_names": [queue_name, dq_name(queue_name)], "channel": self.channel}
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(all_queries_for_schema(self.schema)["resume_queues"], params)
+            return bool(await cur.fetchall())
 
     async def purge_queue(self, queue_name: str) -> int:
         """Delete the waiting rows of a queue; returns how many."""
