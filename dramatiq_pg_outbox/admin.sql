@@ -80,6 +80,10 @@ DROP TABLE {schema}.{partition};
 -- Deletes the rows of one partition of history that finished before the cutoff.
 DELETE FROM {schema}.{partition} WHERE finished_at < %(cutoff)s;
 
+-- name: count_history_before --
+-- The rows of one partition of history that finished before the cutoff (prune --dry-run).
+SELECT count(*) FROM {schema}.{partition} WHERE finished_at < %(cutoff)s;
+
 -- name: metrics_gauges --
 -- Every Prometheus gauge in one statement: (kind, queue_name, state, value) rows
 -- (kinds: messages, oldest, dead, workers, paused).

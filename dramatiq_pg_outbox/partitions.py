@@ -104,6 +104,7 @@ def prune(
     *,
     lock_timeout: int = 2_000,
     attempts: int = 3,
+    dry_run: bool = False,
 ) -> PruneResult:
     """Remove the history rows that finished more than ``older_than`` ago.
 
@@ -113,6 +114,8 @@ def prune(
       older_than(timedelta): Age of the oldest rows kept (positive).
       lock_timeout(int): Milliseconds a DROP may wait for its lock (default 2,000).
       attempts(int): Tries per partition before it is left for the next run (default 3).
+      dry_run(bool): Change nothing; the result says what would be dropped (with the planner's
+        row estimates) and counts the rows that would be deleted.  Default False.
 
     Returns:
       PruneResult: The partitions dropped (and kept), the rows deleted.
@@ -133,6 +136,13 @@ def prune(
         upper = dt.datetime.combine(partition.day + dt.timedelta(days=1), dt.time(), dt.timezone.utc)
         if upper > cutoff:
             break
+        if dry_run:
+            estimate = conn.execute(
+                queries["estimated_rows"], {"schema": schema, "table": partition.name}
+            ).fetchone()
+            result.dropped.append(partition)
+            result.dropped_rows += int(estimate[0]) if estimate else 0
+            continue
         for attempt in range(attempts):
             try:
                 with conn.transaction():
@@ -155,6 +165,11 @@ def prune(
     for name in ("history_default", at_cutoff):
         exists = conn.execute(queries["table_exists"], {"schema": schema, "table": name}).fetchone()
         if exists and exists[0]:
+            if dry_run:
+                counted = with_identifiers(queries["count_history_before"], partition=name)
+                row = conn.execute(counted, {"cutoff": cutoff}).fetchone()
+                result.deleted += int(row[0]) if row else 0
+                continue
             delete = with_identifiers(queries["delete_history_before"], partition=name)
             cur = conn.execute(delete, {"cutoff": cutoff})
             result.deleted += cur.rowcount

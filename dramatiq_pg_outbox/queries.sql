@@ -390,11 +390,13 @@ SELECT count(*) FROM orphans;
 -- Puts dead letters back on their queues (the CLI's retry-failed and the
 -- dashboard's Retry): moves them from history to messages, due now, with a
 -- fresh attempts count, in one statement (nothing is lost or doubled if it
--- fails).  Selected by ids and by the failed page's filters (NULL: any).
+-- fails).  Selected by ids and by the failed page's filters (NULL: any), the
+-- oldest first, at most %(limit)s (NULL: all).
 -- Wakes the workers of each queue (unless %(notify)s is false) and returns,
 -- per queue, the count and the history ids moved.
-WITH moved AS (
-    DELETE FROM {schema}.history
+WITH picked AS (
+    SELECT id
+    FROM {schema}.history
     WHERE state = 'failed'
       AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
       AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
@@ -403,6 +405,12 @@ WITH moved AS (
       AND (%(search)s::text IS NULL
            OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
            OR message_id = %(search)s)
+    ORDER BY finished_at, id
+    LIMIT %(limit)s::bigint
+),
+moved AS (
+    DELETE FROM {schema}.history
+    WHERE state = 'failed' AND id = ANY (ARRAY(SELECT id FROM picked))
     RETURNING id, queue_name, actor_name, message_id, payload, idempotency_key
 ),
 inserted AS (

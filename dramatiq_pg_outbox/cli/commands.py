@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import decimal
+import json
 import os
 import shutil
 from typing import Any
@@ -83,6 +85,26 @@ def _status(args: argparse.Namespace) -> int:
         failed = conn.execute(queries["status_failed"]).fetchall()
         workers = conn.execute(queries["status_workers"]).fetchall()
         paused = conn.execute(queries["paused_queues"]).fetchall()
+    if args.json:
+        _print_json(
+            {
+                "schema": args.schema,
+                "messages": [
+                    {"queue": q, "state": state, "messages": n, "delayed": delayed, "oldest_seconds": age}
+                    for q, state, n, delayed, age in messages
+                ],
+                "dead_letters": [
+                    {"queue": q, "failed_last_hour": hour, "failed_in_history": total}
+                    for q, hour, total in failed
+                ],
+                "paused": [{"queue": q, "paused_at": at} for q, at in paused if q == q_name(q)],
+                "workers": [
+                    {"host": host, "pid": pid, "queues": list(queues), "heartbeat_age_seconds": age}
+                    for host, pid, queues, age in workers
+                ],
+            }
+        )
+        return 0
     if messages:
         _table(
             [(q, state, n, delayed, _duration(age)) for q, state, n, delayed, age in messages],
@@ -112,6 +134,19 @@ def _status(args: argparse.Namespace) -> int:
     else:
         print("no workers")
     return 0
+
+
+def _print_json(value: Any) -> None:
+    """``value`` as JSON on standard output: times in ISO 8601 (UTC), Decimals as numbers."""
+
+    def convert(item: Any) -> Any:
+        if isinstance(item, datetime.datetime):
+            return item.astimezone(datetime.timezone.utc).isoformat()
+        if isinstance(item, decimal.Decimal):
+            return float(item)
+        raise TypeError(f"not JSON: {type(item).__name__}")
+
+    print(json.dumps(value, default=convert, indent=2))
 
 
 def _pause(args: argparse.Namespace) -> int:
@@ -284,6 +319,10 @@ def _serve_relay_metrics(relay: Any, host: str, port: int) -> Any:
 def _failed(args: argparse.Namespace) -> int:
     with _checked_connection(args) as (conn, queries, _):
         rows = conn.execute(queries["failed_list"], {"queue": args.queue, "limit": args.limit}).fetchall()
+    if args.json:
+        keys = ("id", "queue", "actor", "attempts", "finished_at", "error_type", "error")
+        _print_json([dict(zip(keys, row, strict=True)) for row in rows])
+        return 0
     if not rows:
         only = f" of queue {args.queue!r}" if args.queue else ""
         print(f"no dead letters{only} in schema {args.schema!r}")
@@ -309,22 +348,31 @@ def _failed(args: argparse.Namespace) -> int:
 
 def _retry_failed(args: argparse.Namespace) -> int:
     # The dashboard's Retry runs the same statement: back on the queue, due now, workers woken.
+    # --dry-run runs it too, in a transaction rolled back (and without its NOTIFY): the same
+    # selection, nothing changed.
     params = {
         "ids": args.ids,
         "queue_name": args.queue,
-        "actor_name": None,
+        "actor_name": args.actor,
         "error_type": None,
         "search": None,
-        "notify": True,
+        "limit": args.limit,
+        "notify": not args.dry_run,
         "channel": channel_for(args.schema),
     }
     with _checked_connection(args) as (conn, queries, db):
-        rows = conn.execute(queries["retry_failed"], params).fetchall()
+        with conn.transaction(force_rollback=args.dry_run):
+            rows = conn.execute(queries["retry_failed"], params).fetchall()
     count = sum(int(n) for _, n, _, _ in rows)
     moved = {int(i) for _, _, ids, _ in rows for i in ids}
-    print(f"re-enqueued {count} failed message(s)")
+    if args.dry_run:
+        per_queue = ", ".join(f"{q}: {n}" for q, n, _, _ in rows)
+        print(f"would re-enqueue {count} failed message(s)" + (f" ({per_queue})" if per_queue else ""))
+        print("dry run: nothing changed")
+    else:
+        print(f"re-enqueued {count} failed message(s)")
     missing = sorted(set(args.ids or ()) - moved)
-    if missing:
+    if missing and not (args.limit is not None and count >= args.limit):
         only = f" of queue {args.queue!r}" if args.queue else ""
         raise CliError(
             f"no dead letter{only} with id {', '.join(map(str, missing))} in schema {args.schema!r}. "
@@ -337,12 +385,17 @@ def _prune(args: argparse.Namespace) -> int:
     from ..partitions import prune
 
     with _checked_connection(args) as (conn, _, _):
-        result = prune(conn, args.schema, args.older_than, lock_timeout=args.lock_timeout)
+        result = prune(
+            conn, args.schema, args.older_than, lock_timeout=args.lock_timeout, dry_run=args.dry_run
+        )
     age = _duration(args.older_than.total_seconds())
     days = f" ({result.dropped[0].day} to {result.dropped[-1].day})" if result.dropped else ""
+    would = "would drop" if args.dry_run else "dropped"
+    deleted = "would delete" if args.dry_run else "deleted"
     print(
-        f"dropped {len(result.dropped)} day partition(s){days} of about {result.dropped_rows} row(s), "
-        f"deleted {result.deleted} history row(s) older than {age}"
+        f"{would} {len(result.dropped)} day partition(s){days} of about {result.dropped_rows} row(s), "
+        f"{deleted} {result.deleted} history row(s) older than {age}"
+        + (" (dry run: nothing changed)" if args.dry_run else "")
     )
     if result.kept:
         raise CliError(

@@ -100,15 +100,20 @@ def _parser() -> argparse.ArgumentParser:
     migrate.set_defaults(run=_migrate)
 
     status = sub.add_parser("status", parents=[common], help="messages, dead letters and workers")
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.set_defaults(run=_status)
 
     failed = sub.add_parser("failed", parents=[common], help="newest dead letters")
-    failed.add_argument("--queue", help="only this queue")
+    failed.add_argument("--queue", type=_queue_name, help="only this queue")
+    failed.add_argument("--json", action="store_true", help="print JSON instead of a table")
     failed.add_argument("--limit", type=_positive_int, default=20, help="rows to show (default: 20)")
     failed.set_defaults(run=_failed)
 
     retry = sub.add_parser("retry-failed", parents=[common], help="re-enqueue dead letters")
-    retry.add_argument("--queue", help="only this queue")
+    retry.add_argument("--queue", type=_queue_name, help="only this queue")
+    retry.add_argument("--actor", help="only this actor")
+    retry.add_argument("--limit", type=_positive_int, help="at most this many, the oldest first")
+    retry.add_argument("--dry-run", action="store_true", help="say what would be re-enqueued, change nothing")
     retry.add_argument(
         "--id",
         type=_positive_int,
@@ -141,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="how long each partition DROP may wait for its lock (default: 2000)",
     )
+    prune.add_argument("--dry-run", action="store_true", help="say what would go, change nothing")
     prune.set_defaults(run=_prune)
     maintain = sub.add_parser(
         "maintain", parents=[common], help="create the history partitions of the next days"

@@ -310,6 +310,7 @@ class Store:
             "ids": list(ids) if ids is not None else None,
             "channel": self.channel,
             "notify": True,
+            "limit": None,
             **where.params(),
         }
         # The broker's statement, shared with the CLI's retry-failed (one behaviour).
