@@ -32,10 +32,12 @@ Database gauges (label ``queue_name`` unless said otherwise):
 ``dramatiq_pg_outbox_dead_letters_last_hour``                messages dead-lettered in the last hour
 ``dramatiq_pg_outbox_live_workers`` (no label)               worker processes whose last heartbeat is
                                                              younger than ``heartbeat_timeout``
-``dramatiq_pg_outbox_queue_paused``                         1 while the queue is paused
+``dramatiq_pg_outbox_queue_paused``                          1 while the queue is paused
                                                              (``dramatiq-pg-outbox pause``), else 0
 ``dramatiq_pg_outbox_database_up`` (no label)                1 if the last statement succeeded, else 0
 ==========================================================  ==========================================
+
+A queue the collector has seen keeps its series when it empties: they read 0, not absent.
 
 Worker counters and histograms: ``dramatiq_pg_outbox_claimed_total``,
 ``_acked_total``, ``_nacked_total``, ``_requeued_total`` (label ``queue_name``;
@@ -137,6 +139,8 @@ class DatabaseCollector:
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         self._snapshot: Snapshot | None = None
+        #: Every queue seen by this collector: a queue that empties reads 0 instead of vanishing.
+        self._seen: set[str] = set()
 
     def read(self) -> Snapshot:
         """The cached reading, or a new one if it is older than ``cache_seconds``."""
@@ -193,7 +197,9 @@ class DatabaseCollector:
             "Messages by queue and state (due, delayed, processing)",
             labels=["queue_name", "state"],
         )
-        queues = sorted({q for q, _ in snap.messages} | snap.paused)
+        with self._lock:
+            self._seen |= {q for q, _ in snap.messages} | snap.paused | set(snap.dead_letters_last_hour)
+            queues = sorted(self._seen)
         for queue_name in queues:
             for state in STATES:
                 messages.add_metric([queue_name, state], snap.messages.get((queue_name, state), 0.0))
@@ -211,8 +217,8 @@ class DatabaseCollector:
             "Messages dead-lettered (failed) in the last hour",
             labels=["queue_name"],
         )
-        for queue_name, value in sorted(snap.dead_letters_last_hour.items()):
-            dead.add_metric([queue_name], value)
+        for queue_name in queues:
+            dead.add_metric([queue_name], snap.dead_letters_last_hour.get(queue_name, 0.0))
         yield dead
         workers = GaugeMetricFamily(
             f"{PREFIX}_live_workers", "Worker processes whose last heartbeat is within heartbeat_timeout"
@@ -224,7 +230,7 @@ class DatabaseCollector:
             "1 while the queue is paused (dramatiq-pg-outbox pause), 0 once resumed",
             labels=["queue_name"],
         )
-        for queue_name in sorted(set(queues) | snap.paused):
+        for queue_name in queues:
             paused.add_metric([queue_name], 1.0 if queue_name in snap.paused else 0.0)
         yield paused
 

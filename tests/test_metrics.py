@@ -351,3 +351,37 @@ def test_the_command_explains_a_missing_schema_and_a_busy_port_in_one_line(
     # A negative cache
     bad = subprocess.run([*base, "--cache-seconds", "-1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "must be 0 or more" in bad.stderr
+
+
+def test_a_queue_that_empties_reads_zero_instead_of_vanishing(
+    database_url: str, db: Any, broker: PostgresBroker
+) -> None:
+    import dramatiq
+
+    @dramatiq.actor(broker=broker, queue_name="vanishing")
+    def job() -> None:
+        pass
+
+    collector = DatabaseCollector(database_url, cache_seconds=0)
+
+    def series() -> dict[tuple[str, str], float]:
+        return {
+            (family.name, sample.labels.get("state", "")): sample.value
+            for family in collector.collect()
+            for sample in family.samples
+            if sample.labels.get("queue_name") == "vanishing"
+        }
+
+    try:
+        # Given a queue with a due message, scraped once
+        job.send()
+        assert series()[("dramatiq_pg_outbox_messages", "due")] == 1
+        # When the queue empties
+        db.execute("DELETE FROM dramatiq.messages WHERE queue_name = 'vanishing'")
+        # Then its series are still served, at 0 (rate() and absent() alerts keep working)
+        after = series()
+        assert after[("dramatiq_pg_outbox_messages", "due")] == 0
+        assert after[("dramatiq_pg_outbox_oldest_due_message_age_seconds", "")] == 0
+        assert after[("dramatiq_pg_outbox_dead_letters_last_hour", "")] == 0
+    finally:
+        collector.close()
