@@ -65,7 +65,7 @@ def fragments() -> dict[str, str]:
 def file_queries(path: str) -> dict[str, str]:
     """The queries of one ``.sql`` file of the package by name, ``{schema}`` not yet filled in.
 
-    Fragments (:func:`fragments`) are filled in.
+    Fragments (:func:`fragments`) are filled in, in parentheses.
 
     Parameters:
       path(str): Relative to the package, e.g. ``"queries.sql"``.
@@ -76,7 +76,7 @@ def file_queries(path: str) -> dict[str, str]:
     queries = _parse(path)[0]
     for name, sql in queries.items():
         for fragment, text in fragments().items():
-            sql = sql.replace("{" + fragment + "}", text)
+            sql = sql.replace("{" + fragment + "}", "(" + text + ")")
         queries[name] = sql
     return queries
 

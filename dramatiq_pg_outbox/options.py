@@ -51,6 +51,17 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
+def check_positive_ints(**values: int | None) -> None:
+    """Refuse any value that is not an integer >= 1 (``None`` passes: "off").
+
+    Raises:
+      ValueError: Naming the first option that breaks the rule.
+    """
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+
+
 @dataclass(frozen=True)
 class BrokerOptions:
     """Validated tuning options of a :class:`~dramatiq_pg_outbox.PostgresBroker`.

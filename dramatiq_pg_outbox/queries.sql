@@ -11,6 +11,18 @@
 -- drops their rows), the Prometheus gauge and the dashboard.
 w.heartbeat_at >= now() - %(heartbeat_timeout_ms)s::bigint * interval '1 millisecond'
 
+-- fragment: dead_letter_filter --
+-- The one selection of dead letters (history rows, unqualified columns): by queue,
+-- actor, error type and a case-insensitive search in the error text (or an exact
+-- message id), each NULL for any.  The dashboard's failed list and retry_failed
+-- (its Retry, the CLI's retry-failed) apply it: a retry moves what the page shows.
+(%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
+AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s)
+AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s)
+AND (%(search)s::text IS NULL
+     OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
+     OR message_id = %(search)s)
+
 -- name: enqueue --
 -- Inserts any number of messages in one statement (one row per array element)
 -- and wakes the listeners of every queue that got a message: the payload is the
@@ -399,12 +411,7 @@ WITH picked AS (
     FROM {schema}.history
     WHERE state = 'failed'
       AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-      AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
-      AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s)
-      AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s)
-      AND (%(search)s::text IS NULL
-           OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
-           OR message_id = %(search)s)
+      AND {dead_letter_filter}
     ORDER BY finished_at, id
     LIMIT %(limit)s::bigint
 ),
@@ -682,14 +689,14 @@ WHERE {schema}.rate_limit_incr_and_sum(
 
 -- name: rate_limit_notify --
 -- Publishes an event on the key for %(ttl)s ms (kept until then: a late waiter
--- still sees it) and, with %(notify)s, wakes the waiters (payload: the key).
+-- still sees it) and wakes the waiters (payload: the key).
 WITH event AS (
     INSERT INTO {schema}.rate_limit_events AS e (key, expires_at)
     VALUES (%(key)s, now() + %(ttl)s::bigint * interval '1 millisecond')
     ON CONFLICT (key) DO UPDATE SET expires_at = greatest(e.expires_at, excluded.expires_at)
     RETURNING key
 )
-SELECT pg_notify(%(channel)s, key) FROM event WHERE %(notify)s;
+SELECT pg_notify(%(channel)s, key) FROM event;
 
 -- name: rate_limit_event --
 -- Whether an event was published on the key and has not expired.
@@ -731,11 +738,8 @@ RETURNING queue_name;
 WITH resumed AS (
     DELETE FROM {schema}.queue_pauses WHERE queue_name = ANY (%(queue_names)s::text[])
     RETURNING queue_name
-),
-woken AS (
-    SELECT pg_notify(%(channel)s, queue_name) FROM resumed
 )
-SELECT queue_name FROM resumed WHERE (SELECT count(*) FROM woken) >= 0;
+SELECT queue_name, pg_notify(%(channel)s, queue_name) FROM resumed;
 
 -- name: paused_queues --
 -- The paused queues and since when (database clock), oldest first.

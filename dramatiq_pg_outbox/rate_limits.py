@@ -53,11 +53,11 @@ from typing import Any
 from dramatiq.rate_limits.backend import RateLimiterBackend
 from sqlalchemy.engine import URL, Engine
 
-from ._queries import queries_for_schema
-from ._runtime import Service
-from ._runtime.listener import Subscription, subscribe
-from .broker import PostgresBroker
-from .names import DEFAULT_SCHEMA, rate_limits_channel
+from ._runtime import Every
+from ._runtime.listener import KeyedWaiters
+from .broker import PostgresBroker, broker_for_backend
+from .names import rate_limits_channel
+from .options import check_positive_ints
 
 #: Default period of the cleanup of expired keys, in milliseconds.
 DEFAULT_CLEANUP_INTERVAL = 60_000
@@ -75,6 +75,8 @@ class PostgresBackend(RateLimiterBackend):
       broker(PostgresBroker): Use this broker's database, schema and connection pool.
       schema(str): Schema of the tables.  Default: the broker's, else ``dramatiq``.
       pool_size(int): Most pooled connections per process (``url``/``engine`` only).  Default 4.
+      pool_timeout(int): Longest wait for a pooled connection, in milliseconds
+        (``url``/``engine`` only).  Default 10000.
       listen(bool): Whether ``wait`` LISTENs for events.  Default: the broker's
         ``listen``, else True.
       poll_interval(int): Longest sleep of ``wait`` between two reads, in
@@ -97,48 +99,30 @@ class PostgresBackend(RateLimiterBackend):
         broker: PostgresBroker | None = None,
         schema: str | None = None,
         pool_size: int = 4,
+        pool_timeout: int = 10_000,
         listen: bool | None = None,
         poll_interval: int = 1_000,
         cleanup_interval: int | None = DEFAULT_CLEANUP_INTERVAL,
     ) -> None:
-        if sum(x is not None for x in (url, engine, broker)) != 1:
-            raise ValueError("Pass exactly one of url=, engine= and broker=.")
-        for name, value in (
-            ("poll_interval", poll_interval),
-            ("cleanup_interval", 1 if cleanup_interval is None else cleanup_interval),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
-        if broker is not None:
-            if not isinstance(broker, PostgresBroker):
-                raise TypeError(f"broker must be a PostgresBroker, not {type(broker).__name__}")
-            if schema is not None and schema != broker.schema:
-                raise ValueError(
-                    f"schema={schema!r} differs from the broker's schema {broker.schema!r}: "
-                    "the rate-limit tables live beside the broker's tables."
-                )
-            self.broker = broker
-            self._owns_broker = False
-        else:
-            self.broker = PostgresBroker(
-                url=url,
-                engine=engine,
-                schema=schema or DEFAULT_SCHEMA,
-                middleware=[],
-                pool_size=pool_size,
-                listen=False,
-            )
-            self._owns_broker = True
+        check_positive_ints(poll_interval=poll_interval, cleanup_interval=cleanup_interval)
+        self.broker, self._owns_broker = broker_for_backend(
+            url=url,
+            engine=engine,
+            broker=broker,
+            schema=schema,
+            pool_size=pool_size,
+            pool_timeout=pool_timeout,
+            tables="the rate-limit tables live",
+        )
         self.schema = self.broker.schema
         self.channel = rate_limits_channel(self.schema)
         self.listen = (broker.options.listen if broker is not None else True) if listen is None else listen
         self.poll_interval = poll_interval
         self.cleanup_interval = cleanup_interval
-        self._queries = queries_for_schema(self.schema)
         self._lock = threading.Lock()
         self._pid = 0
-        self._waiters: _Waiters | None = None
-        self._cleaner: _Cleaner | None = None
+        self._waiters: KeyedWaiters | None = None
+        self._cleaner: Every | None = None
 
     def __repr__(self) -> str:
         return f"<rate_limits.PostgresBackend {self.broker.safe_url} schema={self.schema!r}>"
@@ -180,14 +164,18 @@ class PostgresBackend(RateLimiterBackend):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                wakeup.wait(min(self.poll_interval / 1000, remaining))
+                wait = min(self.poll_interval / 1000, remaining)
+                if waiters is not None:
+                    waiters.wait(wakeup, wait)
+                else:
+                    wakeup.wait(wait)
         finally:
             if waiters is not None:
                 waiters.remove(key, wakeup)
 
     def wait_notify(self, key: str, ttl: int) -> None:
         """Publish an event on ``key`` that lives ``ttl`` ms, and wake its waiters."""
-        params = {"key": key, "ttl": ttl, "channel": self.channel, "notify": True}
+        params = {"key": key, "ttl": ttl, "channel": self.channel}
         self.broker.runtime.execute("rate_limit_notify", params)
         self._start_cleaner()
 
@@ -231,11 +219,11 @@ class PostgresBackend(RateLimiterBackend):
             self._waiters = None
             self._cleaner = None
 
-    def _state_waiters(self) -> _Waiters:
+    def _state_waiters(self) -> KeyedWaiters:
         with self._lock:
             self._fork_check()
             if self._waiters is None:
-                self._waiters = _Waiters(self.broker.conninfo, self.channel)
+                self._waiters = KeyedWaiters(self.broker.conninfo, self.channel)
             return self._waiters
 
     def _start_cleaner(self) -> None:
@@ -244,56 +232,8 @@ class PostgresBackend(RateLimiterBackend):
         with self._lock:
             self._fork_check()
             if self._cleaner is None:
-                self._cleaner = _Cleaner(self, self.cleanup_interval)
+                self._cleaner = Every("rate-limits-cleanup", self.cleanup_interval, self.delete_expired)
                 self._cleaner.start()
-
-
-class _Waiters:
-    """The threads of one process blocked in ``wait``, woken through its one LISTEN connection."""
-
-    def __init__(self, conninfo: str, channel: str) -> None:
-        self._by_key: dict[str, set[threading.Event]] = {}
-        self._lock = threading.Lock()
-        # Events published while not listening were not heard: every waiter reads again.
-        self._subscription: Subscription = subscribe(conninfo, channel, self.wake, lambda: self.wake(None))
-
-    def add(self, key: str, wakeup: threading.Event) -> None:
-        with self._lock:
-            self._by_key.setdefault(key, set()).add(wakeup)
-
-    def remove(self, key: str, wakeup: threading.Event) -> None:
-        with self._lock:
-            group = self._by_key.get(key)
-            if group is not None:
-                group.discard(wakeup)
-                if not group:
-                    del self._by_key[key]
-
-    def wake(self, key: str | None) -> None:
-        with self._lock:
-            if key:
-                targets = list(self._by_key.get(key, ()))
-            else:
-                targets = [w for group in self._by_key.values() for w in group]
-        for wakeup in targets:
-            wakeup.set()
-
-    def close(self) -> None:
-        self._subscription.close()
-
-
-class _Cleaner(Service):
-    """Deletes expired keys and events every ``interval`` ms (+-20 %)."""
-
-    name = "rate-limits-cleanup"
-    pause_first = True
-
-    def __init__(self, backend: PostgresBackend, interval: int) -> None:
-        super().__init__(interval / 1000, jitter=0.2, backoff_first=interval / 1000)
-        self.backend = backend
-
-    def run_once(self) -> int:
-        return self.backend.delete_expired()
 
 
 __all__ = ["PostgresBackend"]

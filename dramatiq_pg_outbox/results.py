@@ -64,12 +64,12 @@ from dramatiq.results.backend import BACKOFF_FACTOR, DEFAULT_TIMEOUT
 from sqlalchemy.engine import URL, Engine
 
 from ._queries import queries_for_schema
-from ._runtime import Service
-from ._runtime.listener import Subscription, subscribe
-from .broker import PostgresBroker, deciding
+from ._runtime import Every
+from ._runtime.listener import KeyedWaiters
+from .broker import PostgresBroker, broker_for_backend, deciding
 from .errors import SchemaNotReady
-from .names import DEFAULT_SCHEMA
 from .names import results_channel as results_channel
+from .options import check_positive_ints
 
 #: Longest NOTIFY payload sent, in bytes (PostgreSQL refuses 8000 and more).
 #: A longer message key is announced with an empty payload, which wakes every reader.
@@ -143,38 +143,20 @@ class PostgresBackend(ResultBackend):
             options["use_namespace_prefix_keys"] = True
         super().__init__(**options)
         self.logger = get_logger(__name__, type(self))
-        if sum(x is not None for x in (url, engine, broker)) != 1:
-            raise ValueError("Pass exactly one of url=, engine= and broker=.")
-        for name, value in (
-            ("poll_interval", poll_interval),
-            ("cleanup_interval", 1 if cleanup_interval is None else cleanup_interval),
-            ("cleanup_batch_size", cleanup_batch_size),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
-        if broker is not None:
-            if not isinstance(broker, PostgresBroker):
-                raise TypeError(f"broker must be a PostgresBroker, not {type(broker).__name__}")
-            if schema is not None and schema != broker.schema:
-                raise ValueError(
-                    f"schema={schema!r} differs from the broker's schema {broker.schema!r}: "
-                    "the results table lives beside the broker's tables."
-                )
-            self._broker = broker
-            self._owns_broker = False
-        else:
-            # A private broker that never consumes: its runtime is a lazy,
-            # fork-aware pool with the broker's error translation and schema check.
-            self._broker = PostgresBroker(
-                url=url,
-                engine=engine,
-                schema=schema or DEFAULT_SCHEMA,
-                middleware=[],
-                pool_size=pool_size,
-                pool_timeout=pool_timeout,
-                listen=False,
-            )
-            self._owns_broker = True
+        check_positive_ints(
+            poll_interval=poll_interval,
+            cleanup_interval=cleanup_interval,
+            cleanup_batch_size=cleanup_batch_size,
+        )
+        self._broker, self._owns_broker = broker_for_backend(
+            url=url,
+            engine=engine,
+            broker=broker,
+            schema=schema,
+            pool_size=pool_size,
+            pool_timeout=pool_timeout,
+            tables="the results table lives",
+        )
         self.schema = self._broker.schema
         self.channel = results_channel(self.schema)
         if broker is not None:
@@ -361,15 +343,14 @@ class _Process:
     def __init__(self, backend: PostgresBackend) -> None:
         self.pid = os.getpid()
         self.backend = backend
-        self.results_listener: _ResultsListener | None = None
-        self.cleaner: _Cleaner | None = None
+        self.results_listener: KeyedWaiters | None = None
+        self.cleaner: Every | None = None
         self._lock = threading.Lock()
 
-    def listener(self) -> _ResultsListener:
+    def listener(self) -> KeyedWaiters:
         with self._lock:
             if self.results_listener is None:
-                self.results_listener = _ResultsListener(self.backend)
-                self.results_listener.start()
+                self.results_listener = KeyedWaiters(self.backend._broker.conninfo, self.backend.channel)
             return self.results_listener
 
     def start_cleaner(self) -> None:
@@ -377,86 +358,13 @@ class _Process:
             return
         with self._lock:
             if self.cleaner is None and self.backend.cleanup_interval is not None:
-                self.cleaner = _Cleaner(self.backend, self.backend.cleanup_interval)
+                self.cleaner = Every(
+                    "results-cleanup", self.backend.cleanup_interval, self.backend.delete_expired
+                )
                 self.cleaner.start()
 
     def stop(self) -> None:
-        for loop in (self.results_listener, self.cleaner):
-            if loop is not None:
-                loop.stop()
-
-
-class _ResultsListener:
-    """The result waiters of one process, woken through its one LISTEN connection (``_runtime.listener``)."""
-
-    def __init__(self, backend: PostgresBackend) -> None:
-        self.backend = backend
-        self.waiting = 0
-        self._waiters: dict[str, set[threading.Event]] = {}
-        self._lock = threading.Lock()
-        self._subscription: Subscription | None = None
-        #: Set while the results channel is listened to.
-        self.connected = threading.Event()
-
-    def start(self) -> None:
-        # A store committed while we were not listening was not heard: every reader reads again.
-        self._subscription = subscribe(
-            self.backend._broker.conninfo, self.backend.channel, self.wake, on_connect=lambda: self.wake(None)
-        )
-        self.connected = self._subscription.connected
-
-    def stop(self) -> None:
-        if self._subscription is not None:
-            self._subscription.close()
-
-    def add(self, message_key: str, wakeup: threading.Event) -> None:
-        with self._lock:
-            self._waiters.setdefault(message_key, set()).add(wakeup)
-
-    def remove(self, message_key: str, wakeup: threading.Event) -> None:
-        with self._lock:
-            group = self._waiters.get(message_key)
-            if group is not None:
-                group.discard(wakeup)
-                if not group:
-                    del self._waiters[message_key]
-
-    def wait(self, wakeup: threading.Event, seconds: float) -> None:
-        """Block on ``wakeup`` for at most ``seconds``, counted in :attr:`waiting`."""
-        with self._lock:
-            self.waiting += 1
-        try:
-            wakeup.wait(seconds)
-        finally:
-            with self._lock:
-                self.waiting -= 1
-
-    def wake(self, message_key: str | None) -> None:
-        """Wake the readers of ``message_key``; all readers for ``None`` or an empty key."""
-        with self._lock:
-            if message_key:
-                targets = list(self._waiters.get(message_key, ()))
-            else:
-                targets = [w for group in self._waiters.values() for w in group]
-        for wakeup in targets:
-            wakeup.set()
-
-
-class _Cleaner(Service):
-    """Runs :meth:`PostgresBackend.delete_expired` every ``interval`` ms (+-20 % jitter)."""
-
-    name = "results-cleanup"
-    pause_first = True
-
-    def __init__(self, backend: PostgresBackend, interval: int) -> None:
-        super().__init__(interval / 1000, jitter=0.2, backoff_first=interval / 1000)
-        self.backend = backend
-
-    def run_once(self) -> int:
-        deleted = self.backend.delete_expired()
-        if deleted:
-            self.logger.debug("Deleted %d expired result(s)", deleted)
-        return deleted
-
-    def log_failure(self, error: Exception, delay: float) -> None:
-        self.logger.warning("Deleting expired results failed, retrying next interval: %s", error)
+        if self.results_listener is not None:
+            self.results_listener.close()
+        if self.cleaner is not None:
+            self.cleaner.stop()

@@ -30,10 +30,11 @@ from .messages import (
     parse_notification,
 )
 from .process import _Runtime
-from .service import Service
+from .service import Every, Service
 
 __all__ = [
     "EnqueueResult",
+    "Every",
     "Outcome",
     "RescueResult",
     "Runtime",

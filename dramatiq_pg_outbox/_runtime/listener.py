@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import psycopg
 
@@ -170,7 +169,59 @@ def _unsubscribe(sub: Subscription) -> None:
         listener.stop(timeout=2 * LISTEN_TICK_S + 1)
 
 
-def listeners() -> dict[tuple[int, str], Any]:
-    """The live listeners of this process, by (pid, conninfo) (for tests and diagnostics)."""
-    with _registry_lock:
-        return {key: value for key, value in _listeners.items() if key[0] == os.getpid()}
+class KeyedWaiters:
+    """Threads of one process blocked on keys, woken by notifications whose payload is the key.
+
+    One subscription to ``channel`` on the process's LISTEN connection; result readers
+    (``results``) and barrier waiters (``rate_limits``) use it.  After a (re)connection
+    every waiter is woken (it reads again: what was sent meanwhile was not heard).
+
+    Attributes:
+      waiting(int): Threads inside :meth:`wait` right now.
+    """
+
+    def __init__(self, conninfo: str, channel: str) -> None:
+        self.waiting = 0
+        self._by_key: dict[str, set[threading.Event]] = {}
+        self._lock = threading.Lock()
+        self._subscription = subscribe(conninfo, channel, self.wake, lambda: self.wake(None))
+
+    @property
+    def connected(self) -> threading.Event:
+        """Set while the channel is listened to."""
+        return self._subscription.connected
+
+    def add(self, key: str, wakeup: threading.Event) -> None:
+        with self._lock:
+            self._by_key.setdefault(key, set()).add(wakeup)
+
+    def remove(self, key: str, wakeup: threading.Event) -> None:
+        with self._lock:
+            group = self._by_key.get(key)
+            if group is not None:
+                group.discard(wakeup)
+                if not group:
+                    del self._by_key[key]
+
+    def wait(self, wakeup: threading.Event, seconds: float) -> None:
+        """Block on ``wakeup`` for at most ``seconds``, counted in :attr:`waiting`."""
+        with self._lock:
+            self.waiting += 1
+        try:
+            wakeup.wait(seconds)
+        finally:
+            with self._lock:
+                self.waiting -= 1
+
+    def wake(self, key: str | None) -> None:
+        """Wake the waiters of ``key``; all of them for ``None`` or an empty key."""
+        with self._lock:
+            if key:
+                targets = list(self._by_key.get(key, ()))
+            else:
+                targets = [w for group in self._by_key.values() for w in group]
+        for wakeup in targets:
+            wakeup.set()
+
+    def close(self) -> None:
+        self._subscription.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from dramatiq.common import compute_backoff
@@ -149,3 +150,27 @@ class Service:
             if self._stopping.is_set():
                 return
             self.pause(delay)
+
+
+class Every(Service):
+    """Calls ``task()`` every ``interval`` ms (+-20 %), first after one interval; a failure waits a period.
+
+    The cleanups of expired results and rate-limit keys: safe in many processes at
+    once, so the jitter only spreads them.
+    """
+
+    pause_first = True
+
+    def __init__(self, name: str, interval: int, task: Callable[[], int]) -> None:
+        super().__init__(interval / 1000, jitter=0.2, backoff_first=interval / 1000)
+        self.name = name
+        self.task = task
+
+    def run_once(self) -> int:
+        done = self.task()
+        if done:
+            self.logger.debug("%s: %d row(s)", self.name, done)
+        return done
+
+    def log_failure(self, error: Exception, delay: float) -> None:
+        self.logger.warning("%s failed, retrying next interval: %s", self.name, error)

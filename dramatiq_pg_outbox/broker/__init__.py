@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .broker import FOLLOW_UP_SIGNALS, PostgresBroker
+from .broker import FOLLOW_UP_SIGNALS, PostgresBroker, broker_for_backend
 from .consumer import (
     LOOK_AHEAD,
     SUSPECT_AT_DELIVERY,
@@ -20,5 +20,6 @@ __all__ = [
     "PostgresBroker",
     "_PostgresConsumer",
     "_PostgresMessage",
+    "broker_for_backend",
     "deciding",
 ]

@@ -440,3 +440,52 @@ def _stored_form(message: Message[Any] | MessageProxy) -> Message[Any]:
         options = {k: v for k, v in message.options.items() if k != "eta"}
         message = dataclasses.replace(message, queue_name=queue_name, options=options)
     return message
+
+
+def broker_for_backend(
+    *,
+    url: str | URL | None,
+    engine: Engine | None,
+    broker: PostgresBroker | None,
+    schema: str | None,
+    pool_size: int,
+    pool_timeout: int,
+    tables: str,
+) -> tuple[PostgresBroker, bool]:
+    """The broker a backend (results, rate limits) runs its statements through: (broker, owned).
+
+    With ``broker=``, that broker (its database, schema and pool; not owned).  With
+    ``url=``/``engine=``, a private broker that never consumes: a lazy, fork-aware
+    pool with the broker's error translation and schema check (owned: the backend
+    closes it).
+
+    Parameters:
+      tables(str): What lives beside the broker's tables, for the schema error
+        (``"the results table lives"``).
+
+    Raises:
+      ValueError: If not exactly one of ``url``, ``engine``, ``broker`` is given, or
+        ``schema`` differs from the broker's.
+      TypeError: If ``broker`` is not a :class:`PostgresBroker`.
+    """
+    if sum(x is not None for x in (url, engine, broker)) != 1:
+        raise ValueError("Pass exactly one of url=, engine= and broker=.")
+    if broker is None:
+        private = PostgresBroker(
+            url=url,
+            engine=engine,
+            schema=schema or DEFAULT_SCHEMA,
+            middleware=[],
+            pool_size=pool_size,
+            pool_timeout=pool_timeout,
+            listen=False,
+        )
+        return private, True
+    if not isinstance(broker, PostgresBroker):
+        raise TypeError(f"broker must be a PostgresBroker, not {type(broker).__name__}")
+    if schema is not None and schema != broker.schema:
+        raise ValueError(
+            f"schema={schema!r} differs from the broker's schema {broker.schema!r}: "
+            f"{tables} beside the broker's tables."
+        )
+    return broker, False

@@ -92,21 +92,15 @@ FROM {schema}.workers AS w
 ORDER BY w.hostname, w.pid;
 
 -- name: failed --
--- Dead letters, newest first, filtered by queue, actor, error type and a
--- case-insensitive search in the error text (or an exact message id).  The
+-- Dead letters, newest first, filtered by the dead_letter_filter fragment of
+-- queries.sql (the selection retry_failed applies).  The
 -- exception line is the last line of the traceback.  total is the number of
 -- matching rows, for paging.
 SELECT id, queue_name, actor_name, message_id, attempts, enqueued_at, finished_at, error_type,
        regexp_replace(rtrim(coalesce(error, ''), E'\n'), '^.*\n', '') AS error_line,
        count(*) OVER () AS total
 FROM {schema}.history
-WHERE state = 'failed'
-  AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
-  AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s)
-  AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s)
-  AND (%(search)s::text IS NULL
-       OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
-       OR message_id = %(search)s)
+WHERE state = 'failed' AND {dead_letter_filter}
 ORDER BY finished_at DESC, id DESC
 LIMIT %(limit)s OFFSET %(offset)s;
 

@@ -305,10 +305,6 @@ class Relay(Service):
             shown or "unknown",
         )
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Make :meth:`run` return after the batch in progress (thread-safe)."""
-        super().stop(timeout)
-
 
 class RelayCollector:
     """A ``prometheus_client`` collector of one relay (``dramatiq-pg-outbox relay --metrics-port``).
