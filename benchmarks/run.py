@@ -4,7 +4,8 @@ Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained
 (issue 8): delay (due time -> actor start of delayed messages and retries);
 (issue 9): prune (retention of a large history, DELETE vs DROP PARTITION);
 (issue 10): relay (outbox + relay to RabbitMQ vs publishing after commit);
-(issue 19): rate_limits (acquisitions per second of the rate-limiter backends).
+(issue 19): rate_limits (acquisitions per second of the rate-limiter backends), priorities
+(the claim with priorities against the claim before them, EXPLAIN and drains).
 Every system of a scenario is measured in the same run, on the same machine,
 against a durable PostgreSQL (fsync and synchronous_commit on).  By default a
 private server is started (``ThrowawayPostgres`` with pg_stat_statements);
@@ -22,7 +23,18 @@ import time
 
 from .bench_common import ALL_SYSTEMS, Context, machine_notes, postgres_for_benchmarks, save_json
 
-SCENARIOS = ("drain", "enqueue", "latency", "backlog", "sustained", "delay", "prune", "relay", "rate_limits")
+SCENARIOS = (
+    "drain",
+    "enqueue",
+    "latency",
+    "backlog",
+    "sustained",
+    "delay",
+    "prune",
+    "relay",
+    "rate_limits",
+    "priorities",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,11 +46,12 @@ AND (%(search)s::text IS NULL
 -- never conflict.
 WITH inserted AS (
     INSERT INTO {schema}.messages
-        (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key)
-    SELECT q, a, m, now() + d * interval '1 millisecond', p, k
+        (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority)
+    SELECT q, a, m, now() + d * interval '1 millisecond', p, k, pr
     FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
-                %(delays)s::bigint[], %(payloads)s::bytea[], %(idempotency_keys)s::text[])
-        AS t(q, a, m, d, p, k)
+                %(delays)s::bigint[], %(payloads)s::bytea[], %(idempotency_keys)s::text[],
+                %(priorities)s::smallint[])
+        AS t(q, a, m, d, p, k, pr)
     WHERE k IS NULL
        OR NOT EXISTS (SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = t.k)
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
@@ -80,10 +81,11 @@ SELECT NULL, NULL, NULL, id, message_id FROM inserted WHERE %(return_ids)s::bool
 -- planning the history subquery doubled the cost of a one-message enqueue
 -- (measured ~190 -> ~90 us per statement inside a transaction).
 WITH inserted AS (
-    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload)
-    SELECT q, a, m, now() + d * interval '1 millisecond', p
+    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload, priority)
+    SELECT q, a, m, now() + d * interval '1 millisecond', p, pr
     FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
-                %(delays)s::bigint[], %(payloads)s::bytea[]) AS t(q, a, m, d, p)
+                %(delays)s::bigint[], %(payloads)s::bytea[], %(priorities)s::smallint[])
+        AS t(q, a, m, d, p, pr)
     RETURNING id, message_id, queue_name, next_attempt_at
 )
 SELECT payload, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, payload) END,
@@ -105,9 +107,10 @@ SELECT NULL, NULL, NULL, id, message_id FROM inserted WHERE %(return_ids)s::bool
 -- one-element arrays cost ~60 us of client CPU and unnest() ~35 us of server
 -- time per statement.
 WITH inserted AS (
-    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload)
+    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload, priority)
     VALUES (%(queue_name)s::text, %(actor_name)s::text, %(message_id)s::text,
-            now() + %(delay)s::bigint * interval '1 millisecond', %(payload)s::bytea)
+            now() + %(delay)s::bigint * interval '1 millisecond', %(payload)s::bytea,
+            %(priority)s::smallint)
     RETURNING id, message_id, queue_name, next_attempt_at
 )
 SELECT payload, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, payload) END,
@@ -186,16 +189,38 @@ SELECT xid, payload, status FROM t WHERE (SELECT count(*) FROM sent) >= 0;
 -- notifications into its own clock.  The clock columns are on every returned
 -- row; a claim of nothing returns one row whose id is NULL.  Rows just claimed
 -- are due (<= now()), so the probe never returns them.
-WITH candidates AS (
+-- Priorities (broker_priority, migration 0010): the due rows of priority > 0
+-- are taken first, highest first, then in due order, from the partial index
+-- messages_priority_idx, which holds only those rows: for a queue without
+-- prioritized messages that is one probe of an empty index range, and the
+-- rows of priority 0 are read from messages_ready_idx as before, for the rest
+-- of the batch.  Each row returns its priority: the consumer hands them to the
+-- worker by priority, then id (Dramatiq's worker runs the messages of one actor
+-- priority in the order they were handed to it); sorting there, not here,
+-- keeps a Sort node out of every claim.
+WITH prioritized AS (
+    SELECT id
+    FROM {schema}.messages
+    WHERE queue_name = %(queue_name)s
+      AND state = 'pending'
+      AND priority > 0
+      AND next_attempt_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
+    ORDER BY priority DESC, next_attempt_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+),
+candidates AS (
     SELECT id
     FROM {schema}.messages
     WHERE queue_name = %(queue_name)s
       AND state = 'pending'
       AND next_attempt_at <= now()
+      AND priority = 0
       -- A paused queue (queue_pauses) is not claimed: a one-time primary-key probe.
       AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
     ORDER BY next_attempt_at, id
-    LIMIT %(limit)s
+    LIMIT %(limit)s - (SELECT count(*) FROM prioritized)
     FOR UPDATE SKIP LOCKED
 ),
 claimed AS (
@@ -205,8 +230,8 @@ claimed AS (
         lease = %(lease)s,
         owner = %(owner)s,
         acquired_at = now()
-    WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
-    RETURNING m.id, m.attempts, m.payload
+    WHERE m.id = ANY (ARRAY(SELECT id FROM prioritized UNION ALL SELECT id FROM candidates))
+    RETURNING m.id, m.attempts, m.payload, m.priority
 ),
 clock AS (
     SELECT (extract(epoch FROM coalesce(
@@ -231,7 +256,7 @@ clock AS (
             ) - now()) * 1000)::float8 AS next_due_in_ms,
            (extract(epoch FROM now()) * 1000)::float8 AS db_now_ms
 )
-SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms
+SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority
 FROM clock LEFT JOIN claimed ON true;
 
 -- name: consumer_rank --
@@ -269,9 +294,9 @@ WITH done AS (
 archived AS (
     INSERT INTO {schema}.history
         (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at, payload,
-         idempotency_key)
+         idempotency_key, priority)
     SELECT id, queue_name, actor_name, message_id, 'completed', attempts, enqueued_at, acquired_at, payload,
-           idempotency_key
+           idempotency_key, priority
     FROM done
 )
 SELECT id FROM done;
@@ -290,9 +315,9 @@ WITH failed AS (
 archived AS (
     INSERT INTO {schema}.history
         (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
-         error_type, error, payload, idempotency_key)
+         error_type, error, payload, idempotency_key, priority)
     SELECT id, queue_name, actor_name, message_id, %(state)s, attempts, enqueued_at, acquired_at,
-           failure_type, failure, payload, idempotency_key
+           failure_type, failure, payload, idempotency_key, priority
     FROM failed
 )
 SELECT id FROM failed;
@@ -353,12 +378,12 @@ quarantined AS (
 archived AS (
     INSERT INTO {schema}.history
         (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
-         error_type, error, payload, idempotency_key)
+         error_type, error, payload, idempotency_key, priority)
     SELECT id, queue_name, actor_name, message_id, 'failed', attempts, enqueued_at, acquired_at,
            'MaxDeliveriesExceeded',
            format('quarantined: delivered %%s times without an ack (max_deliveries=%%s); '
                   'its worker probably died while running it', attempts, %(max_deliveries)s),
-           payload, idempotency_key
+           payload, idempotency_key, priority
     FROM quarantined
     RETURNING queue_name
 ),
@@ -418,11 +443,11 @@ WITH picked AS (
 moved AS (
     DELETE FROM {schema}.history
     WHERE state = 'failed' AND id = ANY (ARRAY(SELECT id FROM picked))
-    RETURNING id, queue_name, actor_name, message_id, payload, idempotency_key
+    RETURNING id, queue_name, actor_name, message_id, payload, idempotency_key, priority
 ),
 inserted AS (
-    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, payload, idempotency_key)
-    SELECT queue_name, actor_name, message_id, payload, idempotency_key FROM moved
+    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, payload, idempotency_key, priority)
+    SELECT queue_name, actor_name, message_id, payload, idempotency_key, priority FROM moved
 ),
 per_queue AS (
     SELECT queue_name, count(*) AS n, array_agg(id ORDER BY id) AS ids FROM moved GROUP BY queue_name

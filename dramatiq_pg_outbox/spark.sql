@@ -18,10 +18,11 @@ COPY dpo_stage (message_id, idempotency_key, payload) FROM STDIN (FORMAT BINARY)
 -- What is new becomes messages: a key already in history (processed) or in
 -- the hot table (waiting or running) is skipped.
 INSERT INTO {schema}.messages
-    (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key)
+    (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority)
 SELECT %(queue_name)s, %(actor_name)s, st.message_id,
        now() + %(delay)s * interval '1 millisecond',
-       coalesce(st.payload, convert_to(st.payload_text, 'UTF8')), st.idempotency_key
+       coalesce(st.payload, convert_to(st.payload_text, 'UTF8')), st.idempotency_key,
+       %(priority)s::smallint
 FROM dpo_stage AS st
 WHERE NOT EXISTS (
     SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = st.idempotency_key

@@ -666,6 +666,7 @@ def test_the_command_serves_a_schema_at_revision_3_on_purpose(database_url: str)
 def test_every_query_the_dashboard_runs_is_defined_once_in_its_sql_file() -> None:
     source = (ROOT / "dramatiq_pg_outbox" / "dashboard" / "store.py").read_text()
     used = set(re.findall(r'_(?:rows|tuples)\(\s*(?:\w+,\s*)?"([a-z_]+)"', source))
+    used |= set(re.findall(r'self\.queries\["([a-z_]+)"\]', source))
     assert used == set(raw_queries()), used ^ set(raw_queries())
 
 

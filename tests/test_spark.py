@@ -189,6 +189,17 @@ def test_bad_parameters_are_refused_before_any_job(spark: Any, actor: Any) -> No
         enqueue_dataframe(df, "notify_customer", key="customer_id", batch_id="b7", url="postgresql://x/y")
 
 
+def test_a_broker_priority_option_is_stored_on_every_row(spark: Any, actor: Any, db: Any) -> None:
+    df = customers(spark, 20, partitions=2)
+    enqueue_dataframe(df, actor, args=["customer_id"], key="customer_id", batch_id="bp",
+                      options={"broker_priority": 4})  # fmt: skip
+    assert count(db, "SELECT count(*) FROM dramatiq.messages WHERE priority = 4") == 20
+    with pytest.raises(ValueError, match="broker_priority must be an integer from 0 to 255, not 256"):
+        enqueue_dataframe(df, actor, args=["customer_id"], key="customer_id", batch_id="bq",
+                          options={"broker_priority": 256})  # fmt: skip
+    assert count(db) == 20
+
+
 def test_max_partitions_caps_connections(spark: Any, actor: Any, db: Any) -> None:
     result = enqueue_dataframe(
         customers(spark, 200, partitions=8), actor, args=["customer_id"], key="customer_id",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
 #: Longest text of a dead-lettered message's error that is stored, in characters.
 MAX_ERROR_CHARS = 8_000
+
+#: Highest ``broker_priority`` a message may carry (0 is the default and the lowest).
+#: 255 is the largest priority AMQP and RabbitMQ accept (an unsigned octet).
+MAX_PRIORITY = 255
 
 
 def format_error(exc: BaseException | None) -> tuple[str, str]:
@@ -68,17 +72,21 @@ class StoredMessage:
     payload: bytes
     #: The idempotency key (see :func:`idempotency_key`), or None.
     key: str | None
+    #: The claim order among due messages of its queue (see :func:`broker_priority`).
+    priority: int = 0
 
     @classmethod
     def of(cls, message: Message[Any], delay: int = 0) -> StoredMessage:
         """Encode ``message`` now.
 
         Raises:
-          ValueError: If its ``idempotency_key`` option is not a non-empty string.
+          ValueError: If its ``idempotency_key`` option is not a non-empty string,
+            or its ``broker_priority`` option not an integer from 0 to ``MAX_PRIORITY``.
           Exception: Whatever the broker's encoder raises for unencodable arguments.
         """
         key = idempotency_key(message)
-        return cls(message, delay, message.encode(), key)
+        priority = broker_priority(message.options)
+        return cls(message, delay, message.encode(), key, priority)
 
 
 def enqueue_statement(
@@ -102,6 +110,7 @@ def enqueue_statement(
             "message_id": item.message.message_id,
             "delay": item.delay,
             "payload": item.payload,
+            "priority": item.priority,
             "channel": channel,
             "notify": notify,
             "notify_within": notify_within,
@@ -114,6 +123,7 @@ def enqueue_statement(
         "message_ids": [item.message.message_id for item in items],
         "delays": [item.delay for item in items],
         "payloads": [item.payload for item in items],
+        "priorities": [item.priority for item in items],
         "channel": channel,
         "notify": notify,
         "notify_within": notify_within,
@@ -176,6 +186,25 @@ def idempotency_key(message: Message[Any]) -> str | None:
     if not isinstance(key, str) or not key:
         raise ValueError(f"idempotency_key must be a non-empty string, not {key!r}")
     return key
+
+
+def broker_priority(options: Mapping[str, Any]) -> int:
+    """The ``broker_priority`` of a message's options: 0 (the default) to :data:`MAX_PRIORITY`.
+
+    As with Dramatiq's ``RabbitmqBroker``, a higher number is delivered first:
+    the claim takes the due messages of a queue by priority, highest first,
+    then in due order (FIFO within a priority).  Not the actor's ``priority``
+    option, by which Dramatiq's worker orders the messages it already holds.
+
+    Raises:
+      ValueError: If the option is not an integer from 0 to ``MAX_PRIORITY``.
+    """
+    priority = options.get("broker_priority")
+    if priority is None:
+        return 0
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
+        raise ValueError(f"broker_priority must be an integer from 0 to {MAX_PRIORITY}, not {priority!r}")
+    return priority
 
 
 def parse_notification(payload: str) -> tuple[str, int | None]:

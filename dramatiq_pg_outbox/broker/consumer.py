@@ -225,7 +225,9 @@ class _PostgresConsumer(Consumer):
         # Every row carries the clock columns; a claim of nothing is one row with a NULL id.
         next_due_in_ms, db_now_ms = rows[0][3:5]
         self.runtime.observe_clock(db_now_ms, sent)
-        rows = sorted((row[:3] for row in rows if row[0] is not None), key=lambda row: row[0])
+        # Highest priority first, then oldest: the worker runs them in hand-off order.
+        claimed = sorted((row for row in rows if row[0] is not None), key=lambda row: (-row[5], row[0]))
+        rows = [row[:3] for row in claimed]
         if metrics is not None:
             metrics.claim_seconds.labels(self.queue_name).observe(time.monotonic() - sent)
             if rows:

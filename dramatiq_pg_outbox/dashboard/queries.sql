@@ -142,9 +142,9 @@ WITH canceled AS (
 )
 INSERT INTO {schema}.history
     (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
-     error_type, error, payload, idempotency_key)
+     error_type, error, payload, idempotency_key, priority)
 SELECT id, queue_name, actor_name, message_id, 'failed', attempts, enqueued_at, NULL,
-       'Canceled', %(reason)s::text, payload, idempotency_key
+       'Canceled', %(reason)s::text, payload, idempotency_key, priority
 FROM canceled
 RETURNING id, queue_name;
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,16 @@ def raw_queries() -> dict[str, str]:
       ValueError: If a name is defined twice.
     """
     return file_queries(DASHBOARD_SQL)
+
+
+def without_priority(query: str) -> str:
+    """``query`` for a schema older than migration 0010, which has no ``priority`` columns.
+
+    The dashboard reads schemas from revision 3 on (an upgrade window: a new
+    dashboard before ``migrate``); its actions that copy rows between messages
+    and history (retry, cancel) then run without that column in their lists.
+    """
+    return re.sub(r",\s*priority\b", "", query)
 
 
 def queries_for_schema(schema: str) -> dict[str, str]:
@@ -314,10 +325,17 @@ class Store:
             **where.params(),
         }
         # The broker's statement, shared with the CLI's retry-failed (one behaviour).
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(all_queries_for_schema(self.schema)["retry_failed"], params)
-            rows = await cur.fetchall()
+        rows = await self._copying(all_queries_for_schema(self.schema)["retry_failed"], params)
         return {queue_name: int(n) for queue_name, n, _, _ in rows}
+
+    async def _copying(self, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Run an action that copies rows between messages and history, on any readable revision."""
+        async with self.pool.connection() as conn:
+            try:
+                cur = await conn.execute(query, params)
+            except psycopg.errors.UndefinedColumn:
+                cur = await conn.execute(without_priority(query), params)
+            return await cur.fetchall()
 
     async def paused_queues(self) -> dict[str, dt.datetime]:
         """The paused queues and since when; empty on a schema older than migration 0009."""
@@ -350,5 +368,5 @@ class Store:
 
     async def cancel_message(self, row_id: int, reason: str) -> str | None:
         """Move a waiting row to history as a ``Canceled`` dead letter; its queue, or None if not waiting."""
-        rows = await self._tuples("cancel_message", {"id": row_id, "reason": reason})
+        rows = await self._copying(self.queries["cancel_message"], {"id": row_id, "reason": reason})
         return str(rows[0][1]) if rows else None

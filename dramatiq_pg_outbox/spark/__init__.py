@@ -73,6 +73,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._jdbc import jdbc_options
+from .._runtime.messages import broker_priority
 from ..names import DEFAULT_SCHEMA, channel_for, validate_schema_name
 from ..urls import libpq_url
 
@@ -189,6 +190,7 @@ def enqueue_dataframe(
         raise ValueError(f"Column(s) {missing} not in the DataFrame (columns: {sorted(columns)})")
     if delay < 0:
         raise ValueError(f"delay must be a non-negative number of milliseconds, not {delay!r}")
+    priority = broker_priority(options or {})
     encoder = encoder or dramatiq.get_encoder()
     try:
         encoder.encode({"options": dict(options or {})})
@@ -206,6 +208,7 @@ def enqueue_dataframe(
         batch_id=batch_id,
         options=dict(options or {}),
         delay_ms=int(delay),
+        priority=priority,
         notify=notify,
         encoder=encoder,
     )

@@ -78,6 +78,8 @@ class _Plan:
     delay_ms: int
     notify: bool
     encoder: Encoder
+    #: The ``broker_priority`` option, validated (0: none).
+    priority: int = 0
 
     @classmethod
     def build(

@@ -83,7 +83,12 @@ def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tu
                 read = feed(copy)
             cur.execute(
                 queries["spark_insert"],
-                {"queue_name": plan.queue_name, "actor_name": plan.actor_name, "delay": plan.delay_ms},
+                {
+                    "queue_name": plan.queue_name,
+                    "actor_name": plan.actor_name,
+                    "delay": plan.delay_ms,
+                    "priority": plan.priority,
+                },
             )
             enqueued = cur.rowcount
             if enqueued:
