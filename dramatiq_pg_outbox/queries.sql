@@ -341,9 +341,11 @@ SELECT queue_name, n, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, 
 FROM per_queue;
 
 -- name: heartbeat --
-INSERT INTO {schema}.workers (id, hostname, pid, queues)
-VALUES (%(id)s, %(hostname)s, %(pid)s, %(queues)s::text[])
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), queues = excluded.queues;
+-- A worker process is alive; running: the rows whose actor it runs now
+-- (migration 0011), so that the dashboard tells running from prefetched.
+INSERT INTO {schema}.workers (id, hostname, pid, queues, running)
+VALUES (%(id)s, %(hostname)s, %(pid)s, %(queues)s::text[], %(running)s::bigint[])
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), queues = excluded.queues, running = excluded.running;
 
 -- name: unregister_worker --
 DELETE FROM {schema}.workers WHERE id = %(id)s;
@@ -597,7 +599,8 @@ SELECT (SELECT count(*) FROM marked), (SELECT count(*) FROM deleted);
 -- this transaction ends; the caller enqueues their due ticks and advances
 -- next_run_at past now() (periodic_advance) in this same transaction, so a
 -- tick is enqueued if and only if next_run_at moves past it.  SKIP LOCKED
--- passes over the rows another scheduler holds right now (the LockRows node
+-- passes over the rows another scheduler holds right now; a schedule disabled
+-- from the dashboard (disabled_at, migration 0011) is not claimed (the LockRows node
 -- sits below the LIMIT, so skipped rows do not count against it).  Under READ
 -- COMMITTED, a row that another scheduler advanced and committed after this
 -- statement's snapshot is re-checked against its newest version
@@ -611,7 +614,7 @@ JOIN unnest(%(names)s::text[], %(crons)s::text[], %(every_ms)s::bigint[], %(tzs)
  AND d.cron IS NOT DISTINCT FROM s.cron
  AND d.every_ms IS NOT DISTINCT FROM s.every_ms
  AND d.tz = s.tz
-WHERE s.next_run_at <= now() AND s.removed_at IS NULL
+WHERE s.next_run_at <= now() AND s.removed_at IS NULL AND s.disabled_at IS NULL
 ORDER BY s.next_run_at
 LIMIT %(limit)s
 FOR UPDATE OF s SKIP LOCKED;
@@ -643,13 +646,13 @@ JOIN unnest(%(names)s::text[], %(crons)s::text[], %(every_ms)s::bigint[], %(tzs)
  AND d.cron IS NOT DISTINCT FROM s.cron
  AND d.every_ms IS NOT DISTINCT FROM s.every_ms
  AND d.tz = s.tz
-WHERE s.removed_at IS NULL;
+WHERE s.removed_at IS NULL AND s.disabled_at IS NULL;
 
 -- name: periodic_list --
 -- "dramatiq-pg-outbox schedules": every schedule, active ones first.
 SELECT name, actor_name, queue_name, cron, every_ms, tz, missed, grace_ms, last_run_at, next_run_at,
        runs, missed_ticks, extract(epoch FROM now() - next_run_at)::float8,
-       extract(epoch FROM now() - removed_at)::float8
+       extract(epoch FROM now() - removed_at)::float8, disabled_at
 FROM {schema}.schedules
 ORDER BY removed_at IS NOT NULL, name;
 

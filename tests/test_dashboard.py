@@ -19,6 +19,7 @@ import pytest
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.dashboard import TOKEN_ENV, charts
+from dramatiq_pg_outbox.dashboard.app import Settings
 from dramatiq_pg_outbox.dashboard.store import Store, raw_queries
 from dramatiq_pg_outbox.migrations import libpq_url
 from tests.dashboard_support import DashboardServer, csrf_token, serve_dashboard
@@ -104,7 +105,7 @@ def test_pages_show_the_queues_workers_dead_letters_and_charts_of_the_database(
     assert "Traceback (most recent call last):" in letter
     assert "raise CardDeclined(" in letter
     assert "&#34;actor_name&#34;: &#34;charge&#34;" in letter  # the decoded JSON payload
-    assert "pending (delayed)" in shipping
+    assert ">delayed</td>" in shipping
     assert 'id="throughput"' in chart_page and "<polyline" in chart_page
     assert chart_page.count("<figcaption>charge") == 1 and chart_page.count("<figcaption>ship") == 1
 
@@ -244,13 +245,14 @@ def test_a_read_only_dashboard_hides_the_actions_and_refuses_them_with_403(
     with httpx.Client(base_url=server.url, headers=auth) as browser:
         pages = [
             browser.get(p).text
-            for p in ("/failed", f"/failed/{dead}", "/queues/shipping", f"/messages/{waiting}")
+            for p in ("/failed", f"/failed/{dead}", "/queues/shipping", f"/messages/{waiting}", "/schedules")
         ]
         token = csrf_token(pages[0])
 
         # Then no page offers an action
         for html in pages:
             assert "Retry" not in html and "Purge" not in html and "Cancel" not in html
+            assert "Discard" not in html and "Run now" not in html and "Disable" not in html
             assert 'action="' + server.url + '/failed/retry"' not in html
 
         # And every action is refused, although auth and CSRF are right
@@ -258,8 +260,11 @@ def test_a_read_only_dashboard_hides_the_actions_and_refuses_them_with_403(
             browser.post("/failed/retry", data={"csrf_token": token, "ids": str(dead)}),
             browser.post("/queues/shipping/purge", data={"csrf_token": token, "confirm": "yes"}),
             browser.post(f"/messages/{waiting}/cancel", data={"csrf_token": token}),
+            browser.post("/failed/discard", data={"csrf_token": token, "ids": str(dead), "confirm": "yes"}),
+            browser.post(f"/messages/{waiting}/run-now", data={"csrf_token": token}),
+            browser.post("/schedules/toggle", data={"csrf_token": token, "name": "x", "enabled": "0"}),
         ]
-    assert [r.status_code for r in refused] == [403, 403, 403]
+    assert [r.status_code for r in refused] == [403] * 6
     assert "read-only" in refused[0].text
     assert dead_letter_ids(db) == [dead]
     assert count(db, "SELECT count(*) FROM dramatiq.messages") == 1
@@ -645,7 +650,7 @@ def test_the_command_serves_a_schema_at_revision_3_on_purpose(database_url: str)
         wait_for(up, 60, "the dashboard command to serve")
         # Then every page reads it, and a retry moves the dead letter back to its queue
         with httpx.Client(base_url=url) as browser:
-            for page in ("/", "/workers", "/charts", "/failed/1"):
+            for page in ("/", "/workers", "/charts", "/failed/1", "/schedules", "/queues/default"):
                 assert browser.get(page).status_code == 200, page
             failed = browser.get("/failed")
             assert failed.status_code == 200 and "card declined for order 1" in failed.text
@@ -670,6 +675,12 @@ def test_every_query_the_dashboard_runs_is_defined_once_in_its_sql_file() -> Non
     assert used == set(raw_queries()), used ^ set(raw_queries())
 
 
+def test_a_negative_or_fractional_refresh_is_refused() -> None:
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="refresh must be a whole number of seconds >= 0"):
+            Settings(url="postgresql://x/y", refresh=bad)
+
+
 def test_nice_ticks_cover_the_maximum_in_round_steps() -> None:
     assert charts.nice_ticks(0) == [0, 0.25, 0.5, 0.75, 1.0]
     assert charts.nice_ticks(7.3) == [0, 2, 4, 6, 8]
@@ -686,6 +697,29 @@ def test_a_gap_in_a_series_breaks_its_line() -> None:
     (line,) = chart.lines
     assert len(line.segments) == 2 and len(line.dots) == 1
     assert [label for _, label in chart.y_ticks] == ["0", "1", "2", "3", "4"]
+
+
+def test_a_latency_axis_reads_in_human_units() -> None:
+    import datetime as dt
+
+    t0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.timezone.utc)
+
+    def axis(peak_ms: float) -> tuple[str, list[str]]:
+        points = [(t0, 0.0), (t0 + dt.timedelta(minutes=1), peak_ms)]
+        chart = charts.line_chart("t", "ms", [charts.Series("a", points)], t0, t0 + dt.timedelta(minutes=2))
+        return chart.unit, [label for _, label in chart.y_ticks]
+
+    # A wait of 9.5 hours (34.2M ms) reads in hours, 3 days in days, 800 s in minutes
+    assert axis(9.5 * 3_600_000) == ("h", ["0", "2.5", "5", "7.5", "10"])
+    assert axis(3 * 86_400_000) == ("d", ["0", "1", "2", "3"])
+    assert axis(800_000) == ("min", ["0", "5", "10", "15"])
+    assert axis(42) == ("ms", ["0", "20", "40", "60"])
+    assert axis(0) == ("ms", ["0", "0.25", "0.5", "0.75", "1"])
+    # And the line's top point lies on the tick of its value (the scale is the unit's)
+    points = [(t0, 0.0), (t0 + dt.timedelta(minutes=1), 2 * 3_600_000)]
+    chart = charts.line_chart("t", "ms", [charts.Series("a", points)], t0, t0 + dt.timedelta(minutes=2))
+    top_y = float(chart.lines[0].segments[0].split()[1].split(",")[1])
+    assert (top_y, "2") in [(y, label) for y, label in chart.y_ticks]
 
 
 def test_the_charts_count_an_empty_bucket_as_zero_messages_and_unknown_latency() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -152,3 +153,158 @@ def test_a_script_in_an_error_text_does_not_run_in_the_browser(
     assert page.evaluate("typeof window.__pwned") == "undefined"
     assert page.locator("pre.traceback script, pre.traceback img").count() == 0
     assert dialogs == []
+
+
+def marker(page: Any) -> Any:
+    """``window.__marker`` of the page (1 when set, None once the page has reloaded)."""
+    try:
+        return page.evaluate("window.__marker")
+    except sync_api.Error:  # the page is navigating
+        return 1
+
+
+def test_a_queue_page_pages_filters_tells_running_from_prefetched_and_runs_a_delayed_message_now(
+    make_broker: Any,
+    start_worker: Any,
+    db: Any,
+    serve_dashboard: Callable[..., DashboardServer],
+    page: Any,
+    tmp_path: Path,
+) -> None:
+    # Given a worker with one thread busy on a report, two more reports claimed behind it,
+    # and 105 archive jobs delayed by an hour, on one queue
+    broker = make_broker(heartbeat_interval=200)
+    release = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name="reports")
+    def render(i: int) -> None:
+        release.wait(60)
+
+    @dramatiq.actor(broker=broker, queue_name="reports")
+    def archive(i: int) -> None:
+        pass
+
+    for i in range(105):
+        archive.send_with_options(args=(i,), delay=3_600_000)
+    for i in range(3):
+        render.send(i)
+    start_worker(broker, worker_threads=1)
+    try:
+        wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.messages WHERE state = 'processing'") == 3,
+                 30, "the three reports to be claimed")  # fmt: skip
+        reported = "SELECT count(*) FROM dramatiq.workers WHERE cardinality(running) = 1"
+        wait_for(lambda: count(db, reported) == 1, 30, "a heartbeat that reports the running one")
+        server = serve_dashboard(refresh=1)
+
+        # When the operator opens the queue: the processing rows come first
+        page.goto(server.url + "/queues/reports")
+        states = page.locator("#messages td.state").all_inner_texts()
+        # Then one report is running and two are prefetched, the rest delayed; 100 per page
+        assert states[:3].count("running") == 1 and states[:3].count("prefetched") == 2, states[:4]
+        assert len(states) == 100 and set(states[3:]) == {"delayed"}
+        assert "Messages 1 to 100" in page.inner_text("#showing")
+        # And the page reloads itself (a marker set in the page is gone after the reload)
+        page.evaluate("window.__marker = 1")
+        wait_for(lambda: marker(page) is None, 10, "the page to reload itself")
+        screenshot(page, tmp_path / "queue.png")
+        # And the next page holds the last 8 rows
+        page.click("#next-page")
+        assert page.locator("#messages tbody tr").count() == 8
+        assert "Messages 101 to 108" in page.inner_text("#showing")
+        # And the filters select what waits for what: delayed archive jobs only, then processing only
+        page.goto(server.url + "/queues/reports?refresh=off")
+        assert page.locator("meta[http-equiv=refresh]").count() == 0
+        page.select_option("select[name=status]", "processing")
+        page.click("#message-filters button")
+        assert sorted(page.locator("#messages td.state").all_inner_texts()) == [
+            "prefetched",
+            "prefetched",
+            "running",
+        ]
+        page.select_option("select[name=status]", "delayed")
+        page.select_option("select[name=actor]", "archive")
+        page.click("#message-filters button")
+        assert set(page.locator("#messages tbody td:nth-child(2)").all_inner_texts()) == {"archive"}
+        # When the operator runs the first delayed one now, and the reports finish
+        first = page.locator("#messages tbody tr").first
+        row_id = int(first.get_attribute("data-id"))
+        first.locator("button:has-text('Run now')").click()
+        assert f"Message {row_id} is due now" in page.inner_text(".flash")
+        release.set()
+        # Then the real worker runs it, an hour early, and the others keep waiting
+        wait_for(lambda: count(db, f"SELECT count(*) FROM dramatiq.history WHERE id = {row_id}") == 1, 30,
+                 "the message run now")  # fmt: skip
+        assert count(db, "SELECT count(*) FROM dramatiq.messages WHERE actor_name = 'archive'") == 104
+    finally:
+        release.set()
+
+
+def test_dead_letters_are_discarded_and_a_schedule_disabled_from_the_browser(
+    make_broker: Any,
+    start_worker: Any,
+    db: Any,
+    serve_dashboard: Callable[..., DashboardServer],
+    page: Any,
+    tmp_path: Path,
+) -> None:
+    from dramatiq_pg_outbox.periodic import Scheduler, periodic
+
+    # Given three dead letters and a real scheduler with one schedule every minute
+    broker = make_broker()
+
+    @dramatiq.actor(broker=broker, queue_name="imports", max_retries=0)
+    def load(i: int) -> None:
+        raise ValueError(f"row {i} is malformed")
+
+    @periodic(every=60_000, name="heartbeat-ping")
+    @dramatiq.actor(broker=broker, queue_name="pings")
+    def ping() -> None:
+        pass
+
+    for i in range(3):
+        load.send(i)
+    start_worker(broker)
+    wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'") == 3, 30,
+             "the dead letters")  # fmt: skip
+    db.execute("DELETE FROM dramatiq.schedules")
+    scheduler = Scheduler(broker)
+    scheduler.sync()
+    server = serve_dashboard()
+
+    # When the operator ticks one dead letter and clicks Discard without confirming
+    page.goto(server.url + "/failed")
+    page.locator("#failed tbody input[name=ids]").first.check()
+    page.click("#discard-selected")
+    # Then nothing is deleted
+    assert "Not discarded" in page.inner_text(".flash")
+    assert count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'") == 3
+    # When confirmed
+    page.locator("#failed tbody input[name=ids]").first.check()
+    page.check("input[name=confirm]")
+    page.click("#discard-selected")
+    # Then that one is gone for good, the others stay
+    assert "Discarded 1 dead letter(s) for good." in page.inner_text(".flash")
+    assert count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'") == 2
+    assert page.locator("#failed tbody tr").count() == 2
+
+    # When the operator opens the schedules and disables the schedule
+    page.goto(server.url + "/schedules?refresh=off")
+    row = page.locator('#schedules tr[data-name="heartbeat-ping"]')
+    assert "enabled" in row.locator("td.status").inner_text()
+    assert "every 60 s" in row.inner_text()
+    row.locator("button:has-text('Disable')").click()
+    assert "Disabled schedule heartbeat-ping." in page.inner_text(".flash")
+    screenshot(page, tmp_path / "schedules.png")
+    # Then the scheduler claims none of its ticks, even a due one
+    db.execute("UPDATE dramatiq.schedules SET next_run_at = now() - interval '1 second'")
+    assert scheduler.run_once().claimed == 0
+    assert count(db, "SELECT count(*) FROM dramatiq.messages WHERE queue_name = 'pings'") == 0
+    # And once enabled again, the due tick is enqueued (the next one is a minute away)
+    page.locator('#schedules tr[data-name="heartbeat-ping"] button:has-text("Enable")').click()
+    assert "Enabled schedule heartbeat-ping." in page.inner_text(".flash")
+    assert scheduler.run_once().enqueued == 1
+    assert (
+        count(db, "SELECT count(*) FROM dramatiq.messages WHERE queue_name = 'pings'")
+        + count(db, "SELECT count(*) FROM dramatiq.history WHERE queue_name = 'pings'")
+        == 1
+    )

@@ -118,6 +118,7 @@ class _Maintenance(Service):
                 "hostname": self.hostname,
                 "pid": os.getpid(),
                 "queues": self.runtime.queue_names(),
+                "running": self.runtime.running_ids(),
             },
         )
 

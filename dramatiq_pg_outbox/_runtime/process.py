@@ -86,6 +86,9 @@ class _Runtime:
         #: Claims this process holds: row id -> lease.  Removed once the
         #: flusher has written the outcome of that lease (see untrack).
         self.inflight: dict[int, uuid.UUID] = {}
+        #: Row ids of the claimed messages whose actor is running now (the rest of
+        #: ``inflight`` is prefetched): the heartbeat reports them (the dashboard).
+        self.running: set[int] = set()
         self._inflight_lock = threading.Lock()
         #: Database clock minus this process's time.monotonic(), in milliseconds,
         #: as seen by the latest claim (see observe_clock); until then, the wall clock's.
@@ -256,6 +259,21 @@ class _Runtime:
             for item in items:
                 if self.inflight.get(item[0]) == item[1]:
                     del self.inflight[item[0]]
+
+    def started(self, row_id: int) -> None:
+        """The actor of row ``row_id`` starts (Dramatiq's ``before_process_message``)."""
+        with self._inflight_lock:
+            self.running.add(row_id)
+
+    def finished(self, row_id: int) -> None:
+        """The actor of row ``row_id`` returned, raised or was skipped."""
+        with self._inflight_lock:
+            self.running.discard(row_id)
+
+    def running_ids(self) -> list[int]:
+        """Row ids of the messages whose actor runs in this process, as of now."""
+        with self._inflight_lock:
+            return sorted(self.running)
 
     def known_claims(self) -> list[int]:
         """Row ids of the claims this process holds."""

@@ -321,6 +321,9 @@ class PostgresBroker(Broker):
         if signal in ("ack", "nack") and args and isinstance(args[0], _PostgresMessage):
             args[0].deferred = True
         super().emit_before(signal, *args, **kwargs)
+        if signal == "process_message" and args and isinstance(args[0], _PostgresMessage):
+            # Running, not prefetched any more: the heartbeat tells the dashboard.
+            self.runtime.started(args[0].row_id)
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         """Run the ``after_<signal>`` hooks; for a delivery's outcome, collect what they send.
@@ -349,6 +352,8 @@ class PostgresBroker(Broker):
         ):
             super().emit_after(signal, *args, **kwargs)
             return
+        if signal in ("process_message", "skip_message"):
+            self.runtime.finished(message.row_id)
         previous = deciding()
         _deciding.message = message
         try:

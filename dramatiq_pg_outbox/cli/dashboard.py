@@ -66,6 +66,13 @@ def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ())
         "required with --host 0.0.0.0 or ::",
     )
     parser.add_argument("--read-only", action="store_true", help="hide and refuse every action")
+    parser.add_argument(
+        "--refresh",
+        type=int,
+        default=5,
+        metavar="SECONDS",
+        help="reload the queues, queue, workers and schedules pages every SECONDS (default: 5; 0: never)",
+    )
     auth = parser.add_mutually_exclusive_group()
     auth.add_argument(
         "--token",
@@ -121,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             token=token,
             basic_auth=basic_auth,
             allowed_hosts=allowed_hosts,
+            refresh=args.refresh,
         )
     except ValueError as e:
         raise CliError(str(e).rstrip("."), EXIT_USAGE) from None

@@ -213,9 +213,12 @@ def run_schedules(args: argparse.Namespace) -> int:
         missed_ticks,
         late_s,
         removed_s,
+        disabled_at,
     ) in rows:
         if removed_s is not None:
             status = f"removed {_duration(removed_s)} ago"
+        elif disabled_at is not None:
+            status = f"disabled since {_utc(disabled_at)} (enable it in the dashboard)"
         elif late_s * 1000 > grace_ms:
             status = f"late {_duration(late_s)}: is a scheduler running?"
         else:

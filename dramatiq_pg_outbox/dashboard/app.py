@@ -1,15 +1,19 @@
 """The dashboard's web application: Starlette routes rendering Jinja2 templates.
 
-Pages (GET): ``/`` queues, ``/queues/{queue}`` a queue's live messages,
-``/messages/{id}`` one live message, ``/workers``, ``/failed`` dead letters
-(filters: queue, actor, error type, text), ``/failed/{id}`` one dead letter,
-``/charts`` throughput and latency per actor, ``/healthz`` (no auth; "ok" when
-the database answers).
+Pages (GET): ``/`` queues, ``/queues/{queue}`` a queue's live messages
+(filters: status, actor; pages of 100; running told from prefetched),
+``/messages/{id}`` one live message, ``/workers``, ``/schedules`` periodic
+jobs, ``/failed`` dead letters (filters: queue, actor, error type, text),
+``/failed/{id}`` one dead letter, ``/charts`` throughput and latency per
+actor, ``/healthz`` (no auth; "ok" when the database answers).  The queues,
+queue, workers and schedules pages reload themselves every
+``Settings.refresh`` seconds (``<meta http-equiv="refresh">``: no script,
+so the CSP stays without a script source); ``?refresh=off`` stops it.
 
 Actions (POST, refused with 403 in read-only mode or without the CSRF token
-of the session): ``/failed/retry``, ``/queues/{queue}/purge``, ``/queues/{queue}/pause``,
-``/queues/{queue}/resume``,
-``/messages/{id}/cancel``.
+of the session): ``/failed/retry``, ``/failed/discard``, ``/queues/{queue}/purge``,
+``/queues/{queue}/pause``, ``/queues/{queue}/resume``, ``/messages/{id}/cancel``,
+``/messages/{id}/run-now``, ``/schedules/toggle``.
 
 Security:
 
@@ -75,9 +79,11 @@ from .store import MIN_SCHEMA_REVISION, FailedFilter, Store, decode_payload
 
 logger = logging.getLogger(__name__)
 
-#: Dead letters per page of ``/failed``; live messages shown per queue.
+#: Dead letters per page of ``/failed``; live messages per page of a queue.
 PAGE_SIZE = 50
-QUEUE_MESSAGES = 200
+QUEUE_MESSAGES = 100
+#: The queue page's status filter: what a live row waits for.
+QUEUE_STATUSES = ("due", "delayed", "processing")
 
 #: Chart windows: name -> (window, bucket of message_stats(), bucket label).  50-60 buckets each.
 WINDOWS: dict[str, tuple[dt.timedelta, dt.timedelta, str]] = {
@@ -128,6 +134,13 @@ def format_time(value: dt.datetime | None) -> str:
     return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def merge_query(params: Any, **changes: str | None) -> str:
+    """The query string of ``params`` (a request's query parameters) with ``changes``; None drops one."""
+    merged = [(k, v) for k, v in params.multi_items() if k not in changes]
+    merged += [(k, v) for k, v in changes.items() if v is not None]
+    return urlencode(merged)
+
+
 def _templates() -> Jinja2Templates:
     env = jinja2.Environment(
         loader=jinja2.PackageLoader(__package__ or "dramatiq_pg_outbox.dashboard", "templates"),
@@ -140,6 +153,7 @@ def _templates() -> Jinja2Templates:
     env.filters["age"] = format_age
     env.filters["time"] = format_time
     env.filters["number"] = lambda n: f"{int(n):,}"
+    env.filters["merge"] = merge_query
     return Jinja2Templates(env=env)
 
 
@@ -166,6 +180,26 @@ def _failed_query(where: FailedFilter, page: int = 1) -> str:
         "page": page if page > 1 else None,
     }
     return urlencode({k: v for k, v in params.items() if v})
+
+
+def _ids(form: Any) -> list[int]:
+    """The ticked dead letter ids of a form (400 if one is not an integer)."""
+    try:
+        return sorted({int(v) for v in form.getlist("ids") if isinstance(v, str)})
+    except ValueError:
+        raise HTTPException(400, "Dead letter ids must be integers.") from None
+
+
+def _page_number(params: Any) -> int:
+    try:
+        return max(1, int(params.get("page", "1")))
+    except ValueError:
+        return 1
+
+
+def _query(**params: Any) -> str:
+    """A query string of the non-empty ``params`` (page 1 is the default, left out)."""
+    return urlencode({k: v for k, v in params.items() if v and not (k == "page" and v == 1)})
 
 
 def _queue_name(request: Request) -> str:
@@ -201,18 +235,41 @@ class Dashboard:
         sparks = {q.queue_name: charts.sparkline(minutes.get(q.queue_name, {}), now) for q in queues}
         paused = await self.store.paused_queues()
         return self.render(
-            request, "queues.html", page="queues", queues=queues, sparks=sparks, now=now, paused=paused
-        )
+            request, "queues.html", page="queues", queues=queues, sparks=sparks, now=now, paused=paused,
+            refresh=self.refresh(request),
+        )  # fmt: skip
 
     async def queue(self, request: Request) -> Response:
         name = _queue_name(request)
-        messages = await self.store.queue_messages(name, QUEUE_MESSAGES)
+        params = request.query_params
+        status = params.get("status") if params.get("status") in QUEUE_STATUSES else None
+        actor = _optional(params.get("actor"))
+        page = _page_number(params)
+        rows = await self.store.queue_messages(
+            name, QUEUE_MESSAGES + 1, (page - 1) * QUEUE_MESSAGES, actor_name=actor, status=status
+        )
         summary = next((q for q in await self.store.queues() if q.queue_name == name), None)
         paused = await self.store.paused_queues()
+        by_worker = await self.store.running()
+        running = None if by_worker is None else {i for ids in by_worker.values() for i in ids}
+        filters = {"status": status, "actor": actor}
         return self.render(
-            request, "queue.html", page="queues", queue_name=name, messages=messages, summary=summary,
-            limit=QUEUE_MESSAGES, paused_at=paused.get(name),
+            request, "queue.html", page="queues", queue_name=name, messages=rows[:QUEUE_MESSAGES],
+            summary=summary, limit=QUEUE_MESSAGES, paused_at=paused.get(name), running=running,
+            statuses=QUEUE_STATUSES, status=status, actor=actor, actors=await self.store.queue_actors(name),
+            page_number=page, first=(page - 1) * QUEUE_MESSAGES + 1,
+            prev_query=_query(**filters, page=page - 1) if page > 1 else None,
+            next_query=_query(**filters, page=page + 1) if len(rows) > QUEUE_MESSAGES else None,
+            refresh=self.refresh(request),
         )  # fmt: skip
+
+    def refresh(self, request: Request) -> int:
+        """Seconds between reloads of a live page (``<meta http-equiv="refresh">``); 0: none.
+
+        ``Settings.refresh`` (default 5), unless the page was opened with
+        ``?refresh=off`` (its link "pause auto-refresh").
+        """
+        return 0 if request.query_params.get("refresh") == "off" else self.settings.refresh
 
     async def message(self, request: Request) -> Response:
         row_id = int(request.path_params["id"])
@@ -227,14 +284,20 @@ class Dashboard:
         )
 
     async def workers(self, request: Request) -> Response:
-        return self.render(request, "workers.html", page="workers", workers=await self.store.workers())
+        return self.render(
+            request, "workers.html", page="workers", workers=await self.store.workers(),
+            running=await self.store.running(), refresh=self.refresh(request),
+        )  # fmt: skip
+
+    async def schedules(self, request: Request) -> Response:
+        return self.render(
+            request, "schedules.html", page="schedules", schedules=await self.store.schedules(),
+            refresh=self.refresh(request),
+        )  # fmt: skip
 
     async def failed(self, request: Request) -> Response:
         where = _failed_filter(request.query_params)
-        try:
-            page = max(1, int(request.query_params.get("page", "1")))
-        except ValueError:
-            page = 1
+        page = _page_number(request.query_params)
         rows = await self.store.failed(where, PAGE_SIZE, (page - 1) * PAGE_SIZE)
         total = rows[0].total if rows else 0
         errors = await self.store.error_types()
@@ -291,10 +354,7 @@ class Dashboard:
         if form.get("all") == "1":
             moved = await self.store.retry_failed(None, where)
         else:
-            try:
-                ids = sorted({int(v) for v in form.getlist("ids") if isinstance(v, str)})
-            except ValueError:
-                raise HTTPException(400, "Dead letter ids must be integers.") from None
+            ids = _ids(form)
             if not ids:
                 _flash(request, "Nothing selected: tick the dead letters to retry.")
                 return RedirectResponse(
@@ -306,6 +366,53 @@ class Dashboard:
         _flash(request, f"Re-enqueued {count} dead letter(s)" + (f": {per_queue}." if per_queue else "."))
         logger.info("dashboard: re-enqueued %d dead letter(s) %s", count, moved)
         return RedirectResponse(f"{request.url_for('failed')}?{_failed_query(where)}", status_code=303)
+
+    async def discard(self, request: Request) -> Response:
+        form = await _action_form(request)
+        where = _failed_filter(form)
+        back = RedirectResponse(f"{request.url_for('failed')}?{_failed_query(where)}", status_code=303)
+        if form.get("confirm") != "yes":
+            _flash(request, "Not discarded: tick the box to confirm (discarding deletes for good).")
+            return back
+        if form.get("all") == "1":
+            gone = await self.store.discard_failed(None, where)
+        else:
+            ids = _ids(form)
+            if not ids:
+                _flash(request, "Nothing selected: tick the dead letters to discard.")
+                return back
+            gone = await self.store.discard_failed(ids, FailedFilter())
+        count = sum(gone.values())
+        _flash(request, f"Discarded {count} dead letter(s) for good.")
+        logger.info("dashboard: discarded %d dead letter(s) %s", count, gone)
+        return back
+
+    async def run_now(self, request: Request) -> Response:
+        row_id = int(request.path_params["id"])
+        await _action_form(request)
+        queue_name = await self.store.run_now(row_id)
+        if queue_name is None:
+            _flash(request, f"Message {row_id} was not delayed any more (due, running or gone): unchanged.")
+            return RedirectResponse(request.url_for("queues"), status_code=303)
+        _flash(request, f"Message {row_id} is due now: its workers were woken.")
+        logger.info("dashboard: ran message %d of queue %r now", row_id, queue_name)
+        return RedirectResponse(request.url_for("queue", queue_name=queue_name), status_code=303)
+
+    async def toggle_schedule(self, request: Request) -> Response:
+        form = await _action_form(request)
+        name, enabled = form.get("name"), form.get("enabled") == "1"
+        if not isinstance(name, str) or not name:
+            raise HTTPException(400, "Which schedule? The form names none.")
+        if await self.store.set_schedule_enabled(name, enabled):
+            done = "Enabled" if enabled else "Disabled"
+            _flash(request, f"{done} schedule {name}." + ("" if enabled else " Schedulers skip its ticks."))
+            logger.info("dashboard: %s schedule %r", done.lower(), name)
+        else:
+            _flash(
+                request,
+                f"Schedule {name} was already {'enabled' if enabled else 'disabled'} (or is removed).",
+            )
+        return RedirectResponse(request.url_for("schedules"), status_code=303)
 
     async def purge(self, request: Request) -> Response:
         name = _queue_name(request)
@@ -442,9 +549,13 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
         Route("/queues/{queue_name}/resume", d.resume, methods=["POST"], name="resume"),
         Route("/messages/{id:int}", d.message, name="message"),
         Route("/messages/{id:int}/cancel", d.cancel, methods=["POST"], name="cancel"),
+        Route("/messages/{id:int}/run-now", d.run_now, methods=["POST"], name="run_now"),
+        Route("/schedules", d.schedules, name="schedules"),
+        Route("/schedules/toggle", d.toggle_schedule, methods=["POST"], name="toggle_schedule"),
         Route("/workers", d.workers, name="workers"),
         Route("/failed", d.failed, name="failed"),
         Route("/failed/retry", d.retry, methods=["POST"], name="retry"),
+        Route("/failed/discard", d.discard, methods=["POST"], name="discard"),
         Route("/failed/{id:int}", d.dead_letter, name="dead_letter"),
         Route("/charts", d.charts, name="charts"),
         Route("/login", d.login_page, name="login_page"),

@@ -102,6 +102,19 @@ def format_number(value: float) -> str:
     return f"{value:.3g}"
 
 
+#: Units of a duration axis: (label, milliseconds), the largest that fits is used.
+DURATION_UNITS = (("d", 86_400_000.0), ("h", 3_600_000.0), ("min", 60_000.0), ("s", 1_000.0), ("ms", 1.0))
+
+
+def duration_unit(maximum_ms: float) -> tuple[str, float]:
+    """(label, size in ms) of the unit a duration axis reading up to ``maximum_ms`` is drawn in.
+
+    The largest unit of which the maximum is at least two: a wait of days reads
+    in days or hours, never as "800k ms"; below 2 ms, milliseconds.
+    """
+    return next(((label, size) for label, size in DURATION_UNITS if maximum_ms >= 2 * size), ("ms", 1.0))
+
+
 def time_ticks(start: dt.datetime, end: dt.datetime, count: int = 6) -> list[tuple[dt.datetime, str]]:
     """Round UTC times between ``start`` and ``end``, at most about ``count`` of them, with labels."""
     span = max((end - start).total_seconds(), 1.0)
@@ -137,7 +150,8 @@ def line_chart(
 
     Parameters:
       title(str): Shown above the chart.
-      unit(str): Unit of the values (shown with the title), e.g. ``msgs/s`` or ``ms``.
+      unit(str): Unit of the values (shown with the title), e.g. ``msgs/s``; ``ms``
+        marks a duration, drawn in the unit :func:`duration_unit` picks (s, min, h, d).
       series(Sequence[Series]): The lines; colours default to :data:`PALETTE` in order.
       start, end(datetime): The time window (timezone-aware).
       width, height(int): Size of the whole SVG in pixels.
@@ -148,8 +162,11 @@ def line_chart(
     left, right, top, bottom = 48, 12, 10, 24
     plot_w, plot_h = width - left - right, height - top - bottom
     values = [v for s in series for _, v in s.points if v is not None]
-    y_values = nice_ticks(max(values, default=0.0))
-    y_max = y_values[-1]
+    scale = 1.0
+    if unit == "ms":
+        unit, scale = duration_unit(max(values, default=0.0))
+    y_values = nice_ticks(max(values, default=0.0) / scale)
+    y_max = y_values[-1] * scale
     t0, t1 = start.timestamp(), max(end.timestamp(), start.timestamp() + 1)
 
     def x_of(moment: dt.datetime) -> float:
@@ -184,7 +201,7 @@ def line_chart(
         plot_width=plot_w,
         plot_height=plot_h,
         x_ticks=[(x_of(moment), label) for moment, label in time_ticks(start, end)],
-        y_ticks=[(y_of(v), format_number(v)) for v in y_values],
+        y_ticks=[(y_of(v * scale), format_number(v)) for v in y_values],
         lines=lines,
     )
 

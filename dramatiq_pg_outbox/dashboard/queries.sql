@@ -63,14 +63,73 @@ GROUP BY 1, 2
 ORDER BY 1, 2;
 
 -- name: queue_messages --
--- The live rows of one queue: processing first, then by due time (the order
--- the claim takes them in).
+-- One page of the live rows of one queue: processing first, then by due time,
+-- filtered by actor and by what they wait for (%(status)s: due, delayed or
+-- processing; NULL for any).  The caller asks for one row more than a page
+-- to know whether there is a next one (no count of a long queue).
 SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, next_attempt_at,
        acquired_at, owner, extract(epoch FROM next_attempt_at - now())::double precision AS due_in_s
 FROM {schema}.messages
 WHERE queue_name = %(queue_name)s
+  AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s)
+  AND CASE %(status)s::text
+        WHEN 'processing' THEN state = 'processing'
+        WHEN 'due' THEN state = 'pending' AND next_attempt_at <= now()
+        WHEN 'delayed' THEN state = 'pending' AND next_attempt_at > now()
+        ELSE true
+      END
 ORDER BY state = 'processing' DESC, next_attempt_at, id
-LIMIT %(limit)s;
+LIMIT %(limit)s OFFSET %(offset)s;
+
+-- name: queue_actors --
+-- The actors that have live rows in a queue (the actor filter of the queue page).
+SELECT DISTINCT actor_name FROM {schema}.queue_backlog WHERE queue_name = %(queue_name)s ORDER BY 1;
+
+-- name: running --
+-- The rows whose actor a live worker process runs now, by worker, as of its
+-- last heartbeat (workers.running, migration 0011); any other processing row
+-- is prefetched.
+SELECT w.id, w.running FROM {schema}.workers AS w WHERE {worker_alive};
+
+-- name: run_now --
+-- "Run now" of a delayed message: due at once, and its queue's workers woken.
+-- A row that is due already, claimed or gone is not touched (no row back).
+WITH moved AS (
+    UPDATE {schema}.messages SET next_attempt_at = now()
+    WHERE id = %(id)s AND state = 'pending' AND next_attempt_at > now()
+    RETURNING queue_name
+)
+SELECT queue_name, pg_notify(%(channel)s, queue_name) FROM moved;
+
+-- name: discard_failed --
+-- Deletes dead letters for good, by ids or by the failed page's filters (the
+-- selection retry_failed applies); the count per queue.
+WITH gone AS (
+    DELETE FROM {schema}.history
+    WHERE state = 'failed'
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+      AND {dead_letter_filter}
+    RETURNING queue_name
+)
+SELECT queue_name, count(*) FROM gone GROUP BY queue_name ORDER BY queue_name;
+
+-- name: schedules --
+-- The periodic jobs (migration 0006; disabled_at: 0011), active ones first;
+-- next_in_s < 0: the next tick is late.
+SELECT name, actor_name, queue_name, cron, every_ms, tz, missed, grace_ms, last_run_at, next_run_at,
+       extract(epoch FROM next_run_at - now())::double precision AS next_in_s, runs, missed_ticks,
+       removed_at, disabled_at
+FROM {schema}.schedules
+ORDER BY removed_at IS NOT NULL, name;
+
+-- name: set_schedule_enabled --
+-- Enables or disables one schedule (schedulers skip a disabled one); the row
+-- changed, if any.
+UPDATE {schema}.schedules
+SET disabled_at = CASE WHEN %(enabled)s::boolean THEN NULL ELSE coalesce(disabled_at, now()) END
+WHERE name = %(name)s AND removed_at IS NULL
+  AND (disabled_at IS NULL) <> %(enabled)s::boolean
+RETURNING name;
 
 -- name: message --
 -- One live row with its payload.

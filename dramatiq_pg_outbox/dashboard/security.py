@@ -59,10 +59,12 @@ class Settings:
         a leading ``*`` matches any prefix, ``*`` alone any host); any other gets 400,
         so a page elsewhere cannot read the dashboard through DNS rebinding.  Default
         :data:`LOOPBACK_HOSTS`; the CLI adds its ``--host`` and ``--allowed-host`` values.
+      refresh(int): Seconds between reloads of the live pages (queues, a queue, workers,
+        schedules); 0 for none.  Default 5.
 
     Raises:
-      ValueError: If both ``token`` and ``basic_auth`` are given, either is empty, or
-        ``schema`` is invalid.
+      ValueError: If both ``token`` and ``basic_auth`` are given, either is empty,
+        ``refresh`` is negative, or ``schema`` is invalid.
     """
 
     url: str
@@ -72,6 +74,7 @@ class Settings:
     basic_auth: tuple[str, str] | None = None
     session_secret: str | None = None
     allowed_hosts: tuple[str, ...] = ()
+    refresh: int = 5
 
     def __post_init__(self) -> None:
         if not self.allowed_hosts:
@@ -83,6 +86,8 @@ class Settings:
             raise ValueError("the token is empty")
         if self.basic_auth is not None and not all(self.basic_auth):
             raise ValueError("basic auth needs a non-empty user and password (USER:PASSWORD)")
+        if isinstance(self.refresh, bool) or not isinstance(self.refresh, int) or self.refresh < 0:
+            raise ValueError(f"refresh must be a whole number of seconds >= 0, not {self.refresh!r}")
 
     @property
     def auth(self) -> str:
@@ -201,6 +206,7 @@ def _base_context(request: Request, settings: Settings, **extra: Any) -> dict[st
         "auth": settings.auth,
         "schema": settings.schema,
         "csrf_token": _csrf_token(request),
+        "refresh": 0,
         "flash": request.session.pop("flash", None),
         **extra,
     }

@@ -122,6 +122,27 @@ class WorkerRow:
 
 
 @dataclass(frozen=True)
+class ScheduleRow:
+    """A periodic job (``schedules``): ``next_in_s`` < 0 once its next tick is late."""
+
+    name: str
+    actor_name: str
+    queue_name: str
+    cron: str | None
+    every_ms: int | None
+    tz: str
+    missed: str
+    grace_ms: int
+    last_run_at: dt.datetime | None
+    next_run_at: dt.datetime
+    next_in_s: float
+    runs: int
+    missed_ticks: int
+    removed_at: dt.datetime | None
+    disabled_at: dt.datetime | None
+
+
+@dataclass(frozen=True)
 class FailedRow:
     """A dead letter in the list: ``error_line`` is the last line of its traceback."""
 
@@ -282,8 +303,34 @@ class Store:
     async def queue_minutes(self) -> list[QueueMinute]:
         return await self._rows(QueueMinute, "queue_minutes")
 
-    async def queue_messages(self, queue_name: str, limit: int) -> list[MessageRow]:
-        return await self._rows(MessageRow, "queue_messages", {"queue_name": queue_name, "limit": limit})
+    async def queue_messages(
+        self,
+        queue_name: str,
+        limit: int,
+        offset: int = 0,
+        actor_name: str | None = None,
+        status: str | None = None,
+    ) -> list[MessageRow]:
+        """A page of a queue's live rows; ``status``: ``due``, ``delayed``, ``processing`` or None (any)."""
+        params = {
+            "queue_name": queue_name,
+            "limit": limit,
+            "offset": offset,
+            "actor_name": actor_name,
+            "status": status,
+        }
+        return await self._rows(MessageRow, "queue_messages", params)
+
+    async def queue_actors(self, queue_name: str) -> list[str]:
+        return [str(row[0]) for row in await self._tuples("queue_actors", {"queue_name": queue_name})]
+
+    async def running(self) -> dict[uuid.UUID, list[int]] | None:
+        """Row ids each live worker process runs now; None on a schema older than migration 0011."""
+        try:
+            rows = await self._tuples("running", {"heartbeat_timeout_ms": HEARTBEAT_TIMEOUT})
+        except psycopg.errors.UndefinedColumn:
+            return None
+        return {worker: list(ids) for worker, ids in rows}
 
     async def message(self, row_id: int) -> MessageRow | None:
         rows = await self._rows(MessageRow, "message", {"id": row_id})
@@ -365,6 +412,27 @@ class Store:
         """Delete the waiting rows of a queue; returns how many."""
         rows = await self._tuples("purge_queue", {"queue_name": queue_name})
         return int(rows[0][0])
+
+    async def run_now(self, row_id: int) -> str | None:
+        """Make a delayed row due now and wake its workers; its queue, or None if it was not delayed."""
+        rows = await self._tuples("run_now", {"id": row_id, "channel": self.channel})
+        return str(rows[0][0]) if rows else None
+
+    async def discard_failed(self, ids: Sequence[int] | None, where: FailedFilter) -> dict[str, int]:
+        """Delete dead letters (by ``ids``, or by ``where`` when None); the count per queue."""
+        params = {"ids": list(ids) if ids is not None else None, **where.params()}
+        return {str(q): int(n) for q, n in await self._tuples("discard_failed", params)}
+
+    async def schedules(self) -> list[ScheduleRow] | None:
+        """The periodic jobs; None on a schema older than migration 0011 (no enable/disable)."""
+        try:
+            return await self._rows(ScheduleRow, "schedules")
+        except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedTable):
+            return None
+
+    async def set_schedule_enabled(self, name: str, enabled: bool) -> bool:
+        """Enable or disable a schedule; whether it changed."""
+        return bool(await self._tuples("set_schedule_enabled", {"name": name, "enabled": enabled}))
 
     async def cancel_message(self, row_id: int, reason: str) -> str | None:
         """Move a waiting row to history as a ``Canceled`` dead letter; its queue, or None if not waiting."""
