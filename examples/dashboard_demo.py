@@ -7,9 +7,10 @@ a retry, card charges of which a few are declined (dead letters), slow invoice
 renders that back up at peak, and a CRM sync that times out now and then.  The
 dashboard serves it all on http://127.0.0.1:8080/ until Ctrl-C.
 
-``--screenshots DIR`` instead takes the README's screenshots with headless Chromium
-(Debian's ``chromium`` driven by Playwright) once the traffic ran ``--seconds``
-(12 minutes by default, to fill most of the charts' 15-minute window), then stops.
+Two periodic jobs fill the schedules page.  ``--screenshots DIR`` instead takes the
+README's screenshots with headless Chromium (Debian's ``chromium`` driven by
+Playwright) once the traffic ran ``--seconds`` (12 minutes by default, to fill
+most of the charts' 15-minute window), then stops.
 Needs ``pip install -e '.[dev]'``.
 """
 
@@ -32,6 +33,7 @@ import uvicorn
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.dashboard.app import Settings, create_app
+from dramatiq_pg_outbox.periodic import Periodic, periodic
 from dramatiq_pg_outbox.testing import mask_password, postgres_server, scratch_database
 
 
@@ -67,6 +69,16 @@ def declare_actors(broker: PostgresBroker) -> dict[str, Any]:
         time.sleep(rng.uniform(0.01, 0.04))
         if rng.random() < 0.08:
             raise TimeoutError(f"crm.example.com did not answer within 5 s (account {account_id})")
+
+    @periodic(every=30_000, name="expire-carts")
+    @dramatiq.actor(broker=broker, queue_name="maintenance")
+    def expire_carts() -> None:
+        time.sleep(0.05)
+
+    @periodic("0 7 * * *", name="daily-digest", tz="Europe/Paris")
+    @dramatiq.actor(broker=broker, queue_name="emails")
+    def send_daily_digest() -> None:
+        pass
 
     return {f.actor_name: f for f in (send_welcome_email, charge_card, render_invoice, sync_crm)}
 
@@ -118,10 +130,18 @@ def take_screenshots(base: str, out: Path) -> list[Path]:
         chromium = os.environ.get("DPO_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
         browser = playwright.chromium.launch(executable_path=chromium, args=args)
         page = browser.new_page(viewport={"width": 1360, "height": 900})
-        for name, path in (("queues", "/"), ("charts", "/charts?window=15m")):
+        pages = (
+            ("queues", "/"),
+            ("queue", "/queues/reports"),
+            ("schedules", "/schedules"),
+            ("failed", "/failed"),
+            ("charts", "/charts?window=15m"),
+        )
+        for name, path in pages:
             page.goto(base + path)
             shots.append(out / f"dashboard-{name}.png")
-            page.screenshot(path=str(shots[-1]), full_page=True)
+            # A queue's page holds 100 rows: its first screen only.
+            page.screenshot(path=str(shots[-1]), full_page=name != "queue")
         browser.close()
     return shots
 
@@ -142,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     with postgres_server() as admin_url, scratch_database(admin_url, "dashboard_demo") as url:
         upgrade(url)
         broker = PostgresBroker(url=url)
+        broker.add_middleware(Periodic())  # the schedules page: one scheduler in this worker
         actors = declare_actors(broker)
         worker = dramatiq.Worker(broker, worker_threads=8)
         worker.start()
