@@ -5,9 +5,10 @@
 1. ``claim``: ``EXPLAIN (ANALYZE, BUFFERS)`` of a claim of 64 on a backlog of
    100,000 rows (10,000 due on the drained queue, 45,000 of it delayed by an
    hour, 45,000 due on three other queues), ANALYZEd, each claim rolled back.
-   Two claims on the same table, alternated: the claim of the baseline commit
-   (``BENCH_PRIORITY_BASELINE``, default fa534d2: no priorities, read from git)
-   and the current one.  Mixes: no message prioritized (what every existing
+   Three claims on the same table, alternated: the claim of the baseline commit
+   (``BENCH_PRIORITY_BASELINE``, default fa534d2: no priorities, read from git),
+   the current ``claim`` (what a queue without prioritized rows runs) and
+   ``claim_prioritized`` (what a queue with some runs).  Mixes: no message prioritized (what every existing
    user has), and 10% of the due messages with a priority of 1 to 9.  Reported:
    median execution and planning time and shared buffers touched, and the
    current claim's plan.
@@ -120,7 +121,12 @@ def plan_text(conn: psycopg.Connection[Any], claim: str) -> str:
 
 
 def claim_case(ctx: Context, url: str, rev: str) -> tuple[str, dict[str, str]]:
-    claims = {f"before ({rev})": baseline_claim(rev), "after": queries_for_schema("dramatiq")["claim"]}
+    queries = queries_for_schema("dramatiq")
+    claims = {
+        f"before ({rev})": baseline_claim(rev),
+        "after: claim": queries["claim"],
+        "after: claim_prioritized": queries["claim_prioritized"],
+    }
     rng = random.Random(19)
     rows = []
     plans = {}
@@ -133,7 +139,7 @@ def claim_case(ctx: Context, url: str, rev: str) -> tuple[str, dict[str, str]]:
             for _ in range(CLAIM_REPEATS):
                 for name, claim in claims.items():
                     measured[name].append(explain_once(conn, claim))
-            plans[mix] = plan_text(conn, claims["after"])
+            plans[mix] = plan_text(conn, claims["after: claim_prioritized" if share else "after: claim"])
         base = statistics.median(e for e, _, _ in measured[f"before ({rev})"])
         for name, values in measured.items():
             execution = statistics.median(e for e, _, _ in values)

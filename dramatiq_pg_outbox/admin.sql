@@ -86,7 +86,7 @@ SELECT count(*) FROM {schema}.{partition} WHERE finished_at < %(cutoff)s;
 
 -- name: metrics_gauges --
 -- Every Prometheus gauge in one statement: (kind, queue_name, state, value) rows
--- (kinds: messages, oldest, dead, workers, paused).
+-- (kinds: messages, oldest, dead, workers, paused, dead_total: dead letters so far).
 SELECT 'messages', queue_name,
        CASE WHEN state = 'processing' THEN 'processing'
             WHEN next_attempt_at <= now() THEN 'due' ELSE 'delayed' END,
@@ -105,7 +105,10 @@ SELECT 'workers', NULL, NULL, count(*)::float8
   FROM {schema}.workers AS w WHERE {worker_alive}
 UNION ALL
 SELECT 'paused', queue_name, NULL, 1::float8
-  FROM {schema}.queue_pauses;
+  FROM {schema}.queue_pauses
+UNION ALL
+SELECT 'dead_total', queue_name, NULL, sum(n)::float8
+  FROM {schema}.dead_letter_counts GROUP BY 2;
 
 -- name: ping --
 -- Whether a server answers (the test servers' readiness probe).

@@ -30,6 +30,11 @@ Database gauges (label ``queue_name`` unless said otherwise):
 ``dramatiq_pg_outbox_oldest_due_message_age_seconds``        seconds since the longest-waiting due
                                                              message became due (0 when none is due)
 ``dramatiq_pg_outbox_dead_letters_last_hour``                messages dead-lettered in the last hour
+``dramatiq_pg_outbox_dead_lettered_total`` (a counter)       messages dead-lettered so far (a nack
+                                                             after the last retry, a quarantine, an
+                                                             undecodable payload; not an operator's
+                                                             cancel): ``rate()`` works, ``prune``
+                                                             does not lower it (migration 0012)
 ``dramatiq_pg_outbox_live_workers`` (no label)               worker processes whose last heartbeat is
                                                              younger than ``heartbeat_timeout``
 ``dramatiq_pg_outbox_queue_paused``                          1 while the queue is paused
@@ -90,6 +95,7 @@ class Snapshot:
       up(bool): Whether the statement succeeded (all else is empty when not).
       taken_at(float): ``time.monotonic()`` when it was read.
       paused(set[str]): The paused queues (``dramatiq-pg-outbox pause``).
+      dead_lettered(dict[str, float]): ``queue_name -> dead letters so far`` (a counter).
     """
 
     messages: dict[tuple[str, str], float]
@@ -99,6 +105,7 @@ class Snapshot:
     up: bool
     taken_at: float
     paused: set[str] = field(default_factory=set)
+    dead_lettered: dict[str, float] = field(default_factory=dict)
 
 
 class DatabaseCollector:
@@ -169,6 +176,7 @@ class DatabaseCollector:
         dead: dict[str, float] = {}
         workers = 0.0
         paused: set[str] = set()
+        dead_total: dict[str, float] = {}
         for kind, queue_name, state, value in rows:
             if kind == "messages":
                 messages[(queue_name, state)] = value
@@ -178,13 +186,15 @@ class DatabaseCollector:
                 dead[queue_name] = value
             elif kind == "paused":
                 paused.add(queue_name)
+            elif kind == "dead_total":
+                dead_total[queue_name] = value
             else:
                 workers = value
-        return Snapshot(messages, oldest, dead, workers, True, time.monotonic(), paused)
+        return Snapshot(messages, oldest, dead, workers, True, time.monotonic(), paused, dead_total)
 
     def collect(self) -> Iterator[Metric]:
         """Yield the gauges (``prometheus_client``'s collector protocol)."""
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         snap = self.read()
         up = GaugeMetricFamily(f"{PREFIX}_database_up", "1 if the last gauge statement succeeded, else 0")
@@ -199,6 +209,7 @@ class DatabaseCollector:
         )
         with self._lock:
             self._seen |= {q for q, _ in snap.messages} | snap.paused | set(snap.dead_letters_last_hour)
+            self._seen |= set(snap.dead_lettered)
             queues = sorted(self._seen)
         for queue_name in queues:
             for state in STATES:
@@ -220,6 +231,14 @@ class DatabaseCollector:
         for queue_name in queues:
             dead.add_metric([queue_name], snap.dead_letters_last_hour.get(queue_name, 0.0))
         yield dead
+        dead_total = CounterMetricFamily(
+            f"{PREFIX}_dead_lettered",
+            "Messages dead-lettered by the workers so far (counted as archived; prune does not lower it)",
+            labels=["queue_name"],
+        )
+        for queue_name in queues:
+            dead_total.add_metric([queue_name], snap.dead_lettered.get(queue_name, 0.0))
+        yield dead_total
         workers = GaugeMetricFamily(
             f"{PREFIX}_live_workers", "Worker processes whose last heartbeat is within heartbeat_timeout"
         )

@@ -23,13 +23,44 @@ AND (%(search)s::text IS NULL
      OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
      OR message_id = %(search)s)
 
+-- fragment: claim_clock --
+-- The clock row of claim and claim_prioritized (see claim): when to claim
+-- next, the database clock, and whether the queue has prioritized rows
+-- pending (in the statement's snapshot: rows it claims still count, so the
+-- claim after the last prioritized ones is one more claim_prioritized).
+SELECT (extract(epoch FROM coalesce(
+            (SELECT at
+             FROM (SELECT next_attempt_at AS at
+                   FROM {schema}.messages
+                   WHERE queue_name = %(queue_name)s
+                     AND state = 'pending'
+                     AND next_attempt_at > now()
+                   ORDER BY next_attempt_at
+                   LIMIT %(look_ahead)s) AS upcoming
+             WHERE floor(extract(epoch FROM at) * 1000)::bigint %% %(consumers)s::bigint = %(rank)s
+             LIMIT 1),
+            (SELECT next_attempt_at
+             FROM {schema}.messages
+             WHERE queue_name = %(queue_name)s
+               AND state = 'pending'
+               AND next_attempt_at > now()
+             ORDER BY next_attempt_at
+             OFFSET %(look_ahead)s - 1
+             LIMIT 1)
+        ) - now()) * 1000)::float8 AS next_due_in_ms,
+       (extract(epoch FROM now()) * 1000)::float8 AS db_now_ms,
+       EXISTS (SELECT 1 FROM {schema}.messages
+               WHERE queue_name = %(queue_name)s AND state = 'pending' AND priority > 0) AS prioritized
+
 -- name: enqueue --
 -- Inserts any number of messages in one statement (one row per array element)
 -- and wakes the listeners of every queue that got a message: the payload is the
 -- queue name for a message due now, or "<queue>@<due>" (due = epoch
 -- milliseconds, database clock) for the earliest delayed message of a queue,
 -- when it is due within %(notify_within)s ms (later ones are seen by the
--- consumers' own polls, which learn the next due time from every claim).
+-- consumers' own polls, which learn the next due time from every claim);
+-- "<queue>!" or "<queue>!@<due>" when a message has a broker_priority: its
+-- consumers claim with claim_prioritized from then on.
 -- Result rows (payload, notified, key, id, message_id), each row filling one part:
 -- one per wake-up payload (sent by pg_notify only if %(notify)s; otherwise the
 -- caller sends it after commit); in this keyed form, one per idempotency key
@@ -55,12 +86,13 @@ WITH inserted AS (
     WHERE k IS NULL
        OR NOT EXISTS (SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = t.k)
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, message_id, queue_name, next_attempt_at, idempotency_key
+    RETURNING id, message_id, queue_name, next_attempt_at, idempotency_key, priority
 ),
 woken AS (
-    SELECT CASE WHEN min(next_attempt_at) <= now() THEN queue_name
-                ELSE queue_name || '@' || floor(extract(epoch FROM min(next_attempt_at)) * 1000)::bigint
-           END AS payload
+    SELECT queue_name || CASE WHEN max(priority) > 0 THEN '!' ELSE '' END
+           || CASE WHEN min(next_attempt_at) <= now() THEN ''
+                   ELSE '@' || floor(extract(epoch FROM min(next_attempt_at)) * 1000)::bigint
+              END AS payload
     FROM inserted
     WHERE next_attempt_at <= now() + %(notify_within)s::bigint * interval '1 millisecond'
     GROUP BY queue_name
@@ -86,14 +118,15 @@ WITH inserted AS (
     FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
                 %(delays)s::bigint[], %(payloads)s::bytea[], %(priorities)s::smallint[])
         AS t(q, a, m, d, p, pr)
-    RETURNING id, message_id, queue_name, next_attempt_at
+    RETURNING id, message_id, queue_name, next_attempt_at, priority
 )
 SELECT payload, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, payload) END,
        NULL::text, NULL::bigint, NULL::text
 FROM (
-    SELECT CASE WHEN min(next_attempt_at) <= now() THEN queue_name
-                ELSE queue_name || '@' || floor(extract(epoch FROM min(next_attempt_at)) * 1000)::bigint
-           END AS payload
+    SELECT queue_name || CASE WHEN max(priority) > 0 THEN '!' ELSE '' END
+           || CASE WHEN min(next_attempt_at) <= now() THEN ''
+                   ELSE '@' || floor(extract(epoch FROM min(next_attempt_at)) * 1000)::bigint
+              END AS payload
     FROM inserted
     WHERE next_attempt_at <= now() + %(notify_within)s::bigint * interval '1 millisecond'
     GROUP BY queue_name
@@ -111,14 +144,15 @@ WITH inserted AS (
     VALUES (%(queue_name)s::text, %(actor_name)s::text, %(message_id)s::text,
             now() + %(delay)s::bigint * interval '1 millisecond', %(payload)s::bytea,
             %(priority)s::smallint)
-    RETURNING id, message_id, queue_name, next_attempt_at
+    RETURNING id, message_id, queue_name, next_attempt_at, priority
 )
 SELECT payload, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, payload) END,
        NULL::text, NULL::bigint, NULL::text
 FROM (
-    SELECT CASE WHEN next_attempt_at <= now() THEN queue_name
-                ELSE queue_name || '@' || floor(extract(epoch FROM next_attempt_at) * 1000)::bigint
-           END AS payload
+    SELECT queue_name || CASE WHEN priority > 0 THEN '!' ELSE '' END
+           || CASE WHEN next_attempt_at <= now() THEN ''
+                   ELSE '@' || floor(extract(epoch FROM next_attempt_at) * 1000)::bigint
+              END AS payload
     FROM inserted
     WHERE next_attempt_at <= now() + %(notify_within)s::bigint * interval '1 millisecond'
 ) AS woken
@@ -189,15 +223,45 @@ SELECT xid, payload, status FROM t WHERE (SELECT count(*) FROM sent) >= 0;
 -- notifications into its own clock.  The clock columns are on every returned
 -- row; a claim of nothing returns one row whose id is NULL.  Rows just claimed
 -- are due (<= now()), so the probe never returns them.
--- Priorities (broker_priority, migration 0010): the due rows of priority > 0
--- are taken first, highest first, then in due order, from the partial index
--- messages_priority_idx, which holds only those rows: for a queue without
--- prioritized messages that is one probe of an empty index range, and the
--- rows of priority 0 are read from messages_ready_idx as before, for the rest
--- of the batch.  Each row returns its priority: the consumer hands them to the
--- worker by priority, then id (Dramatiq's worker runs the messages of one actor
--- priority in the order they were handed to it); sorting there, not here,
--- keeps a Sort node out of every claim.
+-- Priorities (broker_priority, migration 0010): this claim ignores them, as
+-- every claim did before them: prioritized is whether the queue has pending
+-- rows of priority > 0 (one probe of the partial index messages_priority_idx,
+-- which holds only those rows), and while it has, the consumer claims with
+-- claim_prioritized instead.  Each row returns its priority: the consumer
+-- hands them to the worker by priority, then id (Dramatiq's worker runs the
+-- messages of one actor priority in the order they were handed to it).
+WITH candidates AS (
+    SELECT id
+    FROM {schema}.messages
+    WHERE queue_name = %(queue_name)s
+      AND state = 'pending'
+      AND next_attempt_at <= now()
+      -- A paused queue (queue_pauses) is not claimed: a one-time primary-key probe.
+      AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
+    ORDER BY next_attempt_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+),
+claimed AS (
+    UPDATE {schema}.messages AS m
+    SET state = 'processing',
+        attempts = m.attempts + 1,
+        lease = %(lease)s,
+        owner = %(owner)s,
+        acquired_at = now()
+    WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
+    RETURNING m.id, m.attempts, m.payload, m.priority
+),
+clock AS {claim_clock}
+SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority,
+       clock.prioritized
+FROM clock LEFT JOIN claimed ON true;
+
+-- name: claim_prioritized --
+-- The claim of a queue that has prioritized rows (see claim, which says when):
+-- the due rows of priority > 0 first, highest first, then in due order, from
+-- messages_priority_idx; the rows of priority 0 from messages_ready_idx, as
+-- claim reads them, for the rest of the batch.  Same columns as claim.
 WITH prioritized AS (
     SELECT id
     FROM {schema}.messages
@@ -217,7 +281,6 @@ candidates AS (
       AND state = 'pending'
       AND next_attempt_at <= now()
       AND priority = 0
-      -- A paused queue (queue_pauses) is not claimed: a one-time primary-key probe.
       AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
     ORDER BY next_attempt_at, id
     LIMIT %(limit)s - (SELECT count(*) FROM prioritized)
@@ -233,30 +296,9 @@ claimed AS (
     WHERE m.id = ANY (ARRAY(SELECT id FROM prioritized UNION ALL SELECT id FROM candidates))
     RETURNING m.id, m.attempts, m.payload, m.priority
 ),
-clock AS (
-    SELECT (extract(epoch FROM coalesce(
-                (SELECT at
-                 FROM (SELECT next_attempt_at AS at
-                       FROM {schema}.messages
-                       WHERE queue_name = %(queue_name)s
-                         AND state = 'pending'
-                         AND next_attempt_at > now()
-                       ORDER BY next_attempt_at
-                       LIMIT %(look_ahead)s) AS upcoming
-                 WHERE floor(extract(epoch FROM at) * 1000)::bigint %% %(consumers)s::bigint = %(rank)s
-                 LIMIT 1),
-                (SELECT next_attempt_at
-                 FROM {schema}.messages
-                 WHERE queue_name = %(queue_name)s
-                   AND state = 'pending'
-                   AND next_attempt_at > now()
-                 ORDER BY next_attempt_at
-                 OFFSET %(look_ahead)s - 1
-                 LIMIT 1)
-            ) - now()) * 1000)::float8 AS next_due_in_ms,
-           (extract(epoch FROM now()) * 1000)::float8 AS db_now_ms
-)
-SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority
+clock AS {claim_clock}
+SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority,
+       clock.prioritized
 FROM clock LEFT JOIN claimed ON true;
 
 -- name: consumer_rank --
@@ -319,6 +361,13 @@ archived AS (
     SELECT id, queue_name, actor_name, message_id, %(state)s, attempts, enqueued_at, acquired_at,
            failure_type, failure, payload, idempotency_key, priority
     FROM failed
+),
+-- Dead letters are counted where they are made (dead_letter_counts, migration 0012):
+-- the shard of this connection, summed by the exporter.
+counted AS (
+    INSERT INTO {schema}.dead_letter_counts AS c (queue_name, shard, n)
+    SELECT queue_name, pg_backend_pid() %% 16, count(*) FROM failed WHERE %(state)s = 'failed' GROUP BY queue_name
+    ON CONFLICT (queue_name, shard) DO UPDATE SET n = c.n + excluded.n
 )
 SELECT id FROM failed;
 
@@ -388,6 +437,11 @@ archived AS (
            payload, idempotency_key, priority
     FROM quarantined
     RETURNING queue_name
+),
+counted AS (
+    INSERT INTO {schema}.dead_letter_counts AS c (queue_name, shard, n)
+    SELECT queue_name, pg_backend_pid() %% 16, count(*) FROM quarantined GROUP BY queue_name
+    ON CONFLICT (queue_name, shard) DO UPDATE SET n = c.n + excluded.n
 ),
 released AS (
     UPDATE {schema}.messages AS m

@@ -252,6 +252,10 @@ def test_messages_of_a_dead_worker_are_released_and_quarantined_after_max_delive
     ((_, state, attempts, error_type, error),) = history(db)
     assert (state, attempts, error_type) == ("failed", 2, "MaxDeliveriesExceeded")
     assert "max_deliveries=2" in error
+    # And the quarantine is counted as a dead letter of its queue (dead_lettered_total)
+    assert db.execute("SELECT queue_name, sum(n) FROM dramatiq.dead_letter_counts GROUP BY 1").fetchall() == [
+        ("default", 1)
+    ]
 
 
 def claim_one_by_hand(make_broker: Any) -> tuple[PostgresBroker, Any, Any]:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,9 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dramatiq_pg_outbox import PostgresBroker
+from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.metrics import DatabaseCollector
+from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
 from .helpers import count, wait_for
 
@@ -194,6 +196,7 @@ def test_the_scraped_gauges_match_the_tables(db: Any, broker: PostgresBroker, me
         "dramatiq_pg_outbox_messages",
         "dramatiq_pg_outbox_oldest_due_message_age_seconds",
         "dramatiq_pg_outbox_dead_letters_last_hour",
+        "dramatiq_pg_outbox_dead_lettered_total",
         "dramatiq_pg_outbox_live_workers",
         "dramatiq_pg_outbox_queue_paused",
     }
@@ -385,3 +388,89 @@ def test_a_queue_that_empties_reads_zero_instead_of_vanishing(
         assert after[("dramatiq_pg_outbox_dead_letters_last_hour", "")] == 0
     finally:
         collector.close()
+
+
+def test_dead_letters_are_a_counter_that_prune_does_not_lower(
+    database_url: str, db: Any, make_broker: Any, start_worker: Any
+) -> None:
+    import dramatiq
+
+    # Given an actor without retries that fails, and a worker
+    broker = make_broker()
+
+    @dramatiq.actor(broker=broker, queue_name="imports", max_retries=0)
+    def load(i: int) -> None:
+        raise ValueError(f"row {i} is malformed")
+
+    @dramatiq.actor(broker=broker, queue_name="imports", max_retries=1, min_backoff=10, max_backoff=10)
+    def flaky(i: int) -> None:
+        raise ValueError("always")
+
+    collector = DatabaseCollector(database_url, cache_seconds=0)
+
+    def counter() -> float:
+        return next(
+            sample.value
+            for family in collector.collect()
+            for sample in family.samples
+            if sample.name == "dramatiq_pg_outbox_dead_lettered_total"
+            and sample.labels["queue_name"] == "imports"
+        )
+
+    try:
+        # When two messages fail for good, and one fails, is retried and fails for good
+        load.send(1)
+        load.send(2)
+        flaky.send(3)
+        start_worker(broker)
+        wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'") == 3, 30,
+                 "three dead letters")  # fmt: skip
+        # Then the counter says 3 (a retried failure is not a dead letter; its retry's is)
+        assert counter() == 3
+        # When history is pruned (everything older than a second)
+        time.sleep(1.2)
+        result = subprocess.run(
+            [sys.executable, "-m", "dramatiq_pg_outbox.cli", "prune", "--older-than", "1s",
+             "--url", database_url],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert count(db, "SELECT count(*) FROM dramatiq.history") == 0
+        # Then the counter keeps its value; the windowed gauge, read from history, falls
+        assert counter() == 3
+        samples = {
+            sample.name: sample.value
+            for family in collector.collect()
+            for sample in family.samples
+            if sample.labels.get("queue_name") == "imports"
+        }
+        assert samples["dramatiq_pg_outbox_dead_letters_last_hour"] == 0
+    finally:
+        collector.close()
+
+
+def test_the_command_starts_with_the_database_down_and_reports_it_until_it_answers() -> None:
+    # Given a migrated database whose server is down when the exporter starts
+    try:
+        server = ThrowawayPostgres()
+    except RuntimeError as e:
+        pytest.skip(f"no local PostgreSQL binaries for a private server: {e}")
+    with server:
+        upgrade(server.url)
+        server.stop(keep_data=True)
+        exporter = MetricsServer(server.url, "--cache-seconds", "0")
+        try:
+            # Then it serves, says why on one line, and reports the database down
+            assert exporter.scrape()[("dramatiq_pg_outbox_database_up", ())] == 0.0
+            # And once the server is back, the next scrape reads the tables
+            server.start()
+            wait_for(lambda: exporter.scrape()[("dramatiq_pg_outbox_database_up", ())] == 1.0, 30,
+                     "the exporter to see the database")  # fmt: skip
+            assert ("dramatiq_pg_outbox_live_workers", ()) in exporter.scrape()
+        finally:
+            exporter.stop()
+        err = exporter.proc.stderr.read() if exporter.proc.stderr else ""
+        lines = [line for line in err.splitlines() if "warning" in line]
+        assert len(lines) == 1 and "connection refused" in lines[0], err
+        assert "serving dramatiq_pg_outbox_database_up 0 until it answers" in lines[0]
+        assert "Traceback" not in err

@@ -164,3 +164,27 @@ def test_a_bad_priority_is_refused_at_send_and_nothing_is_stored(make_broker: An
         job.send_with_options(args=(1,), broker_priority=bad)
     assert str(raised.value) == f"broker_priority must be an integer from 0 to {MAX_PRIORITY}, not {bad!r}"
     assert stored(db) == []
+
+
+def test_a_prioritized_message_notified_to_an_idle_worker_is_claimed_first(
+    make_broker: Any, start_worker: Any, db: Any
+) -> None:
+    # Given a worker with one thread that has run a message without priority (its
+    # consumer claims with the plain claim now) and polls only every 30 s
+    broker = make_broker(max_fetch_interval=30_000)
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=broker, queue_name="work")
+    def job(i: int) -> None:
+        ran.append(i)
+
+    job.send(0)
+    start_worker(broker, worker_threads=1)
+    wait_for(lambda: ran == [0], SOON, "the first message")
+    # When 20 messages and then one with a priority are stored in one statement
+    broker.enqueue_many(
+        [job.message(i) for i in range(1, 21)] + [job.message_with_options(args=(99,), broker_priority=5)]
+    )
+    # Then the notification says so, and the prioritized one runs first
+    wait_for(lambda: len(ran) == 22, SOON, "every message")
+    assert ran[1] == 99, ran

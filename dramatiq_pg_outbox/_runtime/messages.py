@@ -207,17 +207,28 @@ def broker_priority(options: Mapping[str, Any]) -> int:
     return priority
 
 
+def prioritized_notification(payload: str) -> bool:
+    """Whether a broker channel notification announces a message with a ``broker_priority``.
+
+    The enqueue statements mark them ``"<queue>!"`` (or ``"<queue>!@<due>"``):
+    the queue's consumers then claim with ``claim_prioritized`` at once.
+    """
+    return "!" in payload
+
+
 def parse_notification(payload: str) -> tuple[str, int | None]:
     """(queue name, due time or None) of a broker channel notification.
 
     ``"<queue>"``: a message of that queue is due now.  ``"<queue>@<due>"``:
     a delayed message falls due at ``<due>``, epoch milliseconds on the
-    database clock.  Queue names never contain ``@``; a malformed due time
-    counts as "now" (an early claim costs a round trip, never a message).
+    database clock.  Queue names never contain ``@`` or ``!``; a ``!`` after
+    the name (see :func:`prioritized_notification`) is dropped.  A malformed
+    due time counts as "now" (an early claim costs a round trip, never a message).
     """
     queue_name, at, due = payload.partition("@")
+    queue_name = queue_name.rstrip("!")
     if not at:
-        return payload, None
+        return queue_name, None
     try:
         return queue_name, int(due)
     except ValueError:

@@ -29,7 +29,13 @@ from .flusher import _Flusher
 from .host import RuntimeHost, Wakeable
 from .listener import Subscription, subscribe
 from .maintenance import _Maintenance
-from .messages import StoredMessage, enqueue_result, enqueue_statement, parse_notification
+from .messages import (
+    StoredMessage,
+    enqueue_result,
+    enqueue_statement,
+    parse_notification,
+    prioritized_notification,
+)
 
 #: conninfo -> why the server refused the latest connection attempt of this process to it, when
 #: retrying cannot help (see errors.rejection_reason); cleared by a successful connection.
@@ -233,6 +239,11 @@ class _Runtime:
     def notified(self, payload: str) -> None:
         """Wake consumers for one notification of the broker channel (see parse_notification)."""
         queue_name, due_ms = parse_notification(payload)
+        if prioritized_notification(payload):
+            with self._lock:
+                targets = list(self.consumers.get(queue_name) or ())
+            for consumer in targets:
+                consumer.prioritize()
         self.wake(queue_name, due_ms)
 
     def observe_clock(self, db_now_ms: float, sent: float) -> None:

@@ -103,6 +103,9 @@ class _PostgresConsumer(Consumer):
         self._wakeup = threading.Event()
         self._notified = False
         self._more = False
+        #: Whether the queue had prioritized rows pending at the last claim (the first claim
+        #: assumes so): then it claims with claim_prioritized, else with the plain claim.
+        self._prioritized = True
         #: time.monotonic() of the next poll (or refill, with a backlog).  Consumer thread only.
         self._poll_at = 0.0
         #: time.monotonic() at which the earliest delayed row that the last claim
@@ -131,6 +134,10 @@ class _PostgresConsumer(Consumer):
         """Called by the listener: something may be ready now."""
         self._notified = True
         self._wakeup.set()
+
+    def prioritize(self) -> None:
+        """Called by the listener: a message with a ``broker_priority`` was stored; claim those first."""
+        self._prioritized = True
 
     def notify_due(self, due_ms: int, at: float) -> None:
         """Called by the listener: a delayed message falls due.
@@ -211,7 +218,7 @@ class _PostgresConsumer(Consumer):
         sent = time.monotonic()
         metrics = self.broker._metrics
         rows = self.runtime.execute(
-            "claim",
+            "claim_prioritized" if self._prioritized else "claim",
             {
                 "queue_name": self.queue_name,
                 "limit": limit,
@@ -224,6 +231,8 @@ class _PostgresConsumer(Consumer):
         )
         # Every row carries the clock columns; a claim of nothing is one row with a NULL id.
         next_due_in_ms, db_now_ms = rows[0][3:5]
+        # While the queue has prioritized rows pending, claim them first (see the claim in queries.sql).
+        self._prioritized = bool(rows[0][6])
         self.runtime.observe_clock(db_now_ms, sent)
         # Highest priority first, then oldest: the worker runs them in hand-off order.
         claimed = sorted((row for row in rows if row[0] is not None), key=lambda row: (-row[5], row[0]))

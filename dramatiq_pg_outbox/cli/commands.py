@@ -9,6 +9,7 @@ import decimal
 import json
 import os
 import shutil
+import sys
 from typing import Any
 
 import psycopg
@@ -32,6 +33,7 @@ from .common import (
     _queue_list,
     _table,
     exception_line,
+    server_down,
 )
 
 
@@ -196,11 +198,21 @@ def _metrics(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from ..metrics import DatabaseCollector
+    from ..metrics import PREFIX, DatabaseCollector
 
-    with _checked_connection(args):
-        pass  # the server, the credentials and the schema are fine: serve
     db = _database(args)
+    try:
+        with _checked_connection(args):
+            pass  # the server, the credentials and the schema are fine: serve
+    except CliError as e:
+        if not server_down(e.__cause__):
+            raise  # a rejection or a schema to migrate: waiting cannot fix it
+        # Down at start, as a database can be at any scrape: serve database_up 0 until it answers.
+        print(
+            f"{PROG} metrics: warning: {e.message}; serving {PREFIX}_database_up 0 until it answers",
+            file=sys.stderr,
+            flush=True,
+        )
     collector = DatabaseCollector(
         db.conninfo,
         args.schema,

@@ -349,6 +349,28 @@ def _connection_error(e: psycopg.OperationalError, db: _Database) -> CliError:
     return CliError(f"cannot connect to {where}: {detail}. Check the URL and that the server runs")
 
 
+def server_down(error: BaseException | None) -> bool:
+    """Whether a failed connection attempt means the server is down (refused, silent, starting).
+
+    Unlike a rejection (credentials, role, database, ``pg_hba.conf``), waiting can fix it.
+    """
+    if not isinstance(error, psycopg.OperationalError):
+        return False
+    text = str(error)
+    if rejection_reason(error, server="", user="", dbname="") is not None:
+        return False
+    return any(
+        sign in text
+        for sign in (
+            "Connection refused",
+            "No such file or directory",
+            "timeout expired",
+            "the database system is starting up",
+            "the database system is shutting down",
+        )
+    )
+
+
 @contextmanager
 def _checked_connection(
     args: argparse.Namespace,
