@@ -5,7 +5,8 @@ Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained
 (issue 9): prune (retention of a large history, DELETE vs DROP PARTITION);
 (issue 10): relay (outbox + relay to RabbitMQ vs publishing after commit);
 (issue 19): rate_limits (acquisitions per second of the rate-limiter backends), priorities
-(the claim with priorities against the claim before them, EXPLAIN and drains).
+(the claim with priorities against the claim before them, EXPLAIN and drains), migrate
+(seconds per million history rows of the 0007 rewrite).
 Every system of a scenario is measured in the same run, on the same machine,
 against a durable PostgreSQL (fsync and synchronous_commit on).  By default a
 private server is started (``ThrowawayPostgres`` with pg_stat_statements);
@@ -34,6 +35,7 @@ SCENARIOS = (
     "relay",
     "rate_limits",
     "priorities",
+    "migrate",
 )
 
 
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sustained-rate", type=int, default=None, help="messages per second")
     parser.add_argument("--prune-rows", type=int, default=None, help="history rows of prune (10000000)")
     parser.add_argument("--drain-messages", type=int, default=None, help="messages per drain (20000)")
+    parser.add_argument("--migrate-rows", type=int, default=None, help="history rows of migrate (1000000)")
     parser.add_argument("--out", default="out/benchmarks", help="directory of the JSON results")
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BENCH_SUSTAINED_RATE"] = str(args.sustained_rate)
     if args.drain_messages:
         os.environ["BENCH_DRAIN_MESSAGES"] = str(args.drain_messages)
+    if args.migrate_rows:
+        os.environ["BENCH_MIGRATE_ROWS"] = str(args.migrate_rows)
     if args.prune_rows:
         os.environ["BENCH_PRUNE_ROWS"] = str(args.prune_rows)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -127,6 +127,35 @@ def test_the_upgrade_to_0007_and_the_downgrade_keep_every_row(database_url: str,
         db.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
+def test_migrate_says_what_the_0007_rewrite_will_do_and_shows_its_progress(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    schema = f"parts_{uuid.uuid4().hex[:10]}"
+    try:
+        # Given a 0006 schema with 25,000 history rows over the last 30 days
+        upgrade(database_url, schema=schema, revision="0006")
+        db.execute(
+            f"INSERT INTO {schema}.history (id, queue_name, actor_name, message_id, state, attempts, "
+            "enqueued_at, finished_at, payload) "
+            "SELECT i, 'q', 'a', 'm' || i, 'completed', 1, now() - i * interval '100 s', "
+            "now() - i * interval '100 s', '' FROM generate_series(1, 25000) AS i"
+        )
+        capsys.readouterr()
+        # When the migrate command upgrades it to 0007
+        assert main(["migrate", "--url", database_url, "--schema", schema, "--revision", "0007"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        # Then it first says what it will do and how long it should take, then shows progress
+        assert out[0].startswith("0007 upgrade: 25,000 history rows to copy, about "), out
+        assert "history stays locked until the migration commits" in out[0]
+        progress = [line for line in out if " copied " in line]
+        assert len(progress) >= 2, out  # batches of at least 10,000 rows
+        assert progress[-1].startswith("0007 upgrade: copied 25,000 of 25,000 rows (100 %)")
+        assert out[-1].startswith(f"schema {schema!r} is at revision 0007")
+        assert count(db, f"SELECT count(*) FROM {schema}.history") == 25_000
+    finally:
+        db.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
 def test_prune_drops_whole_day_partitions_and_keeps_exactly_the_newer_rows(
     database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

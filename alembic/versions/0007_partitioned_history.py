@@ -40,6 +40,9 @@ Create Date: 2026-11-24
 # ruff: noqa: S608 - the only interpolated names are the validated, quoted schema and constants.
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections.abc import Sequence
 
 from alembic import op
@@ -54,6 +57,54 @@ depends_on: Sequence[str] | None = None
 BACKFILL_DAYS = 90
 #: Days ahead created at upgrade.
 AHEAD_DAYS = 7
+#: The copy is split into about this many statements (a progress line each) ...
+COPY_STEPS = 20
+#: ... of at least this many rows each.
+COPY_MIN_ROWS = 10_000
+#: Seconds per million history rows of the copy, measured (benchmarks/README.md, "Upgrading to 0007").
+SECONDS_PER_MILLION = 14.0
+
+#: Says what a long step will do, then its progress (``dramatiq-pg-outbox migrate`` prints it).
+log = logging.getLogger("dramatiq_pg_outbox.migrations")
+
+
+def _copy_history(s: str, direction: str) -> None:
+    """INSERT every row of ``history_old`` into ``history``, announced, then in page ranges with progress.
+
+    Offline (``migrate --sql``) it is one statement.  Online, TID range scans
+    (PostgreSQL 14+) copy about 1/``COPY_STEPS`` of the rows (at least
+    ``COPY_MIN_ROWS``) at a time, each a sequential read of its pages; all in
+    the migration's one transaction, so an interrupted upgrade leaves history
+    as it was.
+    """
+    if op.get_context().as_sql:
+        op.execute(f"INSERT INTO {s}.history SELECT * FROM {s}.history_old")
+        return
+    bind = op.get_bind()
+    rows, pages = bind.exec_driver_sql(
+        f"SELECT count(*), (pg_relation_size('{s}.history_old') "
+        f"/ current_setting('block_size')::int)::bigint FROM {s}.history_old"
+    ).one()
+    if not rows:
+        return  # nothing to copy, nothing to say
+    log.info(
+        "0007 %s: %s history rows to copy, about %.0f s at %.0f s per million rows measured; "
+        "history stays locked until the migration commits (interrupted, nothing changes)",
+        direction, f"{rows:,}", rows / 1e6 * SECONDS_PER_MILLION, SECONDS_PER_MILLION,
+    )  # fmt: skip
+    batch = max(COPY_MIN_ROWS, rows / COPY_STEPS)
+    step = max(1, math.ceil(pages * batch / rows))
+    copied, started = 0, time.monotonic()
+    for first in range(0, pages + 1, step):
+        result = bind.exec_driver_sql(
+            f"INSERT INTO {s}.history SELECT * FROM {s}.history_old "
+            f"WHERE ctid >= '({first},0)'::tid AND ctid < '({first + step},0)'::tid"
+        )
+        copied += result.rowcount
+        log.info(
+            "0007 %s: copied %s of %s rows (%.0f %%), %.1f s",
+            direction, f"{copied:,}", f"{rows:,}", 100 * copied / rows, time.monotonic() - started,
+        )  # fmt: skip
 
 
 def _indexes(s: str) -> None:
@@ -184,7 +235,7 @@ def upgrade() -> None:
         """
     )
     op.execute(f"SELECT {s}.create_history_partitions({AHEAD_DAYS})")
-    op.execute(f"INSERT INTO {s}.history SELECT * FROM {s}.history_old")
+    _copy_history(s, "upgrade")
     op.execute(f"DROP TABLE {s}.history_old")
     _views(s)
     set_schema_revision(op.execute, schema, 7)
@@ -196,7 +247,7 @@ def downgrade() -> None:
     _swap_out(s)
     _create_history(s, "PRIMARY KEY (id)", "")
     _indexes(s)
-    op.execute(f"INSERT INTO {s}.history SELECT * FROM {s}.history_old")
+    _copy_history(s, "downgrade")
     op.execute(f"DROP TABLE {s}.history_old")  # and its partitions
     op.execute(f"DROP FUNCTION {s}.create_history_partitions(integer, date)")
     _views(s)

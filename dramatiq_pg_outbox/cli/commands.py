@@ -7,9 +7,12 @@ import argparse
 import datetime
 import decimal
 import json
+import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -54,7 +57,8 @@ def _migrate(args: argparse.Namespace) -> int:
                     f"{VERSION_TABLE}: your application's alembic history manages them; "
                     "run `alembic upgrade heads` there instead"
                 )
-        upgrade(db.conninfo, schema=args.schema, revision=args.revision)
+        with _migration_progress():
+            upgrade(db.conninfo, schema=args.schema, revision=args.revision)
         after = _applied_revisions(conn, args.schema) or []
     from alembic.script import ScriptDirectory
 
@@ -69,6 +73,24 @@ def _migrate(args: argparse.Namespace) -> int:
         change = f"upgraded from {', '.join(before)}"
     print(f"schema {args.schema!r} is at revision {reached}{head}, {change}")
     return 0
+
+
+@contextmanager
+def _migration_progress() -> Iterator[None]:
+    """Print what a long migration step will do, then its progress (logger dramatiq_pg_outbox.migrations)."""
+    logger = logging.getLogger("dramatiq_pg_outbox.migrations")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def _applied_revisions(conn: psycopg.Connection[Any], schema: str) -> list[str] | None:
