@@ -44,6 +44,14 @@ def fill(url: str, rows: int) -> float:
     return time.perf_counter() - t0
 
 
+def check(url: str, rows: int) -> None:
+    """Every row is still there (a timing of a lossy migration would mean nothing)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT count(DISTINCT id) FROM dramatiq.history").fetchone()
+    if row is None or row[0] != rows:
+        raise RuntimeError(f"history holds {row[0] if row else None} rows after the migration, not {rows}")
+
+
 def run(ctx: Context) -> dict[str, Any]:
     from dramatiq_pg_outbox import downgrade, upgrade
 
@@ -58,9 +66,11 @@ def run(ctx: Context) -> dict[str, Any]:
             t0 = time.perf_counter()
             upgrade(url, schema="dramatiq", revision="0007")
             up = time.perf_counter() - t0
+            check(url, rows)
             t0 = time.perf_counter()
             downgrade(url, schema="dramatiq", revision="0006")
             down = time.perf_counter() - t0
+            check(url, rows)
             series["upgrade to 0007"].values.append(up / rows * 1e6)
             series["downgrade to 0006"].values.append(down / rows * 1e6)
             print(

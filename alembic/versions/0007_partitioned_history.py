@@ -71,16 +71,18 @@ log = logging.getLogger("dramatiq_pg_outbox.migrations")
 def _copy_history(s: str, direction: str) -> None:
     """INSERT every row of ``history_old`` into ``history``, announced, then in page ranges with progress.
 
-    Offline (``migrate --sql``) it is one statement.  Online, TID range scans
+    Offline (``migrate --sql``) and for the downgrade (whose source is the
+    partitioned table) it is one statement.  Online, TID range scans
     (PostgreSQL 14+) copy about 1/``COPY_STEPS`` of the rows (at least
     ``COPY_MIN_ROWS``) at a time, each a sequential read of its pages; all in
     the migration's one transaction, so an interrupted upgrade leaves history
     as it was.
     """
-    if op.get_context().as_sql:
+    bind = None if op.get_context().as_sql else op.get_bind()
+    if bind is None or direction == "downgrade":
+        # Offline, or from the partitioned table (its pages are its partitions'): one statement.
         op.execute(f"INSERT INTO {s}.history SELECT * FROM {s}.history_old")
         return
-    bind = op.get_bind()
     rows, pages = bind.exec_driver_sql(
         f"SELECT count(*), (pg_relation_size('{s}.history_old') "
         f"/ current_setting('block_size')::int)::bigint FROM {s}.history_old"
@@ -105,6 +107,8 @@ def _copy_history(s: str, direction: str) -> None:
             "0007 %s: copied %s of %s rows (%.0f %%), %.1f s",
             direction, f"{copied:,}", f"{rows:,}", 100 * copied / rows, time.monotonic() - started,
         )  # fmt: skip
+    if copied != rows:  # the table is locked: nothing can come or go meanwhile
+        raise RuntimeError(f"0007 {direction}: copied {copied} of {rows} history rows; rolled back")
 
 
 def _indexes(s: str) -> None:
