@@ -644,6 +644,11 @@ def test_the_schedules_command_lists_each_schedule_with_its_last_and_next_run(
     assert "*/5 * * * *" in rates and rates.split()[8:10] == ["Europe/Paris", "once"]
     assert rates.endswith("ok")
     assert removed.endswith("removed 3h00m ago") and "gone_actor" in removed
+    # And a schedule disabled from the dashboard says so
+    db.execute(f"UPDATE {schema}.schedules SET disabled_at = now() WHERE name = 'rates'")
+    assert main(["schedules", "--url", database_url, "--schema", schema]) == 0
+    rates = capsys.readouterr().out.splitlines()[3]
+    assert "disabled since " in rates and rates.endswith("(enable it in the dashboard)")
 
 
 def test_the_scheduler_command_explains_a_bad_app_in_one_line(

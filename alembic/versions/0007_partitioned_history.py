@@ -62,7 +62,7 @@ COPY_STEPS = 20
 #: ... of at least this many rows each.
 COPY_MIN_ROWS = 10_000
 #: Seconds per million history rows of the copy, measured (benchmarks/README.md, "Upgrading to 0007").
-SECONDS_PER_MILLION = 14.0
+SECONDS_PER_MILLION = 5.4
 
 #: Says what a long step will do, then its progress (``dramatiq-pg-outbox migrate`` prints it).
 log = logging.getLogger("dramatiq_pg_outbox.migrations")
