@@ -23,6 +23,18 @@ AND (%(search)s::text IS NULL
      OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
      OR message_id = %(search)s)
 
+-- fragment: claim_update --
+-- The update of claim and claim_prioritized: the rows of their candidates CTE
+-- become this consumer's, under a fresh lease, attempts charged (see claim).
+UPDATE {schema}.messages AS m
+SET state = 'processing',
+    attempts = m.attempts + 1,
+    lease = %(lease)s,
+    owner = %(owner)s,
+    acquired_at = now()
+WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
+RETURNING m.id, m.attempts, m.payload, m.priority
+
 -- fragment: claim_clock --
 -- The clock row of claim and claim_prioritized (see claim): when to claim
 -- next, the database clock, and whether the queue has prioritized rows
@@ -242,16 +254,7 @@ WITH candidates AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ),
-claimed AS (
-    UPDATE {schema}.messages AS m
-    SET state = 'processing',
-        attempts = m.attempts + 1,
-        lease = %(lease)s,
-        owner = %(owner)s,
-        acquired_at = now()
-    WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
-    RETURNING m.id, m.attempts, m.payload, m.priority
-),
+claimed AS {claim_update},
 clock AS {claim_clock}
 SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority,
        clock.prioritized
@@ -274,7 +277,7 @@ WITH prioritized AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ),
-candidates AS (
+unprioritized AS (
     SELECT id
     FROM {schema}.messages
     WHERE queue_name = %(queue_name)s
@@ -286,16 +289,10 @@ candidates AS (
     LIMIT %(limit)s - (SELECT count(*) FROM prioritized)
     FOR UPDATE SKIP LOCKED
 ),
-claimed AS (
-    UPDATE {schema}.messages AS m
-    SET state = 'processing',
-        attempts = m.attempts + 1,
-        lease = %(lease)s,
-        owner = %(owner)s,
-        acquired_at = now()
-    WHERE m.id = ANY (ARRAY(SELECT id FROM prioritized UNION ALL SELECT id FROM candidates))
-    RETURNING m.id, m.attempts, m.payload, m.priority
+candidates AS (
+    SELECT id FROM prioritized UNION ALL SELECT id FROM unprioritized
 ),
+claimed AS {claim_update},
 clock AS {claim_clock}
 SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority,
        clock.prioritized

@@ -9,6 +9,7 @@ real ``dramatiq`` CLI processes:
   which is what most scenarios measure.
 - ``CHAOS_WORK_MS``: time each ``work`` message spends "working" (default 0).
 - ``CHAOS_RECORD_URL``: where the actors record deliveries (default ``CHAOS_URL``).
+- ``CHAOS_RECORD``: ``0`` makes ``work`` record nothing (scenario 10).
 
 Every delivery of a ``work`` or ``long_task`` message adds one to its key's
 count in the table ``chaos_received`` (unique key + count), in its own
@@ -53,6 +54,9 @@ broker = PostgresBroker(url=URL, **settings)
 dramatiq.set_broker(broker)
 
 WORK_MS = int(os.environ.get("CHAOS_WORK_MS", "0"))
+#: ``CHAOS_RECORD=0``: ``work`` records nothing (scenario 10 counts history instead: its load is
+#: the broker's alone, without a commit per message in chaos_received).
+RECORDING = os.environ.get("CHAOS_RECORD", "1") != "0"
 _conn: dict[int, psycopg.Connection[Any]] = {}
 
 RECORD = (
@@ -93,7 +97,8 @@ def work(key: str) -> None:
         os._exit(1)
     if WORK_MS:
         time.sleep(WORK_MS / 1000)
-    execute(RECORD, (key,))
+    if RECORDING:
+        execute(RECORD, (key,))
 
 
 @dramatiq.actor(max_retries=0, time_limit=3_600_000)
