@@ -225,9 +225,14 @@ def test_a_queue_page_pages_filters_tells_running_from_prefetched_and_runs_a_del
         page.select_option("select[name=actor]", "archive")
         page.click("#message-filters button")
         assert set(page.locator("#messages tbody td:nth-child(2)").all_inner_texts()) == {"archive"}
-        # When the operator runs the first delayed one now, and the reports finish
+        # When the operator opens the first delayed one (its page offers Run now too), goes back,
+        # runs it now from the list, and the reports finish
         first = page.locator("#messages tbody tr").first
         row_id = int(first.get_attribute("data-id"))
+        page.goto(f"{server.url}/messages/{row_id}")
+        assert page.locator("button#run-now").count() == 1
+        page.go_back()
+        first = page.locator(f'#messages tbody tr[data-id="{row_id}"]')
         first.locator("button:has-text('Run now')").click()
         assert f"Message {row_id} is due now" in page.inner_text(".flash")
         release.set()
