@@ -60,7 +60,10 @@ def fill(url: str, size: int, due: int) -> float:
 def explain(url: str, analyze: bool) -> str:
     """EXPLAIN of the broker's own claim statement (a claim of 64, as a 1 x 8 worker makes)."""
     claim = queries_for_schema("dramatiq")["claim"]
-    params = {"queue_name": QUEUE, "limit": 64, "lease": uuid.uuid4(), "owner": uuid.uuid4()}
+    params = {
+        "queue_name": QUEUE, "limit": 64, "lease": uuid.uuid4(), "owner": uuid.uuid4(),
+        "consumers": 1, "rank": 0, "look_ahead": 64, "from_at": None, "from_id": None,
+    }  # fmt: skip
     with psycopg.connect(url) as conn:
         opts = "(ANALYZE, BUFFERS, COSTS OFF, TIMING OFF)" if analyze else "(COSTS OFF)"
         rows = conn.execute(f"EXPLAIN {opts} {claim}", params).fetchall()

@@ -101,6 +101,8 @@ def _claim_params() -> dict[str, Any]:
         "consumers": 1,
         "rank": 0,
         "look_ahead": 64,
+        "from_at": None,
+        "from_id": None,
     }
 
 

@@ -33,7 +33,16 @@ SET state = 'processing',
     owner = %(owner)s,
     acquired_at = now()
 WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
-RETURNING m.id, m.attempts, m.payload, m.priority
+RETURNING m.id, m.attempts, m.payload, m.priority,
+          m.next_attempt_at AS due_at
+
+-- fragment: claim_from --
+-- The watermark bound of claim and claim_prioritized (see claim): only rows
+-- after (%(from_at)s, %(from_id)s) in claim order, a range condition of
+-- messages_ready_idx; both NULL for a sweep, which reads the queue's index
+-- range from its start.
+(next_attempt_at, id) > (coalesce(%(from_at)s::timestamptz, '-infinity'::timestamptz),
+                         coalesce(%(from_id)s::bigint, 0))
 
 -- fragment: claim_clock --
 -- The clock row of claim and claim_prioritized (see claim): when to claim
@@ -235,6 +244,24 @@ SELECT xid, payload, status FROM t WHERE (SELECT count(*) FROM sent) >= 0;
 -- notifications into its own clock.  The clock columns are on every returned
 -- row; a claim of nothing returns one row whose id is NULL.  Rows just claimed
 -- are due (<= now()), so the probe never returns them.
+-- The watermark (claim_from, issue 20): a claimed row leaves a dead entry in
+-- messages_ready_idx, which vacuum removes, and which a later scan marks dead
+-- so that the next one skips it, only once no transaction can still see the
+-- row.  While a long transaction, a replication slot or hot_standby_feedback
+-- pins that horizon, every entry claimed since stays, and a claim that starts
+-- at the queue's first entry visits all of them and their heap tuples before
+-- it finds a pending row: 38,000 buffers and 217 ms per claim after ten
+-- minutes at 2,000 msg/s (docs/chaos.md, scenario 10).  So the consumer
+-- passes (%(from_at)s, %(from_id)s), the claim-order key of the latest row
+-- it had claimed WATERMARK_LAG_MS ago (broker/consumer.py), and the scan
+-- starts there: it passes over the entries claimed in the last second, not
+-- over every entry claimed since the horizon was pinned.  Every
+-- SWEEP_INTERVAL_MS or so, and soon after a notification, it passes NULLs
+-- instead: a sweep from the start, which finds the rows a watermark passes
+-- over (committed by a transaction that inserted them before that latest row
+-- was claimed, or released back to pending by requeue or the rescuer).
+-- due_at is each claimed row's due time, from which the consumer keeps its
+-- watermark.
 -- Priorities (broker_priority, migration 0010): this claim ignores them, as
 -- every claim did before them: prioritized is whether the queue has pending
 -- rows of priority > 0 (one probe of the partial index messages_priority_idx,
@@ -248,6 +275,7 @@ WITH candidates AS (
     WHERE queue_name = %(queue_name)s
       AND state = 'pending'
       AND next_attempt_at <= now()
+      AND {claim_from}
       -- A paused queue (queue_pauses) is not claimed: a one-time primary-key probe.
       AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
     ORDER BY next_attempt_at, id
@@ -257,7 +285,7 @@ WITH candidates AS (
 claimed AS {claim_update},
 clock AS {claim_clock}
 SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority,
-       clock.prioritized
+       clock.prioritized, claimed.due_at
 FROM clock LEFT JOIN claimed ON true;
 
 -- name: claim_prioritized --
@@ -284,6 +312,7 @@ unprioritized AS (
       AND state = 'pending'
       AND next_attempt_at <= now()
       AND priority = 0
+      AND {claim_from}
       AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
     ORDER BY next_attempt_at, id
     LIMIT %(limit)s - (SELECT count(*) FROM prioritized)
@@ -295,7 +324,7 @@ candidates AS (
 claimed AS {claim_update},
 clock AS {claim_clock}
 SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority,
-       clock.prioritized
+       clock.prioritized, claimed.due_at
 FROM clock LEFT JOIN claimed ON true;
 
 -- name: consumer_rank --

@@ -11,8 +11,9 @@ twice: with a transaction that read another table, and with one that read the
 messages table itself.  Every ``SAMPLE`` seconds it records offered and drained
 messages per second, the backlog, the hot table's size (heap and indexes), its
 live and dead tuples, and after 0, 2, 5 and 10 minutes pinned
-``EXPLAIN (ANALYZE, BUFFERS)`` of a claim of 64 and of an ack of 64 (each in a
-transaction rolled back).  Lost: a sent message that is not in
+``EXPLAIN (ANALYZE, BUFFERS)`` of a claim of 64 from a consumer's watermark, of
+a sweep of 64 (a claim from the queue's first entry) and of an ack of 64 (each
+in a transaction rolled back).  Lost: a sent message that is not in
 history as completed once the load stops and the queue drains.
 
 ``python -m benchmarks.chaos --scenarios 10`` (``--quick``: 2 minutes pinned).
@@ -74,15 +75,25 @@ def _explain(conn: psycopg.Connection[Any], statement: str, params: dict[str, An
 
 
 def explain_claim_and_ack(url: str) -> dict[str, Any]:
-    """EXPLAIN of the plain claim of 64 and of the ack of 64 claimed rows (all rolled back)."""
+    """EXPLAIN of a claim of 64 from a watermark, of a sweep of 64 and of the ack of 64 claimed rows.
+
+    The watermark is what a consumer's would be (see WATERMARK_LAG_MS in broker/consumer.py):
+    the claim-order key of the latest message that finished a second ago or more.  All rolled back.
+    """
     queries = queries_for_schema("dramatiq")
     lease, owner = uuid.uuid4(), uuid.uuid4()
     claim = {
         "queue_name": QUEUE, "limit": 64, "lease": lease, "owner": owner,
-        "consumers": 1, "rank": 0, "look_ahead": 64,
+        "consumers": 1, "rank": 0, "look_ahead": 64, "from_at": None, "from_id": None,
     }  # fmt: skip
     with psycopg.connect(url) as conn:
-        out = {"claim": _explain(conn, queries["claim"], claim)}
+        mark = conn.execute(
+            "SELECT enqueued_at, id FROM dramatiq.history "
+            "WHERE finished_at <= now() - interval '1 second' ORDER BY finished_at DESC, id DESC LIMIT 1"
+        ).fetchone()
+        out = {"sweep": _explain(conn, queries["claim"], claim)}
+        if mark is not None:
+            out["claim"] = _explain(conn, queries["claim"], {**claim, "from_at": mark[0], "from_id": mark[1]})
         with conn.transaction(force_rollback=True):
             rows = conn.execute(queries["claim"], claim).fetchall()
             ids = [r[0] for r in rows if r[0] is not None]
@@ -190,14 +201,14 @@ def minute_table(samples: list[Sample]) -> str:
     """The samples as a markdown table (docs/chaos.md)."""
     lines = [
         "| minute | pinned | offered msg/s | drained msg/s | backlog | hot table MB | live | dead "
-        "| claim ms (buffers) | ack ms (buffers) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| claim ms (buffers) | sweep ms (buffers) | ack ms (buffers) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in samples:
         lines.append(
             f"| {s.at_s / 60:.0f} | {'yes' if s.pinned else ''} | {s.offered:,.0f} | {s.drained:,.0f} "
             f"| {s.backlog:,} | {s.table_mb:,.0f} | {s.live:,} | {s.dead:,} "
-            f"| {_cell(s.explain.get('claim'))} | {_cell(s.explain.get('ack'))} |"
+            + " | ".join(["", *(_cell(s.explain.get(k)) for k in ("claim", "sweep", "ack")), ""]).strip()
         )
     return "\n".join(lines)
 

@@ -1,0 +1,191 @@
+"""Claims while a long transaction pins the MVCC horizon (issue 20).
+
+While any transaction that began before them is open, the index entries that
+claims leave behind in ``messages_ready_idx`` can be neither vacuumed nor
+skipped: a claim that starts at the queue's first entry reads every one of
+them.  The consumer's claims start at its watermark instead, and a sweep from
+the start now and then finds what the watermark passes over.  These tests pin
+the horizon with a ``REPEATABLE READ`` transaction of their own and count the
+index blocks that the claims read (``pg_statio_user_indexes``), not seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from dramatiq import Message
+
+from dramatiq_pg_outbox.broker import consumer as consumer_module
+
+#: Messages drained while the horizon is pinned.
+MESSAGES = 20_000
+
+
+@pytest.fixture
+def pinned(database_url: str, db: Any) -> Iterator[psycopg.Connection[Any]]:
+    """A REPEATABLE READ transaction that has taken its snapshot, held for the test."""
+    with psycopg.connect(database_url) as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM received")
+        yield holder
+        holder.rollback()
+
+
+def ready_index_blocks(db: Any) -> int:
+    row = db.execute(
+        "SELECT idx_blks_hit + idx_blks_read FROM pg_statio_user_indexes "
+        "WHERE indexrelid = 'dramatiq.messages_ready_idx'::regclass"
+    ).fetchone()
+    return int(row[0])
+
+
+def settled_blocks(db: Any) -> int:
+    """The ready index's block count once the closed connections' statistics are in."""
+    last, same_since = -1, time.monotonic()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        now = ready_index_blocks(db)
+        if now != last:
+            last, same_since = now, time.monotonic()
+        elif time.monotonic() - same_since > 1.0:
+            break
+        time.sleep(0.1)
+    return last
+
+
+def drain(consumer: Any, count: int) -> None:
+    got = 0
+    deadline = time.monotonic() + 120
+    while got < count:
+        assert time.monotonic() < deadline, f"drained {got} of {count}"
+        message = next(consumer)
+        if message is not None:
+            consumer.ack(message)
+            got += 1
+
+
+def test_claims_start_at_the_watermark_while_the_horizon_is_pinned(
+    make_broker: Any, db: Any, pinned: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given 20,000 messages stored in batches of 100 and a horizon pinned before any was claimed
+    monkeypatch.setattr(consumer_module, "WATERMARK_LAG_MS", 50)
+    producer = make_broker()
+
+    @dramatiq.actor(broker=producer)
+    def noop() -> None:
+        pass
+
+    producer.enqueue_many((noop.message() for _ in range(MESSAGES)), batch_size=100)
+    # (Its connections close, so their statistics, the inserts' index blocks, are in before the count.)
+    producer.close()
+    before = settled_blocks(db)
+    # When one consumer claims and acks them all
+    broker = make_broker(max_fetch_interval=1_000)
+    broker.declare_queue("default")
+    consumer = broker.consume("default", prefetch=16, timeout=100)
+    drain(consumer, MESSAGES)
+    claims, sweeps = consumer.claims, consumer.sweeps
+    broker.close()
+    blocks = settled_blocks(db) - before
+    # Then its claims read a few index blocks each: the entries it claimed more than
+    # WATERMARK_LAG_MS ago are behind its watermark, and only its sweeps read them all.
+    # (Measured: 12 blocks per claim, 313 claims of which 12 sweeps; on the parent
+    # commit, whose every claim starts at the queue's first entry, 56 per claim.)
+    assert claims >= MESSAGES / consumer.limit
+    assert blocks / claims < 25, (blocks, claims, sweeps)
+    assert 1 <= sweeps < claims / 4
+    # And the horizon was pinned: a sweep now reads every entry claimed since
+    with db.transaction(force_rollback=True):
+        plan = db.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT id FROM dramatiq.messages "
+            "WHERE queue_name = 'default' AND state = 'pending' AND next_attempt_at <= now() "
+            "ORDER BY next_attempt_at, id LIMIT 64"
+        ).fetchone()[0][0]
+    assert plan["Plan"]["Shared Hit Blocks"] + plan["Plan"].get("Shared Read Blocks", 0) > 500, plan
+
+
+def test_a_message_committed_behind_the_watermark_is_claimed_by_a_sweep(
+    make_broker: Any, database_url: str, db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a transaction that stored a message and has not committed yet
+    monkeypatch.setattr(consumer_module, "WATERMARK_LAG_MS", 0)
+    broker = make_broker(max_fetch_interval=200)
+
+    @dramatiq.actor(broker=broker)
+    def noop(n: int) -> None:
+        pass
+
+    late = noop.message(-1)
+    with psycopg.connect(database_url) as producer:
+        producer.execute(
+            "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, payload) "
+            "VALUES (%s, %s, %s, %s)",
+            ("default", "noop", late.message_id, late.encode()),
+        )
+        time.sleep(0.05)
+        # And a consumer whose watermark has passed it: it claimed messages stored after it
+        consumer = broker.consume("default", prefetch=8, timeout=100)
+        for n in range(20):
+            noop.send(n)
+            message = next(consumer)
+            assert message is not None and message.args == (n,)
+            consumer.ack(message)
+            time.sleep(0.02)
+        assert consumer._watermark is not None
+        sweeps = consumer.sweeps
+        # When it commits (no notification: only the poll and the sweep can find it)
+        producer.commit()
+    # Then the next sweep claims it
+    deadline = time.monotonic() + 10
+    message = None
+    while message is None and time.monotonic() < deadline:
+        message = next(consumer)
+    assert isinstance(message, dramatiq.broker.MessageProxy) and message.message_id == late.message_id
+    assert consumer.sweeps > sweeps
+    consumer.ack(message)
+
+
+def test_messages_handed_back_behind_the_watermark_are_claimed_again(
+    make_broker: Any, db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a consumer holding claimed messages that it has not started
+    monkeypatch.setattr(consumer_module, "WATERMARK_LAG_MS", 0)
+    broker = make_broker(max_fetch_interval=30_000)
+
+    @dramatiq.actor(broker=broker)
+    def noop(n: int) -> None:
+        pass
+
+    held = broker.consume("default", prefetch=10, timeout=100)
+    for n in range(10):
+        noop.send(n)
+    taken = [m for m in (next(held) for _ in range(20)) if m is not None]
+    assert len(taken) == 10
+    # And another consumer whose watermark is past them (it claimed later messages)
+    second = make_broker(max_fetch_interval=30_000)
+    second.declare_queue("default")
+    other = second.consume("default", prefetch=10, timeout=100)
+    for n in range(10, 13):
+        noop.send(n)
+        time.sleep(0.01)
+    got = [m for m in (next(other) for _ in range(10)) if m is not None]
+    assert sorted(m.args[0] for m in got) == [10, 11, 12]
+    for message in got:
+        other.ack(message)
+    # When the first one hands them back (as a worker does when it stops), which notifies
+    held.requeue(taken)
+    # Then the other claims all of them, by a sweep, long before its 30 s poll
+    other.timeout = 200
+    again: list[Message[Any]] = []
+    deadline = time.monotonic() + 10
+    while len(again) < 10 and time.monotonic() < deadline:
+        message = next(other)
+        if message is not None:
+            again.append(message)
+            other.ack(message)
+    assert sorted(m.args[0] for m in again) == list(range(10))
