@@ -253,10 +253,10 @@ SELECT xid, payload, status FROM t WHERE (SELECT count(*) FROM sent) >= 0;
 -- it finds a pending row: 38,000 buffers and 217 ms per claim after ten
 -- minutes at 2,000 msg/s (docs/chaos.md, scenario 10).  So the consumer
 -- passes (%(from_at)s, %(from_id)s), the claim-order key of the latest row
--- it had claimed WATERMARK_LAG_MS ago (broker/consumer.py), and the scan
+-- it had claimed a second ago (_runtime/watermark.py), and the scan
 -- starts there: it passes over the entries claimed in the last second, not
--- over every entry claimed since the horizon was pinned.  Every
--- SWEEP_INTERVAL_MS or so, and soon after a notification, it passes NULLs
+-- over every entry claimed since the horizon was pinned.  About once a
+-- second, and soon after a notification, it passes NULLs
 -- instead: a sweep from the start, which finds the rows a watermark passes
 -- over (committed by a transaction that inserted them before that latest row
 -- was claimed, or released back to pending by requeue or the rescuer).

@@ -4,18 +4,34 @@
 
 -- name: relay_claim --
 -- Like a consumer's claim, under a new lease, but charging no attempt: the
--- relay publishes, it does not run the actor.
+-- relay publishes, it does not run the actor.  Each relayed queue is read by
+-- its own index scan of messages_ready_idx in claim order (LATERAL), and the
+-- earliest %(limit)s of them are taken: with "queue_name = ANY (...)" the
+-- planner sorts every due row of the queues on every claim, which a backlog
+-- (or, with the horizon pinned, the dead rows of a sequential scan) makes as
+-- slow as the table is large.  A queue's scan may lock up to %(limit)s rows
+-- that the outer LIMIT does not take; they stay pending and are unlocked at
+-- the end of the statement.  Each scan starts after the relay's watermark,
+-- (%(from_at)s, %(from_id)s), or at the queue's first entry for a sweep
+-- (both NULL): see claim_from and the claim in queries.sql.
 WITH picked AS (
-    SELECT m.id FROM {schema}.messages AS m
-    WHERE m.queue_name = ANY(%(queues)s::text[]) AND m.state = 'pending' AND m.next_attempt_at <= now()
-      AND m.queue_name <> ALL (ARRAY(SELECT queue_name FROM {schema}.queue_pauses))
-    ORDER BY m.next_attempt_at, m.id
+    SELECT c.id
+    FROM unnest(%(queues)s::text[]) AS q(name)
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.next_attempt_at FROM {schema}.messages AS m
+        WHERE m.queue_name = q.name AND m.state = 'pending' AND m.next_attempt_at <= now()
+          AND {claim_from}
+          AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses AS p WHERE p.queue_name = q.name)
+        ORDER BY m.next_attempt_at, m.id
+        LIMIT %(limit)s
+        FOR UPDATE OF m SKIP LOCKED
+    ) AS c
+    ORDER BY c.next_attempt_at, c.id
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
 )
 UPDATE {schema}.messages AS m
 SET state = 'processing', lease = %(lease)s, owner = %(owner)s, acquired_at = now()
-FROM picked WHERE m.id = picked.id
+WHERE m.id = ANY (ARRAY(SELECT id FROM picked))
 RETURNING m.id, m.queue_name, m.next_attempt_at, m.payload;
 
 -- name: relay_release --
@@ -27,11 +43,13 @@ WHERE m.id = a.id AND m.lease = a.lease AND m.state = 'processing';
 
 -- name: relay_next_due --
 -- Milliseconds until the earliest delayed row of the relayed queues (NULL: none).
+-- Only rows not due yet: the index range starts at now(), past the entries of
+-- the rows claimed so far, which a pinned MVCC horizon keeps (see claim_from).
 SELECT (extract(epoch FROM min(d.next_attempt_at) - now()) * 1000)::float8
 FROM unnest(%(queues)s::text[]) AS q(name)
 CROSS JOIN LATERAL (
     SELECT m.next_attempt_at FROM {schema}.messages AS m
-    WHERE m.queue_name = q.name AND m.state = 'pending'
+    WHERE m.queue_name = q.name AND m.state = 'pending' AND m.next_attempt_at > now()
     ORDER BY m.next_attempt_at LIMIT 1
 ) AS d;
 

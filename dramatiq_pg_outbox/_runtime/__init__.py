@@ -11,6 +11,8 @@
   consumers, the result waiters and the relay; a notification only wakes early.
 - ``messages``: a message's stored form, the enqueue statement, notifications.
 - ``host``: the protocols through which these parts see the broker and the runtime.
+- ``watermark``: where a claim (a consumer's, the relay's) starts reading, so that a
+  pinned MVCC horizon does not make every claim read every entry claimed since.
 
 Connections per consuming process: ``pool_size`` (pool) + 1 (LISTEN, shared).
 """

@@ -10,7 +10,6 @@ whose follow-ups this thread collects.  The consumer sees its broker through
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
 import threading
 import time
@@ -25,6 +24,7 @@ from dramatiq.errors import DecodeError
 from dramatiq.logging import get_logger
 
 from .._runtime import RuntimeHost, StoredMessage, _Runtime, format_error
+from .._runtime.watermark import Watermark
 
 
 class ConsumerHost(RuntimeHost, Protocol):
@@ -38,17 +38,6 @@ class ConsumerHost(RuntimeHost, Protocol):
 SUSPECT_AT_DELIVERY = 3
 #: Upcoming delayed rows a claim reads to find the next due time of its consumer (see _mine).
 LOOK_AHEAD = 64
-#: How long ago, in milliseconds, a consumer claimed the row after which its claims
-#: start reading (the watermark; see the claim in queries.sql).  A row that sorts
-#: before it but commits later (its transaction inserted it more than about this
-#: long before it committed) waits for the next sweep.
-WATERMARK_LAG_MS = 1_000
-#: Least time between two sweeps (claims from the start of the queue), in milliseconds.
-SWEEP_INTERVAL_MS = 1_000
-#: A sweep waits at least this many times as long as the last one took, so that
-#: sweeps, which read every dead index entry while the horizon is pinned, take at
-#: most a tenth of the consumer's time.
-SWEEP_SPACING = 10
 
 #: Per thread: the claimed message whose outcome this thread is deciding, if any.
 _deciding = threading.local()
@@ -139,26 +128,16 @@ class _PostgresConsumer(Consumer):
         self._suspect_at = min(SUSPECT_AT_DELIVERY, broker.options.max_deliveries)
         #: Row id of a redelivered message running alone (see _isolate).
         self._isolated: int | None = None
-        #: (time.monotonic(), claim-order key (due_at, id)) of the latest row of each
-        #: claim, oldest first, and the newest key claimed WATERMARK_LAG_MS ago or more:
-        #: the watermark (None: the next claim is a sweep).  time.monotonic() from which
-        #: the next claim is a sweep (see the claim in queries.sql).  Consumer thread only.
-        self._marks: deque[tuple[float, tuple[datetime.datetime, int]]] = deque()
-        self._watermark: tuple[datetime.datetime, int] | None = None
-        self._sweep_at = 0.0
-        #: Whether a notification came since the last sweep began: the consumer then
-        #: wakes for a sweep at _sweep_at even if nothing else wakes it.
-        self._sweep_owed = False
-        #: Sweeps made (claims from the start of the queue).
-        self.sweeps = 0
+        #: Where its claims start reading (issue 20; see the claim in queries.sql).
+        self.watermark = Watermark()
         self._closed = False
         self.runtime.register(self)
 
     def notify(self) -> None:
         """Called by the listener: something may be ready now."""
         self._notified = True
-        # What was stored or released may lie below the watermark: sweep soon.
-        self._sweep_owed = True
+        # What was stored or released may lie behind the watermark: sweep soon.
+        self.watermark.owe_sweep()
         self._wakeup.set()
 
     def prioritize(self) -> None:
@@ -207,7 +186,8 @@ class _PostgresConsumer(Consumer):
             free = self.limit - self._outstanding
             can_fetch = free >= self._threshold() and self._isolated is None
             due_at = min(self._due_at, self._due_hint)
-            fetch_at = min(self._poll_at, due_at, self._sweep_at if self._sweep_owed else math.inf)
+            sweep_at = self.watermark.sweep_at if self.watermark.sweep_owed else math.inf
+            fetch_at = min(self._poll_at, due_at, sweep_at)
             now = time.monotonic()
             if can_fetch and (self._notified or now >= fetch_at):
                 on_time = not self._notified and now >= due_at
@@ -243,11 +223,8 @@ class _PostgresConsumer(Consumer):
         lease = uuid.uuid4()
         sent = time.monotonic()
         metrics = self.broker._metrics
-        self._move_watermark(sent)
-        sweep = self._watermark is None or sent >= self._sweep_at
-        if sweep:
-            self._sweep_owed = False
-        from_at, from_id = (None, None) if sweep or self._watermark is None else self._watermark
+        sweep, after = self.watermark.start(sent)
+        from_at, from_id = (None, None) if after is None else after
         rows = self.runtime.execute(
             "claim_prioritized" if self._prioritized else "claim",
             {
@@ -269,7 +246,14 @@ class _PostgresConsumer(Consumer):
         self.runtime.observe_clock(db_now_ms, sent)
         # Highest priority first, then oldest: the worker runs them in hand-off order.
         claimed = sorted((row for row in rows if row[0] is not None), key=lambda row: (-row[5], row[0]))
-        self._advance_watermark(claimed, limit, sweep, sent)
+        # Rows with a broker_priority move no watermark: claim_prioritized takes them
+        # first, from their own index, whatever their due time.
+        self.watermark.claimed(
+            [(row[7], int(row[0])) for row in claimed if row[5] == 0],
+            full=len(claimed) >= limit,
+            sweep=sweep,
+            sent=sent,
+        )
         rows = [row[:3] for row in claimed]
         if metrics is not None:
             metrics.claim_seconds.labels(self.queue_name).observe(time.monotonic() - sent)
@@ -313,36 +297,6 @@ class _PostgresConsumer(Consumer):
                 self._outstanding += 1
             self._buffer.append(_PostgresMessage(message, row_id, lease, attempts, self))
         return len(rows)
-
-    def _move_watermark(self, now: float) -> None:
-        """Make the newest key claimed ``WATERMARK_LAG_MS`` ago or more the watermark."""
-        horizon = now - WATERMARK_LAG_MS / 1000
-        while self._marks and self._marks[0][0] <= horizon:
-            self._watermark = self._marks.popleft()[1]
-
-    def _advance_watermark(self, claimed: list[Any], limit: int, sweep: bool, sent: float) -> None:
-        """Remember the latest key claimed; after a sweep, plan the next one.
-
-        Only rows without a ``broker_priority`` count: the prioritized ones are
-        claimed first whatever their due time (see claim_prioritized).  A sweep
-        that came back full of rows below the watermark (a large transaction
-        that committed late, or many released rows) may have left more of
-        them: the next claim sweeps again.
-        """
-        plain = [(row[7], int(row[0])) for row in claimed if row[5] == 0]
-        latest = max(plain) if plain else None
-        newest = self._marks[-1][1] if self._marks else self._watermark
-        if latest is not None and (newest is None or latest > newest):
-            self._marks.append((sent, latest))
-        if not sweep:
-            return
-        self.sweeps += 1
-        watermark = self._watermark
-        if len(claimed) >= limit and latest is not None and watermark is not None and latest < watermark:
-            self._sweep_at = 0.0
-            return
-        took = time.monotonic() - sent
-        self._sweep_at = sent + max(SWEEP_INTERVAL_MS / 1000, SWEEP_SPACING * took)
 
     def _refresh_rank(self) -> None:
         """Learn how many live processes consume this queue and this one's rank (see ``_mine``)."""

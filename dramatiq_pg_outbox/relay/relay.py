@@ -14,6 +14,7 @@ from dramatiq.errors import DecodeError
 
 from .._runtime import Service, _Maintenance, format_error, parse_notification
 from .._runtime.listener import subscribe
+from .._runtime.watermark import Watermark
 from ..broker import PostgresBroker
 from ..names import validate_queue_name
 from .targets import TargetError, TargetUnusable, _publisher_for, refused_credentials
@@ -104,6 +105,8 @@ class Relay(Service):
         self._maintenance: _Maintenance | None = None
         #: Messages relayed by the latest batch (a full batch: the next one starts at once).
         self._relayed = 0
+        #: Where its claims start reading (see _runtime/watermark.py).
+        self.watermark = Watermark()
         self._report_every = 0.0
         self._next_report = float("inf")
 
@@ -139,13 +142,26 @@ class Relay(Service):
         if self._unarchived:
             self._archive(list(self._unarchived), retry=True)
         lease = uuid.uuid4()
+        sent = time.monotonic()
+        sweep, after = self.watermark.start(sent)
+        from_at, from_id = (None, None) if after is None else after
         rows = runtime.execute(
             "relay_claim",
-            {"queues": self.queues, "limit": self.batch_size, "lease": lease, "owner": runtime.worker_id},
+            {
+                "queues": self.queues,
+                "limit": self.batch_size,
+                "lease": lease,
+                "owner": runtime.worker_id,
+                "from_at": from_at,
+                "from_id": from_id,
+            },
+        )
+        rows.sort(key=lambda r: (r[2], r[0]))
+        self.watermark.claimed(
+            [(r[2], int(r[0])) for r in rows], full=len(rows) >= self.batch_size, sweep=sweep, sent=sent
         )
         if not rows:
             return 0
-        rows.sort(key=lambda r: (r[2], r[0]))
         runtime.track(rows, lease)
         batch: list[tuple[int, Message[Any]]] = []
         dead: set[int] = set()
@@ -268,6 +284,8 @@ class Relay(Service):
     def _notified(self, payload: str) -> None:
         queue_name, _ = parse_notification(payload)
         if queue_name is None or queue_name in self.queues:
+            # What was stored or released may lie behind the watermark: sweep soon.
+            self.watermark.owe_sweep()
             self.wake()
 
     def next_delay(self) -> float:
@@ -275,13 +293,16 @@ class Relay(Service):
         if time.monotonic() >= self._next_report:
             self._next_report = time.monotonic() + self._report_every
             self._report()
-        if self._relayed >= self.batch_size:
+        if self._relayed >= self.batch_size or self.watermark.sweep_at == 0.0:
             return 0.0
         try:
             due = self._next_due_s()
         except Exception:
             due = None
-        return self.interval if due is None else min(self.interval, due + 0.001)
+        delay = self.interval if due is None else min(self.interval, due + 0.001)
+        if self.watermark.sweep_owed:
+            delay = min(delay, max(0.0, self.watermark.sweep_at - time.monotonic()))
+        return delay
 
     def log_failure(self, error: Exception, delay: float) -> None:
         if isinstance(error, TargetError):
