@@ -413,3 +413,84 @@ def test_a_custom_encoder_takes_the_python_path(spark: Any, actor: Any, db: Any)
     assert message["args"] == [decimal.Decimal("0.75")] and message["message_id"] == message_id_for(
         "pickled", 3
     )
+
+
+# -- format("dramatiq"): the data source -------------------------------------------------
+
+
+def write_messages(df: Any, database_url: str, **options: str) -> None:
+    from dramatiq_pg_outbox.spark import register
+
+    register(df.sparkSession)
+    writer = df.write.format("dramatiq").option("url", database_url).mode("append")
+    for name, value in options.items():
+        writer = writer.option(name, value)
+    writer.save()
+
+
+def test_the_data_source_writes_the_messages_enqueue_dataframe_writes(
+    spark: Any, actor: Any, db: Any, database_url: str
+) -> None:
+    # Given 1,000 customers written by format("dramatiq")
+    source = {
+        "actor": "notify_customer", "queue": "notifications", "batch": "s1", "key": "customer_id",
+        "args": "customer_id,email", "kwargs": "segment=segment", "options": '{"max_retries": 2}',
+    }  # fmt: skip
+    write_messages(customers(spark, 1000), database_url, **source)
+    # Then every row is one message, with the id, key and payload enqueue_dataframe gives it
+    rows = db.execute(
+        "SELECT idempotency_key, message_id, queue_name, actor_name, payload FROM dramatiq.messages"
+    )
+    by_key = {r[0]: r for r in rows.fetchall()}
+    assert len(by_key) == 1000
+    _, message_id, queue_name, actor_name, payload = by_key["s1:42"]
+    assert message_id == message_id_for("s1", 42)
+    assert (queue_name, actor_name) == ("notifications", "notify_customer")
+    message = Message.decode(bytes(payload))
+    assert list(message.args) == [42, "c42@example.com"] and message.kwargs == {"segment": "gold"}
+    assert message.options == {"max_retries": 2, "idempotency_key": "s1:42"}
+    # When the same batch is written again, in other partitions, and enqueue_dataframe adds to it
+    write_messages(customers(spark, 1000, partitions=3), database_url, **source)
+    again = enqueue_dataframe(
+        customers(spark, 1000), actor, args=["customer_id", "email"], kwargs={"segment": "segment"},
+        key="customer_id", batch_id="s1", options={"max_retries": 2},
+    )  # fmt: skip
+    # Then nothing is added: one code path, one key per row
+    assert count(db) == 1000 and again.enqueued == 0
+    # And a worker runs them
+    worker = dramatiq.Worker(actor.broker, worker_timeout=100, worker_threads=4)
+    worker.start()
+    try:
+        actor.broker.join("notifications", timeout=30_000)
+    finally:
+        worker.stop()
+    assert count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'completed'") == 1000
+
+
+def test_the_data_source_names_a_missing_or_bad_option(spark: Any, db: Any, database_url: str) -> None:
+    df = customers(spark, 10)
+    good = {"actor": "notify_customer", "batch": "s2", "key": "customer_id"}
+    cases = [
+        ({"actor": "notify_customer", "key": "customer_id"}, r"needs the option\(s\) \['batch'\]"),
+        ({**good, "acter": "x"}, r"unknown option\(s\) \['acter'\]"),
+        ({**good, "args": "customer_id,nope"}, r"option 'args' names the column 'nope'"),
+        ({**good, "kwargs": "segment"}, r"option 'kwargs' takes name=column pairs"),
+        ({**good, "delay": "soon"}, r"option 'delay' is a number of milliseconds"),
+        ({**good, "options": "[1]"}, r"option 'options' is a JSON object"),
+        ({**good, "options": '{"broker_priority": 300}'}, r"option 'options'.*broker_priority"),
+        ({**good, "queue": "bad queue"}, r"option 'queue'"),
+    ]
+    for options, expected in cases:
+        with pytest.raises(Exception, match=expected):
+            write_messages(df, database_url, **options)
+    with pytest.raises(Exception, match=r"only appends messages"):
+        df.write.format("dramatiq").option("url", database_url).options(**good).mode("overwrite").save()
+    assert count(db) == 0
+
+
+def test_the_data_source_fails_on_a_null_key_and_names_it(spark: Any, db: Any, database_url: str) -> None:
+    rows = [(i, f"c{i}@example.com") for i in range(50)] + [(None, "nokey@example.com")]
+    df = spark.createDataFrame(rows, "customer_id long, email string").coalesce(1)
+    with pytest.raises(Exception, match=r"Column 'customer_id' \(the key\) is null in a row of batch 's3'"):
+        write_messages(df, database_url, actor="notify_customer", batch="s3", key="customer_id", args="email")
+    assert count(db) == 0

@@ -107,6 +107,7 @@ __all__ = [
     "jdbc_options",
     "local_session",
     "message_id_for",
+    "register",
     "write_partition",
     "write_prepared_partition",
 ]
@@ -263,6 +264,16 @@ def enqueue_dataframe(
 DEBIAN_JDBC_JAR = "/usr/share/java/postgresql.jar"
 #: Environment variable naming another JDBC driver jar.
 JDBC_JAR_ENV_VAR = "DRAMATIQ_PG_OUTBOX_JDBC_JAR"
+
+
+def register(spark: Any) -> None:
+    """Make ``format("dramatiq")`` known to ``spark`` (a SparkSession).
+
+    Writes with ``df.write.format("dramatiq")``: see :mod:`dramatiq_pg_outbox.spark.source`.
+    """
+    from .source import register as register_source
+
+    register_source(spark)
 
 
 def jdbc_jar() -> str | None:

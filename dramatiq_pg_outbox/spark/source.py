@@ -1,0 +1,192 @@
+"""The ``dramatiq`` Spark data source: ``df.write.format("dramatiq")`` enqueues one message per row.
+
+Usage (PySpark 4's Python Data Source API; ``pip install 'dramatiq-pg-outbox[spark]'``)::
+
+    from dramatiq_pg_outbox.spark import register
+
+    register(spark)                       # spark.dataSource.register(DramatiqDataSource)
+    (customers.write.format("dramatiq")
+        .option("url", "postgresql://app@db/app")
+        .option("actor", "notify_customer")
+        .option("queue", "notifications")
+        .option("batch", "newsletter-2026-11")
+        .option("key", "customer_id")
+        .option("args", "customer_id,email")
+        .option("kwargs", "segment=segment")
+        .mode("append")
+        .save())
+
+Each partition is written by its executor's Python worker exactly as
+:func:`~dramatiq_pg_outbox.spark.enqueue_dataframe` writes one
+(:func:`~dramatiq_pg_outbox.spark.write.write_partition`: one transaction, a ``COPY``
+into a temporary table, one ``INSERT ... ON CONFLICT DO NOTHING``, one ``NOTIFY``), with
+the same idempotency key ``"<batch>:<key>"``, the same uuid5 message id and the same
+errors: a re-run with the same ``batch`` adds only what is missing.
+
+Options (strings, as Spark passes them):
+
+- ``url`` (required): the database URL, e.g. ``postgresql://app@db/app``.
+- ``actor`` (required): the actor's name.
+- ``batch`` (required): identifies this enqueue job; re-running it adds nothing.
+- ``key`` (required): the column that identifies a row within the batch (not null).
+- ``queue``: the queue, default ``default``.
+- ``args``: columns passed as positional arguments, comma-separated.
+- ``kwargs``: keyword arguments, ``name=column`` pairs, comma-separated.
+- ``schema``: the broker's schema, default ``dramatiq``.
+- ``delay``: delay before the messages are due, in milliseconds (default 0).
+- ``notify``: ``true`` (default) wakes listening workers, one ``NOTIFY`` per partition.
+- ``options``: extra message options as a JSON object, e.g. ``{"max_retries": 3}``.
+
+Payloads are encoded with the driver's ``dramatiq.get_encoder()`` at the time of
+``save()``.  Only ``mode("append")`` is supported.
+
+Raises (from ``save()``): ``ValueError`` naming the option for a missing or bad option
+or an unknown column, before any task runs; the Spark job's error carrying
+:class:`~dramatiq_pg_outbox.spark.EnqueueError` (the row's key and the column) for a
+null key or an argument the encoder refuses: that partition writes nothing, others may
+have committed, and a re-run with the same ``batch`` completes the job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+
+from .._runtime.messages import broker_priority
+from ..names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
+from ..urls import libpq_url
+from .encoding import _arrow_rows, _Plan
+from .write import write_partition
+
+#: The options the data source reads; any other is refused (a typo would otherwise be ignored).
+OPTIONS = ("url", "actor", "batch", "key", "queue", "args", "kwargs", "schema", "delay", "notify", "options")
+REQUIRED = ("url", "actor", "batch", "key")
+
+
+class DramatiqDataSource(DataSource):
+    """``format("dramatiq")``: write a DataFrame as messages (see the module's documentation)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "dramatiq"
+
+    def writer(self, schema: Any, overwrite: bool) -> DataSourceArrowWriter:
+        if overwrite:
+            raise ValueError(
+                'format("dramatiq") only appends messages: use .mode("append") (a re-run with the '
+                "same batch option adds only what is missing)"
+            )
+        columns = [field.name for field in schema.fields]
+        return _Writer(plan_from_options(self.options, columns))
+
+
+@dataclass
+class Written(WriterCommitMessage):
+    """What one task wrote: rows read, messages enqueued (the rest were already there)."""
+
+    rows: int
+    enqueued: int
+
+
+class _Writer(DataSourceArrowWriter):
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+
+    def write(self, iterator: Iterator[Any]) -> Written:
+        names = list(self.plan.columns)
+        rows, enqueued = write_partition(self.plan, _arrow_rows(batch.select(names) for batch in iterator))
+        return Written(rows, enqueued)
+
+
+def plan_from_options(options: Mapping[str, str], columns: list[str]) -> _Plan:
+    """The write plan of the data source's options against the DataFrame's columns.
+
+    Raises:
+      ValueError: Naming the option: a required one missing, an unknown one, a bad value
+        or a column that the DataFrame lacks.
+    """
+    import dramatiq
+    from dramatiq.common import q_name
+
+    given = {str(k).lower(): str(v) for k, v in options.items() if str(k).lower() != "path"}
+    unknown = sorted(set(given) - set(OPTIONS))
+    if unknown:
+        raise ValueError(
+            f'unknown option(s) {unknown} of format("dramatiq"); the options are {list(OPTIONS)}'
+        )
+    missing = [name for name in REQUIRED if not given.get(name)]
+    if missing:
+        raise ValueError(
+            f'format("dramatiq") needs the option(s) {missing}, e.g. .option("{missing[0]}", ...)'
+        )
+
+    def column(option: str, name: str) -> str:
+        if name not in columns:
+            raise ValueError(f"option {option!r} names the column {name!r}, which is not in {columns}")
+        return name
+
+    key = column("key", given["key"].strip())
+    args = [column("args", c.strip()) for c in given.get("args", "").split(",") if c.strip()]
+    kwargs: dict[str, str] = {}
+    for pair in (p.strip() for p in given.get("kwargs", "").split(",") if p.strip()):
+        name, equals, col = pair.partition("=")
+        if not equals or not name.strip().isidentifier():
+            raise ValueError(f"option 'kwargs' takes name=column pairs separated by commas, not {pair!r}")
+        kwargs[name.strip()] = column("kwargs", col.strip())
+    try:
+        queue_name = q_name(validate_queue_name(given.get("queue", "default")))
+    except ValueError as e:
+        raise ValueError(f"option 'queue': {e}") from None
+    schema = given.get("schema", DEFAULT_SCHEMA)
+    try:
+        validate_schema_name(schema)
+    except ValueError as e:
+        raise ValueError(f"option 'schema': {e}") from None
+    try:
+        delay = int(given.get("delay", "0"))
+    except ValueError:
+        raise ValueError(f"option 'delay' is a number of milliseconds, not {given['delay']!r}") from None
+    if delay < 0:
+        raise ValueError(f"option 'delay' is a non-negative number of milliseconds, not {delay}")
+    notify = given.get("notify", "true").lower()
+    if notify not in ("true", "false"):
+        raise ValueError(f"option 'notify' is true or false, not {given['notify']!r}")
+    try:
+        message_options = json.loads(given.get("options", "{}"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"option 'options' is not JSON ({e})") from None
+    if not isinstance(message_options, dict):
+        raise ValueError(f"option 'options' is a JSON object, not {given['options']!r}")
+    try:
+        priority = broker_priority(message_options)
+    except ValueError as e:
+        raise ValueError(f"option 'options': {e}") from None
+    try:
+        conninfo = libpq_url(given["url"])
+    except Exception as e:  # sqlalchemy's ArgumentError for what is no URL at all
+        raise ValueError(f"option 'url' is not a PostgreSQL URL ({type(e).__name__})") from None
+    return _Plan.build(
+        key=key,
+        args=args,
+        kwargs=kwargs,
+        conninfo=conninfo,
+        schema=schema,
+        channel=channel_for(schema),
+        queue_name=queue_name,
+        actor_name=given["actor"],
+        batch_id=given["batch"],
+        options=message_options,
+        delay_ms=delay,
+        priority=priority,
+        notify=notify == "true",
+        encoder=dramatiq.get_encoder(),
+    )
+
+
+def register(spark: Any) -> None:
+    """Make ``format("dramatiq")`` known to ``spark`` (a SparkSession): ``spark.dataSource.register``."""
+    spark.dataSource.register(DramatiqDataSource)
