@@ -41,21 +41,6 @@ WHERE m.idempotency_key = st.idempotency_key
     SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = st.idempotency_key
   );
 
--- name: history_id_range --
--- The id range of history (since a time, if given): Spark splits its read by it.
-SELECT min(id), max(id) FROM {schema}.history
- WHERE %(since)s::timestamptz IS NULL OR finished_at >= %(since)s::timestamptz;
-
--- name: history_rows --
--- One Spark partition of history (no payloads, no error texts), times in epoch ms.
-SELECT id, queue_name, actor_name, message_id, state, attempts, error_type,
-       (extract(epoch FROM enqueued_at) * 1000)::bigint,
-       (extract(epoch FROM started_at) * 1000)::bigint,
-       (extract(epoch FROM finished_at) * 1000)::bigint
-  FROM {schema}.history
- WHERE id >= %(lo)s AND id < %(hi)s
-   AND (%(since)s::timestamptz IS NULL OR finished_at >= %(since)s::timestamptz);
-
 -- name: backlog_id_range --
 -- The id range of the live messages: Spark splits its read by it.
 SELECT min(id), max(id) FROM {schema}.messages;
@@ -66,3 +51,33 @@ SELECT queue_name, actor_name, state, next_attempt_at <= now(),
        (extract(epoch FROM now() - next_attempt_at) * 1000)::bigint
   FROM {schema}.messages
  WHERE id >= %(lo)s AND id < %(hi)s;
+
+-- name: history_days --
+-- The UTC days that may hold history (format("dramatiq_history") reads one
+-- Spark partition per day): the day of every day partition (migration 0007,
+-- history_pYYYYMMDD) and the days of the rows in history_default.
+SELECT to_date(substr(c.relname, 10), 'YYYYMMDD')
+  FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+ WHERE i.inhparent = '{schema}.history'::regclass AND c.relname ~ '^history_p[0-9]{8}$'
+UNION
+SELECT DISTINCT (finished_at AT TIME ZONE 'UTC')::date FROM {schema}.history_default
+ORDER BY 1;
+
+-- name: history_range_rows --
+-- One Spark partition of format("dramatiq_history"): the rows finished in
+-- [%(lo)s, %(hi)s) epoch ms, of the queues, actors and states given (NULL:
+-- any).  finished_ms is compared exactly as the column is computed (Spark does
+-- not check pushed filters again); the range on finished_at, 1 ms wider, lets
+-- PostgreSQL read only the partitions of those days.
+SELECT id, queue_name, actor_name, message_id, state, attempts, error_type,
+       (extract(epoch FROM enqueued_at) * 1000)::bigint,
+       (extract(epoch FROM started_at) * 1000)::bigint,
+       (extract(epoch FROM finished_at) * 1000)::bigint
+  FROM {schema}.history
+ WHERE finished_at >= to_timestamp((%(lo)s::bigint - 1) / 1000.0)
+   AND finished_at < to_timestamp((%(hi)s::bigint + 1) / 1000.0)
+   AND (extract(epoch FROM finished_at) * 1000)::bigint >= %(lo)s::bigint
+   AND (extract(epoch FROM finished_at) * 1000)::bigint < %(hi)s::bigint
+   AND (%(queues)s::text[] IS NULL OR queue_name = ANY (%(queues)s::text[]))
+   AND (%(actors)s::text[] IS NULL OR actor_name = ANY (%(actors)s::text[]))
+   AND (%(states)s::text[] IS NULL OR state = ANY (%(states)s::text[]));

@@ -31,9 +31,11 @@ cluster path) and as CSV (``<name>.csv``), plus ``throughput.png`` and
 ``queue_backlog``); they answer faster on a small history, Spark is for a
 history too large for one query.
 
-Reading: the executors read the tables in id ranges, one connection per
-running task (``--partitions`` ranges), with psycopg, so no JDBC driver is
-needed.  Times are read as epoch milliseconds (no time-zone conversions).
+Reading: history through ``format("dramatiq_history")``
+(:mod:`dramatiq_pg_outbox.spark.history`), one Spark partition per UTC day;
+the backlog in id ranges (``--partitions``); one connection per running task,
+with psycopg, so no JDBC driver is needed.  Times are read as epoch
+milliseconds (no time-zone conversions).
 Percentiles are ``percentile_approx`` (the SQL functions compute exact ones).
 """
 
@@ -54,10 +56,6 @@ from .urls import libpq_url
 
 __all__ = ["Analytics", "compute", "main", "read_backlog", "read_history", "write_report"]
 
-_HISTORY_COLUMNS = (
-    "id long, queue_name string, actor_name string, message_id string, state string, attempts int, "
-    "error_type string, enqueued_ms long, started_ms long, finished_ms long"
-)
 _BACKLOG_COLUMNS = "queue_name string, actor_name string, state string, due boolean, age_ms long"
 
 
@@ -139,13 +137,19 @@ def _bounds(conninfo: str, query: str, params: dict[str, Any]) -> Any:
 def read_history(
     spark: Any, url: str, *, schema: str = DEFAULT_SCHEMA, since: str | None = None, partitions: int = 8
 ) -> Any:
-    """The history table as a DataFrame (no payloads, no error texts), times in epoch ms."""
-    conninfo = libpq_url(url)
-    queries = queries_for_schema(validate_schema_name(schema))
-    params = {"since": since}
-    bounds = _bounds(conninfo, queries["history_id_range"], params)
-    rows = queries["history_rows"]
-    return _read_ranges(spark, conninfo, rows, _HISTORY_COLUMNS, bounds, partitions, params)
+    """The history table as a DataFrame (no payloads, no error texts), times in epoch ms.
+
+    Read by ``format("dramatiq_history")`` (:mod:`dramatiq_pg_outbox.spark.history`): one Spark
+    partition per UTC day, from ``since`` (an ISO date or time, or epoch ms) on.  ``partitions``
+    is not used (the days decide); it stays for callers that pass it.
+    """
+    from .spark.history import register
+
+    register(spark)
+    reader = spark.read.format("dramatiq_history").option("url", url).option("schema", schema)
+    if since is not None:
+        reader = reader.option("since", since)
+    return reader.load()
 
 
 def read_backlog(spark: Any, url: str, *, schema: str = DEFAULT_SCHEMA, partitions: int = 2) -> Any:
@@ -346,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--schema", default=DEFAULT_SCHEMA)
     parser.add_argument("--bucket", type=int, default=60, help="bucket width in seconds (default 60)")
     parser.add_argument("--since", help="only history finished at or after this time (ISO 8601)")
-    parser.add_argument("--partitions", type=int, help="id ranges read in parallel (connections)")
+    parser.add_argument("--partitions", type=int, help="backlog id ranges read in parallel (connections)")
     parser.add_argument("--top-errors", type=int, default=5)
     args = parser.parse_args(argv)
     if not args.url:

@@ -6,6 +6,8 @@ only when Java or pyspark is absent (``pip install '.[spark]'``).
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import decimal
 import os
 import shutil
@@ -494,3 +496,147 @@ def test_the_data_source_fails_on_a_null_key_and_names_it(spark: Any, db: Any, d
     with pytest.raises(Exception, match=r"Column 'customer_id' \(the key\) is null in a row of batch 's3'"):
         write_messages(df, database_url, actor="notify_customer", batch="s3", key="customer_id", args="email")
     assert count(db) == 0
+
+
+def test_a_streaming_query_killed_mid_batch_writes_every_row_once_after_its_restart(
+    db: Any, database_url: str, tmp_path: Any
+) -> None:
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # Given 4 files of 5,000 rows, one micro-batch each, written by two tasks per batch
+    inputs, checkpoint = tmp_path / "in", tmp_path / "checkpoint"
+    inputs.mkdir()
+    for f in range(4):
+        lines = (
+            json.dumps({"id": f * 5000 + i, "email": f"c{f * 5000 + i}@example.com"}) for i in range(5000)
+        )
+        (inputs / f"part-{f}.json").write_text("\n".join(lines) + "\n")
+    command = [sys.executable, "-m", "tests.spark_stream_app", database_url, str(inputs), str(checkpoint)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(command, cwd=root, start_new_session=True, stdout=subprocess.PIPE)
+
+    # When the query (driver, executors, Python workers) is killed -9 once rows are committed
+    query = start()
+    deadline = time.monotonic() + 180
+    while (written := count(db)) == 0:
+        assert query.poll() is None, "the query ended before it wrote anything"
+        assert time.monotonic() < deadline, "the query wrote nothing in 120 s"
+        time.sleep(0.05)
+    os.killpg(query.pid, signal.SIGKILL)
+    query.wait(30)
+    at_kill = count(db)
+    assert 0 < written < 20_000
+    # And restarted from its checkpoint until every file is processed
+    again = start()
+    try:
+        assert again.wait(240) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(again.pid, signal.SIGKILL)  # the JVM may outlive its driver for a moment
+    # Then every row is exactly one message, all of one query (the checkpoint's)
+    keys = [r[0] for r in db.execute("SELECT idempotency_key FROM dramatiq.messages").fetchall()]
+    assert len(keys) == 20_000
+    assert sorted(int(k.rsplit(":", 1)[1]) for k in keys) == list(range(20_000))
+    assert len({k.split(":")[1] for k in keys}) == 1
+    print(f"killed with {at_kill} of 20,000 rows written")
+
+
+# -- format("dramatiq_history") ----------------------------------------------------------
+
+
+def _history_days(db: Any) -> None:
+    """History over 2026-11-20 to 23, 10 rows per queue (q1, q2) and day; the 20th has no day
+    partition (its rows are in history_default), the others have one."""
+    db.execute("SELECT dramatiq.create_history_partitions(2, '2026-11-21'::date)")
+    db.execute(
+        """
+        INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts,
+            enqueued_at, started_at, finished_at, payload)
+        SELECT row_number() OVER (), q, 'a', q || d || k, CASE WHEN k = 0 THEN 'failed' ELSE 'completed' END,
+               1 + k % 2, f - interval '2 s', f - interval '1 s', f, '\\x'::bytea
+        FROM unnest(ARRAY['q1', 'q2']) AS q,
+             generate_series(20, 23) AS d,
+             generate_series(0, 9) AS k,
+             LATERAL (SELECT make_timestamptz(2026, 11, d, k, 0, 0.5, 'UTC') AS f) AS t
+        """
+    )
+    in_default = db.execute("SELECT count(*) FROM dramatiq.history_default").fetchone()[0]
+    assert in_default == 20
+
+
+def _plan(df: Any) -> str:
+    return str(df._jdf.queryExecution().executedPlan().toString())
+
+
+def test_history_reads_one_partition_per_day_and_pushes_filters_exactly(
+    spark: Any, db: Any, database_url: str
+) -> None:
+    from pyspark.sql import functions as F
+
+    from dramatiq_pg_outbox.spark import register
+
+    _history_days(db)
+    spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
+    try:
+        register(spark)
+        # A time range reads the partitions of its days only
+        week = spark.read.format("dramatiq_history").option("url", database_url).load()
+        assert week.count() == 80
+        days = (
+            spark.read.format("dramatiq_history").option("url", database_url)
+            .option("since", "2026-11-21").option("until", "2026-11-23").load()
+        )  # fmt: skip
+        assert days.rdd.getNumPartitions() == 2 and days.count() == 40
+        # Filters on the queue and the finish time go to PostgreSQL, the rest stays with Spark
+        # x: exactly when the rows of 05:00:00.5 on the 21st finished (one per queue)
+        x = int(
+            datetime.datetime(2026, 11, 21, 5, 0, 0, 500_000, tzinfo=datetime.timezone.utc).timestamp() * 1000
+        )
+        picked = week.filter(
+            (F.col("queue_name") == "q1") & (F.col("finished_ms") > x) & (F.col("attempts") > 1)
+        )
+        plan = _plan(picked)
+        # (The scan's line names no pushed filter: Spark's own Filter node keeps only what was not pushed.)
+        spark_filter = next(line for line in plan.splitlines() if " Filter " in line)
+        assert "(attempts#" in spark_filter and "> 1)" in spark_filter, plan
+        assert " = q1)" not in spark_filter and f"> {x})" not in spark_filter, plan
+        expected = db.execute(
+            "SELECT count(*) FROM dramatiq.history WHERE queue_name = 'q1' AND attempts > 1 "
+            "AND (extract(epoch FROM finished_at) * 1000)::bigint > %s",
+            (x,),
+        ).fetchone()[0]
+        assert picked.count() == expected == 12  # odd hours after 05:00 on the 21st, then all odd hours
+        # Exactly at the boundary: the rows that finished at x itself
+        assert week.filter(F.col("finished_ms") == x).count() == 2
+        after = week.filter(F.col("finished_ms") > x).count()
+        assert week.filter(F.col("finished_ms") >= x).count() == after + 2
+        assert week.filter(F.col("finished_ms") <= x).count() == 80 - after
+        assert week.filter(F.col("state").isin("failed")).count() == 8
+    finally:
+        spark.conf.set("spark.sql.python.filterPushdown.enabled", "false")
+        register(spark)
+    # With pushdown off, the same filters are Spark's and give the same answers
+    plain = spark.read.format("dramatiq_history").option("url", database_url).load()
+    assert " = q1)" in _plan(plain.filter(F.col("queue_name") == "q1"))
+    same = plain.filter((F.col("queue_name") == "q1") & (F.col("finished_ms") > x) & (F.col("attempts") > 1))
+    assert same.count() == expected
+
+
+def test_history_names_a_bad_option(spark: Any, database_url: str) -> None:
+    from dramatiq_pg_outbox.spark import register
+
+    register(spark)
+    for options, expected in [
+        ({}, r"needs the option\(s\) \['url'\]"),
+        ({"url": database_url, "since": "yesterday"}, "option 'since' is epoch milliseconds or an ISO"),
+        ({"url": database_url, "sinse": "2026-11-01"}, r"unknown option\(s\) \['sinse'\]"),
+        ({"url": "mysql://x/y"}, "option 'url' is not a PostgreSQL URL"),
+    ]:
+        with pytest.raises(Exception, match=expected):
+            spark.read.format("dramatiq_history").options(**options).load().count()

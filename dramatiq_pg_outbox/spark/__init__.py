@@ -267,9 +267,12 @@ JDBC_JAR_ENV_VAR = "DRAMATIQ_PG_OUTBOX_JDBC_JAR"
 
 
 def register(spark: Any) -> None:
-    """Make ``format("dramatiq")`` known to ``spark`` (a SparkSession).
+    """Make the data sources known to ``spark`` (a SparkSession).
 
-    Writes with ``df.write.format("dramatiq")``: see :mod:`dramatiq_pg_outbox.spark.source`.
+    ``df.write.format("dramatiq")`` (and ``writeStream``) enqueues one message per row
+    (:mod:`dramatiq_pg_outbox.spark.source`); ``spark.read.format("dramatiq_history")``
+    reads history, one partition per day (:mod:`dramatiq_pg_outbox.spark.history`), and
+    pushes filters to PostgreSQL if ``spark.sql.python.filterPushdown.enabled`` is on now.
     """
     from .source import register as register_source
 

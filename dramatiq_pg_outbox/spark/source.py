@@ -54,12 +54,17 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
 
 from .._runtime.messages import broker_priority
-from ..names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
-from ..urls import libpq_url
+from ..names import channel_for, validate_queue_name
 from .encoding import _arrow_rows, _Plan
+from .options import given_options
 from .write import write_partition
 
 #: The options the data source reads; any other is refused (a typo would otherwise be ignored).
@@ -83,6 +88,10 @@ class DramatiqDataSource(DataSource):
         columns = [field.name for field in schema.fields]
         return _Writer(plan_from_options(self.options, columns))
 
+    def streamWriter(self, schema: Any, overwrite: bool) -> DataSourceStreamArrowWriter:
+        columns = [field.name for field in schema.fields]
+        return _StreamWriter(plan_from_options(self.options, columns))
+
 
 @dataclass
 class Written(WriterCommitMessage):
@@ -102,6 +111,51 @@ class _Writer(DataSourceArrowWriter):
         return Written(rows, enqueued)
 
 
+#: The local properties by which Spark's micro-batch execution tells its tasks which
+#: streaming query and which batch they run (StreamExecution.QUERY_ID_KEY and
+#: MicroBatchExecution.BATCH_ID_KEY); tests/test_spark.py pins that executors see them.
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
+BATCH_ID_PROPERTY = "streaming.sql.batchId"
+
+
+class _StreamWriter(DataSourceStreamArrowWriter):
+    """Each micro-batch exactly once: its rows' keys name the query and the batch.
+
+    Spark runs a micro-batch again after a failure (a killed driver restarted from its
+    checkpoint, a failed task) with the same batch id and the same rows; the idempotency
+    key ``"<batch>:<query id>:<batch id>:<key>"`` makes the second write add nothing.
+    ``write`` runs on the executors, which Spark does not pass the batch id: it is read
+    from the task's local properties, which micro-batch execution sets for every job.
+    """
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+
+    def write(self, iterator: Iterator[Any]) -> Written:
+        import dataclasses
+
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        query = context.getLocalProperty(QUERY_ID_PROPERTY) if context is not None else None
+        batch = context.getLocalProperty(BATCH_ID_PROPERTY) if context is not None else None
+        if not query or batch is None:
+            raise RuntimeError(
+                f'format("dramatiq") streaming: the task does not carry {QUERY_ID_PROPERTY!r} and '
+                f"{BATCH_ID_PROPERTY!r}; exactly-once needs Spark's micro-batch execution"
+            )
+        plan = dataclasses.replace(self.plan, batch_id=f"{self.plan.batch_id}:{query}:{batch}")
+        names = list(plan.columns)
+        rows, enqueued = write_partition(plan, _arrow_rows(b.select(names) for b in iterator))
+        return Written(rows, enqueued)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Nothing to do: every task committed its own rows (the keys make replays harmless)."""
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Nothing to undo: Spark runs the batch again with the same id, which adds only what is missing."""
+
+
 def plan_from_options(options: Mapping[str, str], columns: list[str]) -> _Plan:
     """The write plan of the data source's options against the DataFrame's columns.
 
@@ -112,17 +166,7 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> _Plan:
     import dramatiq
     from dramatiq.common import q_name
 
-    given = {str(k).lower(): str(v) for k, v in options.items() if str(k).lower() != "path"}
-    unknown = sorted(set(given) - set(OPTIONS))
-    if unknown:
-        raise ValueError(
-            f'unknown option(s) {unknown} of format("dramatiq"); the options are {list(OPTIONS)}'
-        )
-    missing = [name for name in REQUIRED if not given.get(name)]
-    if missing:
-        raise ValueError(
-            f'format("dramatiq") needs the option(s) {missing}, e.g. .option("{missing[0]}", ...)'
-        )
+    given, conninfo, schema = given_options(options, "dramatiq", OPTIONS, REQUIRED)
 
     def column(option: str, name: str) -> str:
         if name not in columns:
@@ -141,11 +185,6 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> _Plan:
         queue_name = q_name(validate_queue_name(given.get("queue", "default")))
     except ValueError as e:
         raise ValueError(f"option 'queue': {e}") from None
-    schema = given.get("schema", DEFAULT_SCHEMA)
-    try:
-        validate_schema_name(schema)
-    except ValueError as e:
-        raise ValueError(f"option 'schema': {e}") from None
     try:
         delay = int(given.get("delay", "0"))
     except ValueError:
@@ -165,10 +204,6 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> _Plan:
         priority = broker_priority(message_options)
     except ValueError as e:
         raise ValueError(f"option 'options': {e}") from None
-    try:
-        conninfo = libpq_url(given["url"])
-    except Exception as e:  # sqlalchemy's ArgumentError for what is no URL at all
-        raise ValueError(f"option 'url' is not a PostgreSQL URL ({type(e).__name__})") from None
     return _Plan.build(
         key=key,
         args=args,
@@ -188,5 +223,8 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> _Plan:
 
 
 def register(spark: Any) -> None:
-    """Make ``format("dramatiq")`` known to ``spark`` (a SparkSession): ``spark.dataSource.register``."""
+    """Make ``format("dramatiq")`` and ``format("dramatiq_history")`` known to ``spark`` (a SparkSession)."""
+    from .history import register as register_history
+
     spark.dataSource.register(DramatiqDataSource)
+    register_history(spark)

@@ -1,0 +1,229 @@
+"""The ``dramatiq_history`` Spark data source: ``spark.read.format("dramatiq_history")``.
+
+Usage (PySpark 4's Python Data Source API)::
+
+    from dramatiq_pg_outbox.spark import register
+
+    register(spark)
+    history = (spark.read.format("dramatiq_history")
+        .option("url", "postgresql://app@db/app")
+        .option("since", "2026-11-01")           # optional, a UTC date or epoch ms
+        .option("until", "2026-12-01")           # optional, exclusive
+        .load())
+    history.filter("queue_name = 'emails' AND state = 'failed'").groupBy("error_type").count()
+
+Columns: ``id long, queue_name string, actor_name string, message_id string, state string,
+attempts int, error_type string, enqueued_ms long, started_ms long, finished_ms long``
+(times in epoch milliseconds, UTC; no payloads, no error texts).
+
+Partitions: one Spark partition per UTC day that may hold rows (each day partition of
+``history``, migration 0007, and the days found in ``history_default``), within the time
+range, so a month of analytics reads that month's partitions and nothing else.
+
+Filter pushdown: with ``spark.sql.python.filterPushdown.enabled`` on when
+:func:`~dramatiq_pg_outbox.spark.register` runs (or ``option("pushdown", "true")``),
+comparisons of ``finished_ms`` with a number (narrowing the days read) and equality or
+``IN`` on ``queue_name``, ``actor_name`` and ``state`` are applied by PostgreSQL,
+exactly as the columns are computed (Spark does not check a pushed filter again); any
+other filter is left to Spark.  Spark refuses a reader that could push filters while
+the setting is off, hence the choice at registration; the time range options work
+either way.
+
+Raises: ``ValueError`` naming the option for a missing ``url`` or a bad ``since``,
+``until``, ``schema`` or ``pushdown``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    InputPartition,
+    LessThan,
+    LessThanOrEqual,
+)
+
+from .._queries import queries_for_schema
+from .options import given_options
+
+SCHEMA = (
+    "id long, queue_name string, actor_name string, message_id string, state string, attempts int, "
+    "error_type string, enqueued_ms long, started_ms long, finished_ms long"
+)
+OPTIONS = ("url", "schema", "since", "until", "pushdown")
+#: Columns whose equality and IN filters are pushed, and the query parameter of each.
+_PUSHED_COLUMNS = {"queue_name": "queues", "actor_name": "actors", "state": "states"}
+_DAY_MS = 86_400_000
+#: Unbounded ends of the time range, in epoch ms (PostgreSQL's to_timestamp takes them).
+_MIN_MS, _MAX_MS = -(2**53), 2**53
+
+
+@dataclass
+class _Day(InputPartition):
+    """One Spark partition: the rows finished in [lo, hi) epoch ms."""
+
+    lo: int
+    hi: int
+
+
+@dataclass
+class _Scan:
+    """What one read asks for: the options, then what pushed filters narrowed."""
+
+    conninfo: str = field(repr=False)
+    schema: str
+    lo: int = _MIN_MS
+    hi: int = _MAX_MS
+    values: dict[str, set[str] | None] = field(default_factory=lambda: dict.fromkeys(_PUSHED_COLUMNS))
+
+
+class HistoryDataSource(DataSource):
+    """``format("dramatiq_history")`` without filter pushdown (see the module's documentation)."""
+
+    #: Whether the reader pushes filters unless option("pushdown") says otherwise.
+    pushdown = False
+
+    @classmethod
+    def name(cls) -> str:
+        return "dramatiq_history"
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        scan = scan_from_options(self.options)
+        pushdown = self.options.get("pushdown", str(self.pushdown)).lower()
+        if pushdown not in ("true", "false"):
+            raise ValueError(f"option 'pushdown' is true or false, not {self.options['pushdown']!r}")
+        return _PushingReader(scan) if pushdown == "true" else _Reader(scan)
+
+
+class PushingHistoryDataSource(HistoryDataSource):
+    """``format("dramatiq_history")`` with filter pushdown."""
+
+    pushdown = True
+
+
+class _Reader(DataSourceReader):
+    def __init__(self, scan: _Scan) -> None:
+        self.scan = scan
+
+    def partitions(self) -> list[_Day]:
+        import psycopg
+
+        queries = queries_for_schema(self.scan.schema)
+        with psycopg.connect(self.scan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
+            days = [row[0] for row in conn.execute(queries["history_days"])]
+        epoch = datetime.date(1970, 1, 1)
+        parts = []
+        for day in days:
+            start = (day - epoch).days * _DAY_MS
+            lo, hi = max(start, self.scan.lo), min(start + _DAY_MS, self.scan.hi)
+            if lo < hi:
+                parts.append(_Day(lo, hi))
+        # Spark needs one partition at least; an empty range reads nothing.
+        return parts or [_Day(0, 0)]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        import psycopg
+
+        assert isinstance(partition, _Day)
+        if partition.lo >= partition.hi:
+            return
+        queries = queries_for_schema(self.scan.schema)
+        params: dict[str, Any] = {"lo": partition.lo, "hi": partition.hi}
+        for column, name in _PUSHED_COLUMNS.items():
+            allowed = self.scan.values[column]
+            params[name] = None if allowed is None else sorted(allowed)
+        with psycopg.connect(self.scan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
+            with conn.cursor(name="dpo_history") as cur:
+                cur.itersize = 10_000
+                cur.execute(queries["history_range_rows"], params)
+                yield from cur
+
+
+class _PushingReader(_Reader):
+    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
+        for f in filters:
+            if not self._push(f):
+                yield f
+
+    def _push(self, f: Filter) -> bool:
+        """Apply one filter to the scan if PostgreSQL can apply it exactly; whether it did."""
+        attribute: tuple[str, ...] = getattr(f, "attribute", ())
+        column = attribute[0] if len(attribute) == 1 else None
+        value = getattr(f, "value", None)
+        if column == "finished_ms" and isinstance(value, int) and not isinstance(value, bool):
+            scan = self.scan
+            if isinstance(f, GreaterThan):
+                scan.lo = max(scan.lo, value + 1)
+            elif isinstance(f, GreaterThanOrEqual):
+                scan.lo = max(scan.lo, value)
+            elif isinstance(f, LessThan):
+                scan.hi = min(scan.hi, value)
+            elif isinstance(f, LessThanOrEqual):
+                scan.hi = min(scan.hi, value + 1)
+            elif isinstance(f, EqualTo):
+                scan.lo, scan.hi = max(scan.lo, value), min(scan.hi, value + 1)
+            else:
+                return False
+            return True
+        if column in _PUSHED_COLUMNS:
+            if isinstance(f, EqualTo) and isinstance(value, str):
+                wanted = {value}
+            elif isinstance(f, In) and all(isinstance(v, str) for v in f.value):
+                wanted = set(f.value)
+            else:
+                return False
+            allowed = self.scan.values[column]
+            self.scan.values[column] = wanted if allowed is None else allowed & wanted
+            return True
+        return False
+
+
+def _epoch_ms(option: str, text: str) -> int:
+    """A time option: epoch milliseconds, or an ISO date or time (UTC unless it says otherwise)."""
+    if text.strip().lstrip("-").isdigit():
+        return int(text)
+    try:
+        moment = datetime.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"option {option!r} is epoch milliseconds or an ISO date or time (2026-11-01, "
+            f"2026-11-01T12:00:00+00:00), not {text!r}"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
+def scan_from_options(options: Mapping[str, str]) -> _Scan:
+    """The scan the options ask for.
+
+    Raises:
+      ValueError: Naming the option: ``url`` missing or not PostgreSQL, an unknown option,
+        a bad ``schema``, ``since`` or ``until``.
+    """
+    given, conninfo, schema = given_options(options, "dramatiq_history", OPTIONS, ("url",))
+    scan = _Scan(conninfo=conninfo, schema=schema)
+    if "since" in given:
+        scan.lo = _epoch_ms("since", given["since"])
+    if "until" in given:
+        scan.hi = _epoch_ms("until", given["until"])
+    return scan
+
+
+def register(spark: Any) -> None:
+    """Register ``format("dramatiq_history")``, pushing filters if the session allows it."""
+    enabled = str(spark.conf.get("spark.sql.python.filterPushdown.enabled", "false")).lower() == "true"
+    spark.dataSource.register(PushingHistoryDataSource if enabled else HistoryDataSource)

@@ -1,0 +1,55 @@
+"""A streaming query that the Spark tests kill and restart: JSON files -> format("dramatiq").
+
+``python -m tests.spark_stream_app URL INPUT_DIR CHECKPOINT_DIR``: one micro-batch per
+input file, each written by two tasks (two transactions), until every file present is
+processed; then it exits 0.  Restarted with the same checkpoint it goes on where the
+checkpoint says.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from pyspark.sql import SparkSession
+
+from dramatiq_pg_outbox.spark import register
+
+
+def main(url: str, input_dir: str, checkpoint: str) -> None:
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("dramatiq-pg-outbox-stream-test")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    rows = (
+        spark.readStream.format("json")
+        .schema("id long, email string")
+        .option("maxFilesPerTrigger", 1)
+        .load(input_dir)
+        .repartition(2)
+    )
+    query = (
+        rows.writeStream.format("dramatiq")
+        .option("url", url)
+        .option("actor", "notify_customer")
+        .option("queue", "notifications")
+        .option("batch", "stream")
+        .option("key", "id")
+        .option("args", "id,email")
+        .option("checkpointLocation", checkpoint)
+        .start()
+    )
+    print(f"query {query.id} started", flush=True)
+    query.processAllAvailable()
+    query.stop()
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
