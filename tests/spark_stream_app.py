@@ -18,6 +18,7 @@ from dramatiq_pg_outbox.spark import register
 
 def main(url: str, input_dir: str, checkpoint: str) -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     spark = (
         SparkSession.builder.master("local[2]")
         .appName("dramatiq-pg-outbox-stream-test")

@@ -202,12 +202,12 @@ def find_jdbc_jar() -> str | None:
 
 @pytest.mark.slow
 def test_spark_connects_with_the_url_parameters_through_the_jdbc_driver(database_url: str) -> None:
-    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install '.[spark]')")
+    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[dev]')")
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-        pytest.skip("Java is not installed (Spark needs a JVM)")
+        pytest.skip("Java is not installed (Spark needs a JVM): apt-get install -y openjdk-17-jre-headless")
     jar = find_jdbc_jar()
     if jar is None:
-        pytest.skip("no PostgreSQL JDBC driver jar (apt-get install libpostgresql-jdbc-java)")
+        pytest.skip("no PostgreSQL JDBC driver jar: apt-get install -y libpostgresql-jdbc-java")
     # Given: the test database's URL with an application name, session options and sslmode
     base = make_url(database_url)
     urls = {

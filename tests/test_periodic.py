@@ -401,7 +401,10 @@ def test_schedules_added_changed_or_removed_between_deploys(
         Schedule(b, "30 * * * *", name="B", grace=0),
         Schedule(c, "*/5 * * * *", name="C", grace=0),
     ]
-    v2 = Scheduler(broker, v2_schedules, **fast)
+    # (deploy 2 takes a schedule over once its row is older than two of its sync intervals:
+    # 2 s here, so that a slow machine between two of the steps below cannot look like a
+    # process that is gone; 200 ms did, once, in CI)
+    v2 = Scheduler(broker, v2_schedules, sync_interval=1_000, removed_after=2_000)
     result = v2.sync()
     now = db_now(db)
     # Then B's next run is recomputed from its new rule and C starts at its next tick

@@ -11,6 +11,7 @@ import datetime
 import decimal
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,9 +23,12 @@ from dramatiq import Message
 
 from dramatiq_pg_outbox import PostgresBroker
 
-pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install '.[spark]')")
+pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[dev]')")
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-    pytest.skip("Java is not installed (Spark needs a JVM)", allow_module_level=True)
+    pytest.skip(
+        "Java is not installed (Spark needs a JVM): apt-get install -y openjdk-17-jre-headless",
+        allow_module_level=True,
+    )
 
 from dramatiq_pg_outbox.spark import (  # noqa: E402
     EnqueueError,
@@ -42,6 +46,7 @@ def spark() -> Iterator[Any]:
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     session = (
         SparkSession.builder.master("local[2]")
         .appName("dramatiq-pg-outbox-tests")

@@ -292,14 +292,18 @@ def jdbc_jar() -> str | None:
 def local_session(app_name: str = "dramatiq-pg-outbox", *, cores: str = "*", memory: str = "1g") -> Any:
     """A ``local[cores]`` SparkSession with the UI off and the JDBC driver jar when one is found.
 
-    Sets ``SPARK_LOCAL_IP=127.0.0.1`` unless already set.  For laptops, tests
-    and examples; on a cluster, build the session as usual.
+    Sets ``SPARK_LOCAL_IP=127.0.0.1`` and ``PYSPARK_PYTHON`` (this interpreter) unless
+    already set.  For laptops, tests and examples; on a cluster, build the session as usual.
     """
     import os
+    import sys
 
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # The executors' Python workers run this interpreter (with pyarrow and this package),
+    # not whatever "python3" the PATH finds first.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = (
         SparkSession.builder.master(f"local[{cores}]")
         .appName(app_name)
