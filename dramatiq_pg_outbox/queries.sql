@@ -347,6 +347,14 @@ WHERE %(queue_name)s = ANY (w.queues)
 -- Archives completed messages: the DELETE and the INSERT into history are one
 -- statement.  Fenced by lease: a row that was released and claimed again
 -- elsewhere (new lease) is not touched; the caller counts those as stale.
+-- A row has a lease exactly while it is processing (messages_lease_check), so
+-- the lease match is the match of a processing row; ack, archive and requeue
+-- name no state on purpose: with "state = 'processing'" the planner may read
+-- the partial index messages_owner_idx (WHERE state = 'processing') in full
+-- and hash-join it with the ids, and does once an ANALYZE saw few processing
+-- rows; while the MVCC horizon is pinned that index holds an entry for every
+-- row claimed since, and the ack took seconds (docs/chaos.md, scenario 10).
+-- Without it the only index for m.id = a.id is the primary key.
 -- Returns the ids archived: the flusher writes a message's follow-ups (retry,
 -- next pipeline step, callbacks, result) in the same transaction, for these
 -- ids only.
@@ -356,7 +364,7 @@ WHERE %(queue_name)s = ANY (w.queues)
 WITH done AS (
     DELETE FROM {schema}.messages AS m
     USING unnest(%(ids)s::bigint[], %(leases)s::uuid[]) AS a(id, lease)
-    WHERE m.id = a.id AND m.lease = a.lease AND m.state = 'processing'
+    WHERE m.id = a.id AND m.lease = a.lease
     RETURNING m.*
 ),
 archived AS (
@@ -372,12 +380,12 @@ SELECT id FROM done;
 -- name: archive --
 -- Moves messages to history in state %(state)s with their error: failed for a
 -- dead letter (nack), completed for an acked delivery whose actor raised
--- (Retries enqueued its retry).  Fenced like ack.
+-- (Retries enqueued its retry).  Fenced like ack (by lease alone, see ack).
 WITH failed AS (
     DELETE FROM {schema}.messages AS m
     USING unnest(%(ids)s::bigint[], %(leases)s::uuid[], %(error_types)s::text[], %(errors)s::text[])
         AS a(id, lease, error_type, error)
-    WHERE m.id = a.id AND m.lease = a.lease AND m.state = 'processing'
+    WHERE m.id = a.id AND m.lease = a.lease
     RETURNING m.*, a.error_type AS failure_type, a.error AS failure
 ),
 archived AS (
@@ -399,14 +407,14 @@ SELECT id FROM failed;
 
 -- name: requeue --
 -- Hands claimed but unstarted messages back at once, without charging them
--- the attempt their claim took.  Fenced like ack.  Wakes the listeners of
+-- the attempt their claim took.  Fenced like ack (by lease alone, see ack).  Wakes the listeners of
 -- those queues in the same statement (unless %(notify)s is false) and returns
 -- the released count per queue.
 WITH released AS (
     UPDATE {schema}.messages AS m
     SET state = 'pending', attempts = greatest(m.attempts - 1, 0), lease = NULL, owner = NULL
     FROM unnest(%(ids)s::bigint[], %(leases)s::uuid[]) AS a(id, lease)
-    WHERE m.id = a.id AND m.lease = a.lease AND m.state = 'processing'
+    WHERE m.id = a.id AND m.lease = a.lease
     RETURNING m.queue_name
 ),
 per_queue AS (

@@ -36,10 +36,11 @@ RETURNING m.id, m.queue_name, m.next_attempt_at, m.payload;
 
 -- name: relay_release --
 -- Hands back unpublished rows (no attempt was charged, none is refunded).
+-- Fenced by lease alone, like ack (see it in queries.sql).
 UPDATE {schema}.messages AS m
 SET state = 'pending', lease = NULL, owner = NULL
 FROM unnest(%(ids)s::bigint[], %(leases)s::uuid[]) AS a(id, lease)
-WHERE m.id = a.id AND m.lease = a.lease AND m.state = 'processing';
+WHERE m.id = a.id AND m.lease = a.lease;
 
 -- name: relay_next_due --
 -- Milliseconds until the earliest delayed row of the relayed queues (NULL: none).

@@ -236,3 +236,34 @@ def test_relay_claims_start_at_its_watermark_while_the_horizon_is_pinned(
     # sorted every due row.)
     assert blocks / claims < 25, (blocks, claims, sweeps)
     assert 1 <= sweeps < claims / 4
+
+
+def test_an_ack_reads_the_primary_key_not_the_owner_index_while_the_horizon_is_pinned(
+    make_broker: Any, db: Any, pinned: Any
+) -> None:
+    from dramatiq_pg_outbox._queries import queries_for_schema
+
+    # Given 5,000 messages claimed and acked with the horizon pinned, a backlog, and fresh statistics
+    # (they see almost no processing row, so the partial owner index looks empty to the planner)
+    broker = make_broker()
+
+    @dramatiq.actor(broker=broker)
+    def noop() -> None:
+        pass
+
+    broker.enqueue_many((noop.message() for _ in range(5_000)), batch_size=100)
+    consumer = broker.consume("default", prefetch=16, timeout=100)
+    drain(consumer, 5_000)
+    broker.enqueue_many((noop.message() for _ in range(2_000)), batch_size=100)
+    db.execute("ANALYZE dramatiq.messages")
+    # When a batch of claimed messages is acked
+    held = [m for m in (next(consumer) for _ in range(8)) if m is not None]
+    assert held
+    params = {"ids": [m.row_id for m in held], "leases": [m.lease for m in held]}
+    with db.transaction(force_rollback=True):
+        plan = "\n".join(
+            r[0] for r in db.execute("EXPLAIN " + queries_for_schema("dramatiq")["ack"], params).fetchall()
+        )
+    # Then the rows are found by their primary key, never by reading the owner index, which holds
+    # an entry for each of the 5,000 (on the parent commit the plan read messages_owner_idx)
+    assert "messages_pkey" in plan and "messages_owner_idx" not in plan, plan
