@@ -8,25 +8,14 @@ checkpoint says.
 
 from __future__ import annotations
 
-import os
 import sys
 
-from pyspark.sql import SparkSession
-
-from dramatiq_pg_outbox.spark import register
+from dramatiq_pg_outbox.spark import local_session, register
 
 
 def main(url: str, input_dir: str, checkpoint: str) -> None:
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("dramatiq-pg-outbox-stream-test")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    # local_session sets SPARK_LOCAL_IP and PYSPARK_PYTHON, as a user's script would get them.
+    spark = local_session("dramatiq-pg-outbox-stream-test", cores="2")
     register(spark)
     rows = (
         spark.readStream.format("json")

@@ -37,8 +37,10 @@ SWEEP_SPACING = 10
 class Watermark:
     """The watermark of one claimer, used from one thread (:meth:`owe_sweep` from any).
 
-    Usage: ``sweep, after = w.start(now)``, claim with ``after`` (None: from the
-    start), then ``w.claimed(keys, full=..., sweep=sweep, sent=now)``.
+    Usage: ``sweep, bound = w.start(now)``, claim with the parameters ``bound``
+    (``from_at``, ``from_id``: both None for a sweep), then
+    ``w.claimed(keys, full=..., sweep=sweep, sent=now)``; an idle claimer also wakes
+    at :meth:`wake_at`.
 
     Parameters:
       lag_ms(int): See :data:`LAG_MS`.  Default: the module's value at construction.
@@ -64,8 +66,14 @@ class Watermark:
         """Something may have been stored or handed back behind the watermark: sweep at ``sweep_at``."""
         self.sweep_owed = True
 
-    def start(self, now: float) -> tuple[bool, Key | None]:
-        """(whether this claim is a sweep, the key after which it reads: None for a sweep).
+    def wake_at(self) -> float:
+        """``time.monotonic()`` at which an idle claimer should claim (a sweep is owed), or inf."""
+        return self.sweep_at if self.sweep_owed else float("inf")
+
+    def start(self, now: float) -> tuple[bool, dict[str, object]]:
+        """(whether this claim is a sweep, its ``from_at`` and ``from_id`` parameters).
+
+        The parameters are the key after which the claim reads, both None for a sweep.
 
         Parameters:
           now(float): ``time.monotonic()`` as the claim is sent.
@@ -76,7 +84,11 @@ class Watermark:
         sweep = self.key is None or now >= self.sweep_at
         if sweep:
             self.sweep_owed = False
-        return sweep, None if sweep else self.key
+        after = None if sweep else self.key
+        return sweep, {
+            "from_at": None if after is None else after[0],
+            "from_id": None if after is None else after[1],
+        }
 
     def claimed(self, keys: Iterable[Key], *, full: bool, sweep: bool, sent: float) -> None:
         """Remember the latest key a claim returned; after a sweep, plan the next one.

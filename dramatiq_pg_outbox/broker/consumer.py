@@ -186,8 +186,7 @@ class _PostgresConsumer(Consumer):
             free = self.limit - self._outstanding
             can_fetch = free >= self._threshold() and self._isolated is None
             due_at = min(self._due_at, self._due_hint)
-            sweep_at = self.watermark.sweep_at if self.watermark.sweep_owed else math.inf
-            fetch_at = min(self._poll_at, due_at, sweep_at)
+            fetch_at = min(self._poll_at, due_at, self.watermark.wake_at())
             now = time.monotonic()
             if can_fetch and (self._notified or now >= fetch_at):
                 on_time = not self._notified and now >= due_at
@@ -223,8 +222,7 @@ class _PostgresConsumer(Consumer):
         lease = uuid.uuid4()
         sent = time.monotonic()
         metrics = self.broker._metrics
-        sweep, after = self.watermark.start(sent)
-        from_at, from_id = (None, None) if after is None else after
+        sweep, bound = self.watermark.start(sent)
         rows = self.runtime.execute(
             "claim_prioritized" if self._prioritized else "claim",
             {
@@ -235,8 +233,7 @@ class _PostgresConsumer(Consumer):
                 "consumers": self._consumers,
                 "rank": self._rank,
                 "look_ahead": LOOK_AHEAD,
-                "from_at": from_at,
-                "from_id": from_id,
+                **bound,
             },
         )
         # Every row carries the clock columns; a claim of nothing is one row with a NULL id.

@@ -143,8 +143,7 @@ class Relay(Service):
             self._archive(list(self._unarchived), retry=True)
         lease = uuid.uuid4()
         sent = time.monotonic()
-        sweep, after = self.watermark.start(sent)
-        from_at, from_id = (None, None) if after is None else after
+        sweep, bound = self.watermark.start(sent)
         rows = runtime.execute(
             "relay_claim",
             {
@@ -152,8 +151,7 @@ class Relay(Service):
                 "limit": self.batch_size,
                 "lease": lease,
                 "owner": runtime.worker_id,
-                "from_at": from_at,
-                "from_id": from_id,
+                **bound,
             },
         )
         rows.sort(key=lambda r: (r[2], r[0]))
@@ -293,16 +291,14 @@ class Relay(Service):
         if time.monotonic() >= self._next_report:
             self._next_report = time.monotonic() + self._report_every
             self._report()
-        if self._relayed >= self.batch_size or self.watermark.sweep_at == 0.0:
+        if self._relayed >= self.batch_size:
             return 0.0
         try:
             due = self._next_due_s()
         except Exception:
             due = None
         delay = self.interval if due is None else min(self.interval, due + 0.001)
-        if self.watermark.sweep_owed:
-            delay = min(delay, max(0.0, self.watermark.sweep_at - time.monotonic()))
-        return delay
+        return min(delay, max(0.0, self.watermark.wake_at() - time.monotonic()))
 
     def log_failure(self, error: Exception, delay: float) -> None:
         if isinstance(error, TargetError):

@@ -106,9 +106,14 @@ class _Writer(DataSourceArrowWriter):
         self.plan = plan
 
     def write(self, iterator: Iterator[Any]) -> Written:
-        names = list(self.plan.columns)
-        rows, enqueued = write_partition(self.plan, _arrow_rows(batch.select(names) for batch in iterator))
-        return Written(rows, enqueued)
+        return _write(self.plan, iterator)
+
+
+def _write(plan: _Plan, batches: Iterator[Any]) -> Written:
+    """One task's Arrow batches, the plan's columns only, written as one transaction."""
+    names = list(plan.columns)
+    rows, enqueued = write_partition(plan, _arrow_rows(batch.select(names) for batch in batches))
+    return Written(rows, enqueued)
 
 
 #: The local properties by which Spark's micro-batch execution tells its tasks which
@@ -144,10 +149,9 @@ class _StreamWriter(DataSourceStreamArrowWriter):
                 f'format("dramatiq") streaming: the task does not carry {QUERY_ID_PROPERTY!r} and '
                 f"{BATCH_ID_PROPERTY!r}; exactly-once needs Spark's micro-batch execution"
             )
-        plan = dataclasses.replace(self.plan, batch_id=f"{self.plan.batch_id}:{query}:{batch}")
-        names = list(plan.columns)
-        rows, enqueued = write_partition(plan, _arrow_rows(b.select(names) for b in iterator))
-        return Written(rows, enqueued)
+        return _write(
+            dataclasses.replace(self.plan, batch_id=f"{self.plan.batch_id}:{query}:{batch}"), iterator
+        )
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Nothing to do: every task committed its own rows (the keys make replays harmless)."""
