@@ -74,11 +74,13 @@ def explain(url: str, analyze: bool) -> str:
 def table_stats(url: str) -> dict[str, Any]:
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT n_live_tup, n_dead_tup, last_analyze, last_autoanalyze, n_mod_since_analyze "
-            "FROM pg_stat_user_tables WHERE relid = 'dramatiq.messages'::regclass"
+            "SELECT sum(n_live_tup), sum(n_dead_tup), max(last_analyze), max(last_autoanalyze), "
+            "sum(n_mod_since_analyze) FROM pg_stat_user_tables "
+            "WHERE relid IN (SELECT relid FROM pg_partition_tree('dramatiq.messages'))"
         ).fetchone()
         reltuples = conn.execute(
-            "SELECT reltuples FROM pg_class WHERE oid = 'dramatiq.messages'::regclass"
+            "SELECT sum(greatest(reltuples, 0)) FROM pg_class "
+            "WHERE oid IN (SELECT relid FROM pg_partition_tree('dramatiq.messages'))"
         ).fetchone()
     keys = ("n_live_tup", "n_dead_tup", "last_analyze", "last_autoanalyze", "n_mod_since_analyze")
     out = dict(zip(keys, row or (), strict=False))

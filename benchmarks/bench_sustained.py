@@ -25,12 +25,14 @@ SAMPLE_S = 5.0
 #: Producer tick, in seconds.
 TICK_S = 0.05
 
+#: Sizes and counters of the partitioned tables, summed over their partitions.
 STATS_SQL = """
-SELECT pg_total_relation_size('dramatiq.messages'),
-       s.n_live_tup, s.n_dead_tup, s.autovacuum_count, s.autoanalyze_count,
-       pg_total_relation_size('dramatiq.history'),
+SELECT (SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree('dramatiq.messages')),
+       sum(s.n_live_tup), sum(s.n_dead_tup), sum(s.autovacuum_count), sum(s.autoanalyze_count),
+       (SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree('dramatiq.history')),
        (SELECT count(*) FROM dramatiq.messages)
-FROM pg_stat_user_tables AS s WHERE s.relid = 'dramatiq.messages'::regclass
+FROM pg_stat_user_tables AS s
+WHERE s.relid IN (SELECT relid FROM pg_partition_tree('dramatiq.messages'))
 """
 
 

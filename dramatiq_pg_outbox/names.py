@@ -12,6 +12,11 @@ import re
 #: Schema of the tables unless told otherwise.
 DEFAULT_SCHEMA = "dramatiq"
 
+#: A message due more than this many milliseconds after its enqueue is stored in the
+#: ``messages_vacuumed`` partition, not in the ring that TRUNCATE empties (migration 0013):
+#: a delayed row in the ring would keep its partition from being emptied until it is due.
+PARK_AFTER_MS = 30_000
+
 _IDENTIFIER = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]{0,62}$")
 #: Dramatiq's queue-name rule.
 _QUEUE_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")

@@ -82,6 +82,7 @@ class BrokerOptions:
     heartbeat_interval    integer ms >= 1
     heartbeat_timeout     integer ms >= 2 x heartbeat_interval
     rescue_interval       integer ms >= 0 (0: a rescue pass at every heartbeat)
+    rotate_interval       integer ms >= 0 (0: this process leaves the ring alone)
     max_lease             None, or integer ms >= 1
     notify                "transaction", "after_commit" or "off"
     listen, check_schema  True or False
@@ -103,6 +104,7 @@ class BrokerOptions:
     heartbeat_interval: int = 5_000
     heartbeat_timeout: int = 20_000
     rescue_interval: int = 5_000
+    rotate_interval: int = 10_000
     max_lease: int | None = None
     notify: NotifyMode = "transaction"
     listen: bool = True
@@ -121,6 +123,7 @@ class BrokerOptions:
             "heartbeat_interval": _milliseconds("heartbeat_interval", self.heartbeat_interval, 1),
             "heartbeat_timeout": _milliseconds("heartbeat_timeout", self.heartbeat_timeout, 1),
             "rescue_interval": _milliseconds("rescue_interval", self.rescue_interval, 0),
+            "rotate_interval": _milliseconds("rotate_interval", self.rotate_interval, 0),
             "max_lease": None if self.max_lease is None else _milliseconds("max_lease", self.max_lease, 1),
             "listen": _flag("listen", self.listen),
             "check_schema": _flag("check_schema", self.check_schema),

@@ -96,17 +96,23 @@ SELECT (extract(epoch FROM coalesce(
 -- (unique partial index, ON CONFLICT DO NOTHING, also within this batch) or
 -- in history (the message was processed) is skipped.  Rows without a key
 -- never conflict.
+-- Partitions (migration 0013): keyed rows and rows due more than
+-- %(park_after_ms)s after now go to messages_vacuumed (slot -1), where the
+-- key's unique index on (idempotency_key, slot) holds across the table (no
+-- ring partition may hold a key); the others to the ring's current partition.
 WITH inserted AS (
     INSERT INTO {schema}.messages
-        (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority)
-    SELECT q, a, m, now() + d * interval '1 millisecond', p, k, pr
+        (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority, slot)
+    SELECT q, a, m, now() + d * interval '1 millisecond', p, k, pr,
+           CASE WHEN k IS NOT NULL OR d > %(park_after_ms)s::bigint THEN -1
+                ELSE (SELECT {schema}.message_slot()) END
     FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
                 %(delays)s::bigint[], %(payloads)s::bytea[], %(idempotency_keys)s::text[],
                 %(priorities)s::smallint[])
         AS t(q, a, m, d, p, k, pr)
     WHERE k IS NULL
        OR NOT EXISTS (SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = t.k)
-    ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    ON CONFLICT (idempotency_key, slot) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, message_id, queue_name, next_attempt_at, idempotency_key, priority
 ),
 woken AS (
@@ -134,8 +140,9 @@ SELECT NULL, NULL, NULL, id, message_id FROM inserted WHERE %(return_ids)s::bool
 -- planning the history subquery doubled the cost of a one-message enqueue
 -- (measured ~190 -> ~90 us per statement inside a transaction).
 WITH inserted AS (
-    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload, priority)
-    SELECT q, a, m, now() + d * interval '1 millisecond', p, pr
+    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload, priority, slot)
+    SELECT q, a, m, now() + d * interval '1 millisecond', p, pr,
+           CASE WHEN d > %(park_after_ms)s::bigint THEN -1 ELSE (SELECT {schema}.message_slot()) END
     FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
                 %(delays)s::bigint[], %(payloads)s::bytea[], %(priorities)s::smallint[])
         AS t(q, a, m, d, p, pr)
@@ -161,10 +168,11 @@ SELECT NULL, NULL, NULL, id, message_id FROM inserted WHERE %(return_ids)s::bool
 -- one-element arrays cost ~60 us of client CPU and unnest() ~35 us of server
 -- time per statement.
 WITH inserted AS (
-    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload, priority)
+    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, next_attempt_at, payload, priority, slot)
     VALUES (%(queue_name)s::text, %(actor_name)s::text, %(message_id)s::text,
             now() + %(delay)s::bigint * interval '1 millisecond', %(payload)s::bytea,
-            %(priority)s::smallint)
+            %(priority)s::smallint,
+            CASE WHEN %(delay)s::bigint > %(park_after_ms)s::bigint THEN -1 ELSE {schema}.message_slot() END)
     RETURNING id, message_id, queue_name, next_attempt_at, priority
 )
 SELECT payload, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, payload) END,
@@ -536,14 +544,25 @@ moved AS (
     RETURNING id, queue_name, actor_name, message_id, payload, idempotency_key, priority
 ),
 inserted AS (
-    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, payload, idempotency_key, priority)
-    SELECT queue_name, actor_name, message_id, payload, idempotency_key, priority FROM moved
+    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, payload, idempotency_key, priority, slot)
+    SELECT queue_name, actor_name, message_id, payload, idempotency_key, priority,
+           CASE WHEN idempotency_key IS NOT NULL THEN -1 ELSE (SELECT {schema}.message_slot()) END
+    FROM moved
 ),
 per_queue AS (
     SELECT queue_name, count(*) AS n, array_agg(id ORDER BY id) AS ids FROM moved GROUP BY queue_name
 )
 SELECT queue_name, n, ids, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, queue_name) END
 FROM per_queue ORDER BY queue_name;
+
+-- name: reclaim_messages --
+-- One pass of a process's reclaim loop (_runtime/reclaimer.py): turns the ring of
+-- message partitions, moves the few pending rows left in older ones and empties
+-- those left with none by TRUNCATE, never waiting for a lock (migration 0013).
+-- No row when another process holds the ring.
+SELECT slot, rotated, moved, truncated, busy
+FROM {schema}.reclaim_messages(%(rotate_ms)s::bigint, %(park_after_ms)s::bigint,
+                               %(max_slots)s::integer, %(channel)s::text, %(max_moved)s::integer);
 
 -- name: queue_size --
 -- One statement, hence one snapshot: pending, delayed and in-flight rows of a

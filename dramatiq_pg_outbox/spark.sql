@@ -18,16 +18,18 @@ COPY dpo_stage (message_id, idempotency_key, payload) FROM STDIN (FORMAT BINARY)
 -- What is new becomes messages: a key already in history (processed) or in
 -- the hot table (waiting or running) is skipped.
 INSERT INTO {schema}.messages
-    (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority)
+    (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority, slot)
 SELECT %(queue_name)s, %(actor_name)s, st.message_id,
        now() + %(delay)s * interval '1 millisecond',
        coalesce(st.payload, convert_to(st.payload_text, 'UTF8')), st.idempotency_key,
-       %(priority)s::smallint
+       %(priority)s::smallint,
+       CASE WHEN st.idempotency_key IS NOT NULL OR %(delay)s > %(park_after_ms)s::bigint THEN -1
+            ELSE (SELECT {schema}.message_slot()) END
 FROM dpo_stage AS st
 WHERE NOT EXISTS (
     SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = st.idempotency_key
 )
-ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING;
+ON CONFLICT (idempotency_key, slot) WHERE idempotency_key IS NOT NULL DO NOTHING;
 
 -- name: spark_drop_twins --
 -- A twin whose archiving committed while spark_insert ran is not in that

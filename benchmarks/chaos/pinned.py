@@ -103,13 +103,18 @@ def explain_claim_and_ack(url: str) -> dict[str, Any]:
 
 
 def _stats(conn: psycopg.Connection[Any]) -> tuple[int, float, int, int, int]:
-    """(backlog, table MB with indexes, live tuples, dead tuples, completed in history)."""
+    """(backlog, table MB with indexes, live tuples, dead tuples, completed in history).
+
+    The table's figures are summed over its partitions (its own are zero once it is partitioned).
+    """
     row = conn.execute(
         "SELECT (SELECT count(*) FROM dramatiq.messages), "
-        "pg_total_relation_size('dramatiq.messages') / 1048576.0, "
-        "coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0), "
+        "(SELECT sum(pg_total_relation_size(t.relid)) FROM pg_partition_tree('dramatiq.messages') AS t) "
+        "/ 1048576.0, "
+        "coalesce(sum(s.n_live_tup), 0), coalesce(sum(s.n_dead_tup), 0), "
         "(SELECT count(*) FROM dramatiq.history WHERE state = 'completed') "
-        "FROM pg_stat_user_tables AS s WHERE s.relid = 'dramatiq.messages'::regclass"
+        "FROM pg_stat_user_tables AS s "
+        "WHERE s.relid IN (SELECT relid FROM pg_partition_tree('dramatiq.messages'))"
     ).fetchone()
     assert row is not None
     return int(row[0]), float(row[1]), int(row[2]), int(row[3]), int(row[4])

@@ -513,8 +513,8 @@ def producer_failure(ctx: Context) -> Result:
 def _dead_tuples(db: Db) -> int:
     return int(
         db.value(
-            "SELECT n_dead_tup FROM pg_stat_user_tables "
-            "WHERE schemaname = 'dramatiq' AND relname = 'messages'"
+            "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables "
+            "WHERE relid IN (SELECT relid FROM pg_partition_tree('dramatiq.messages'))"
         )
     )
 
@@ -584,8 +584,9 @@ def pressure(ctx: Context) -> Result:
         wait_until(
             lambda: bool(
                 ctx.db.value(
-                    "SELECT count(*) FROM pg_stat_user_tables WHERE schemaname = 'dramatiq' "
-                    "AND relname = 'messages' AND greatest(last_autovacuum, last_vacuum) > %s",
+                    "SELECT count(*) FROM pg_stat_user_tables "
+                    "WHERE relid IN (SELECT relid FROM pg_partition_tree('dramatiq.messages')) "
+                    "AND greatest(last_autovacuum, last_vacuum) > %s",
                     (released_db,),
                 )
             ),

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..names import PARK_AFTER_MS
+
 if TYPE_CHECKING:
     from dramatiq import Message
 
@@ -115,6 +117,7 @@ def enqueue_statement(
             "notify": notify,
             "notify_within": notify_within,
             "return_ids": return_ids,
+            "park_after_ms": PARK_AFTER_MS,
         }
     keys = [item.key for item in items]
     params = {
@@ -128,6 +131,7 @@ def enqueue_statement(
         "notify": notify,
         "notify_within": notify_within,
         "return_ids": return_ids,
+        "park_after_ms": PARK_AFTER_MS,
     }
     if any(key is not None for key in keys):
         params["idempotency_keys"] = keys

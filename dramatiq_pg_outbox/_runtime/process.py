@@ -36,6 +36,7 @@ from .messages import (
     parse_notification,
     prioritized_notification,
 )
+from .reclaimer import _Reclaimer
 
 #: conninfo -> why the server refused the latest connection attempt of this process to it, when
 #: retrying cannot help (see errors.rejection_reason); cleared by a successful connection.
@@ -101,6 +102,7 @@ class _Runtime:
         self.clock_offset_ms = (time.time() - time.monotonic()) * 1000
         self.flusher = _Flusher(self)
         self.maintenance: _Maintenance | None = None
+        self.reclaimer: _Reclaimer | None = None
         #: This runtime's subscription to the process's LISTEN connection (consumers only).
         self.listener: Subscription | None = None
         self.closed = False
@@ -201,6 +203,9 @@ class _Runtime:
                     raise
                 self.maintenance = maintenance
                 self.maintenance.start()
+                if self.broker.options.rotate_interval:
+                    self.reclaimer = _Reclaimer(self)
+                    self.reclaimer.start()
             if self.listener is None and self.broker.options.listen:
                 # Anything sent while not listening was missed: every consumer polls then.
                 self.listener = subscribe(
@@ -299,6 +304,8 @@ class _Runtime:
             self.listener.close()
         if self.maintenance is not None:
             self.maintenance.stop()
+        if self.reclaimer is not None:
+            self.reclaimer.stop()
         self.flusher.stop()
         if self.maintenance is not None:
             try:

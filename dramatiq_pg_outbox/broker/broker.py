@@ -87,6 +87,12 @@ class PostgresBroker(Broker):
         so that one late heartbeat never makes a live worker look dead.  Default 20000.
       rescue_interval(int): Period of the release-stuck pass, in milliseconds, >= 0
         (0: at every heartbeat).  Default 5000.
+      rotate_interval(int): Age at which the ring of partitions that holds the messages
+        turns to an empty partition, in milliseconds, >= 0; the process's reclaim loop
+        checks about five times per interval, moves the few rows left in older partitions
+        and empties them with TRUNCATE, which needs no vacuum (docs/design.md, "Reclaiming
+        storage without vacuum").  0: this process leaves the ring to the others.
+        Default 10000.
       max_lease(int|None): Optional hard bound on one delivery, in milliseconds, >= 1;
         a message claimed longer ago is released even if its worker is alive.  Default None.
       notify(str): ``"transaction"`` (NOTIFY in the enqueueing transaction, delivered
@@ -117,6 +123,7 @@ class PostgresBroker(Broker):
     heartbeat_interval = _Option[int]()
     heartbeat_timeout = _Option[int]()
     rescue_interval = _Option[int]()
+    rotate_interval = _Option[int]()
     max_lease = _Option["int | None"]()
     notify = _Option[NotifyMode]()
     listen = _Option[bool]()
@@ -140,6 +147,7 @@ class PostgresBroker(Broker):
         heartbeat_interval: int = 5_000,
         heartbeat_timeout: int = 20_000,
         rescue_interval: int = 5_000,
+        rotate_interval: int = 10_000,
         max_lease: int | None = None,
         notify: NotifyMode = "transaction",
         listen: bool = True,
@@ -170,6 +178,7 @@ class PostgresBroker(Broker):
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             rescue_interval=rescue_interval,
+            rotate_interval=rotate_interval,
             max_lease=max_lease,
             notify=notify,
             listen=listen,

@@ -55,6 +55,17 @@ def without_priority(query: str) -> str:
     return re.sub(r",\s*priority\b", "", query)
 
 
+def without_slot(query: str) -> str:
+    """``query`` for a schema older than migration 0013, whose ``messages`` has no ``slot`` column.
+
+    Drops the column from the insert's list and its value (the ``CASE`` that picks
+    ``messages_vacuumed`` or the ring's current partition) from the select list.
+    """
+    slot_value = r",\s*CASE WHEN idempotency_key IS NOT NULL THEN -1\s+ELSE \(SELECT [^)]*\)\) END"
+    query = re.sub(slot_value, "", query)
+    return re.sub(r",\s*slot\b", "", query)
+
+
 def queries_for_schema(schema: str) -> dict[str, str]:
     """All dashboard queries with ``{schema}`` replaced by the quoted schema name.
 
@@ -378,10 +389,14 @@ class Store:
     async def _copying(self, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run an action that copies rows between messages and history, on any readable revision."""
         async with self.pool.connection() as conn:
-            try:
-                cur = await conn.execute(query, params)
-            except psycopg.errors.UndefinedColumn:
-                cur = await conn.execute(without_priority(query), params)
+            # The newest schema first, then without migration 0013's slot, then without 0010's priority.
+            for variant in (query, without_slot(query)):
+                try:
+                    cur = await conn.execute(variant, params)
+                    return await cur.fetchall()
+                except psycopg.errors.UndefinedColumn:
+                    continue
+            cur = await conn.execute(without_priority(without_slot(query)), params)
             return await cur.fetchall()
 
     async def paused_queues(self) -> dict[str, dt.datetime]:

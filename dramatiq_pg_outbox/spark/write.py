@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._queries import queries_for_schema
+from ..names import PARK_AFTER_MS
 
 if TYPE_CHECKING:
     pass
@@ -88,6 +89,7 @@ def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tu
                     "actor_name": plan.actor_name,
                     "delay": plan.delay_ms,
                     "priority": plan.priority,
+                    "park_after_ms": PARK_AFTER_MS,
                 },
             )
             enqueued = cur.rowcount
