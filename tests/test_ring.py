@@ -1,0 +1,155 @@
+"""The ring of message partitions (migration 0013): where rows go, how the ring turns, what it empties.
+
+Each test calls the reclaim loop's pass (``_Reclaimer.run_once``) itself, with no
+consumer running (a consumer's process would start its own loop), and reads the
+partitions back from the catalog.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+
+from dramatiq_pg_outbox._runtime.reclaimer import ReclaimResult, _Reclaimer
+
+
+def partition_of(db: Any, message_id: str) -> str:
+    row = db.execute(
+        "SELECT tableoid::regclass::text FROM dramatiq.messages WHERE message_id = %s", (message_id,)
+    ).fetchone()
+    assert row is not None, message_id
+    return str(row[0])
+
+
+def current(db: Any) -> str:
+    return f"dramatiq.messages_ring{db.execute('SELECT slot FROM dramatiq.message_ring').fetchone()[0]}"
+
+
+def filenode(db: Any, partition: str) -> int:
+    return int(db.execute("SELECT pg_relation_filenode(%s::regclass)", (partition,)).fetchone()[0])
+
+
+def rotate(reclaimer: _Reclaimer, db: Any) -> ReclaimResult:
+    """One pass after the ring's current partition is old enough to turn."""
+    db.execute("UPDATE dramatiq.message_ring SET rotated_at = now() - interval '1 hour'")
+    result = reclaimer.run_once()
+    assert result is not None
+    return result
+
+
+@pytest.fixture
+def reclaimer(make_broker: Any) -> Any:
+    broker = make_broker(rotate_interval=1_000)
+
+    @dramatiq.actor(broker=broker, actor_name="noop")
+    def noop(n: int) -> None:
+        pass
+
+    return broker, noop, _Reclaimer(broker.runtime)
+
+
+def test_keyed_and_far_delayed_messages_go_to_the_vacuumed_partition(reclaimer: Any, db: Any) -> None:
+    # Given a plain message, one delayed by 10 s, one by 60 s and one with an idempotency key
+    broker, noop, _ = reclaimer
+    plain, soon, later = noop.message(1), noop.message(2), noop.message(3)
+    broker.enqueue(plain)
+    broker.enqueue(soon, delay=10_000)
+    broker.enqueue(later, delay=60_000)
+    keyed = noop.send_with_options(args=(4,), idempotency_key="ring-key")
+    # Then the first two are in the ring's current partition; the keyed one and the one due in
+    # a minute are in messages_vacuumed, which vacuum reclaims (a ring partition holds no key)
+    ring = current(db)
+    assert partition_of(db, plain.message_id) == ring
+    assert partition_of(db, soon.message_id) == ring
+    assert partition_of(db, later.message_id) == "dramatiq.messages_vacuumed"
+    assert partition_of(db, keyed.message_id) == "dramatiq.messages_vacuumed"
+    # And the key is still unique across the table
+    noop.send_with_options(args=(5,), idempotency_key="ring-key")
+    assert db.execute(
+        "SELECT count(*) FROM dramatiq.messages WHERE idempotency_key = 'ring-key'"
+    ).fetchone() == (1,)
+    with pytest.raises(psycopg.errors.CheckViolation):
+        db.execute(
+            "INSERT INTO dramatiq.messages "
+            "(queue_name, actor_name, message_id, payload, idempotency_key, slot) "
+            "VALUES ('default', 'noop', 'x', '', 'k', %s)",
+            (int(ring.removeprefix("dramatiq.messages_ring")),),
+        )
+
+
+def test_the_ring_turns_only_once_its_partition_is_old_and_has_had_rows(reclaimer: Any, db: Any) -> None:
+    broker, noop, pass_ = reclaimer
+    # Given an empty current partition an hour old: the ring does not turn for nothing
+    db.execute("TRUNCATE dramatiq.messages")
+    before = current(db)
+    assert not rotate(pass_, db).rotated
+    assert current(db) == before
+    # When a message is stored in it and the ring turns
+    message = noop.message(1)
+    broker.enqueue(message)
+    result = rotate(pass_, db)
+    # Then new messages go to another partition, and the message stays where it is
+    assert result.rotated and current(db) != before
+    broker.enqueue(noop.message(2))
+    assert partition_of(db, message.message_id) == before
+    # And a recent partition does not turn again
+    assert not pass_.run_once().rotated
+
+
+def test_a_row_left_in_an_older_partition_is_moved_and_the_partition_emptied(reclaimer: Any, db: Any) -> None:
+    # Given a message stored in a partition that has since become older than the previous one
+    broker, noop, pass_ = reclaimer
+    db.execute("TRUNCATE dramatiq.messages")
+    left = noop.message(1)
+    broker.enqueue(left)
+    old = partition_of(db, left.message_id)
+    (row_id,) = db.execute("SELECT id FROM dramatiq.messages").fetchone()
+    rotate(pass_, db)
+    broker.enqueue(noop.message(2))  # the next current partition has rows, so it can turn
+    node = filenode(db, old)
+    # When the ring turns again
+    result = rotate(pass_, db)
+    # Then the pending row moved to the current partition with its id, and its old partition,
+    # left with no row, was emptied by TRUNCATE (a new file)
+    assert result.moved == 1 and result.truncated >= 1, result
+    assert partition_of(db, left.message_id) == current(db)
+    assert db.execute(
+        "SELECT id FROM dramatiq.messages WHERE message_id = %s", (left.message_id,)
+    ).fetchone() == (row_id,)
+    assert filenode(db, old) != node
+
+
+def test_a_partition_that_a_transaction_holds_is_skipped_without_waiting(
+    reclaimer: Any, db: Any, database_url: str
+) -> None:
+    # Given a finished partition that a REPEATABLE READ transaction has read
+    broker, noop, pass_ = reclaimer
+    db.execute("TRUNCATE dramatiq.messages")
+    broker.enqueue(noop.message(1))
+    held = current(db)
+    rotate(pass_, db)
+    broker.enqueue(noop.message(2))
+    db.execute("DELETE FROM dramatiq.messages WHERE tableoid = %s::regclass", (held,))  # it finished
+    node = filenode(db, held)
+    with psycopg.connect(database_url) as reader:
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM dramatiq.messages")
+        # When the ring turns and tries to empty it
+        started = time.monotonic()
+        result = rotate(pass_, db)
+        waited = time.monotonic() - started
+        # Then it is skipped (busy), not waited for (the pass took less than the lock_timeout of
+        # 200 ms that any wait would have run into), and not emptied
+        assert result.busy >= 1 and result.truncated == 0, result
+        assert waited < 0.2, waited
+        assert filenode(db, held) == node
+        # And the ring did not turn into a partition the transaction holds: a new one came
+        assert current(db) not in {f"dramatiq.messages_ring{n}" for n in range(4)}
+        reader.rollback()
+    # When the transaction has ended, the next pass empties it
+    assert pass_.run_once().truncated >= 1
+    assert filenode(db, held) != node
