@@ -35,6 +35,7 @@ import psycopg
 
 from dramatiq_pg_outbox import upgrade
 from dramatiq_pg_outbox._queries import queries_for_schema
+from dramatiq_pg_outbox._runtime import fence_params
 from dramatiq_pg_outbox.partitions import day_partitions, prune
 
 from .bench_common import Context, drop_database, markdown_table, recreate_database
@@ -100,7 +101,7 @@ def _ack_flush(conn: psycopg.Connection[Any], schema: str) -> float:
     started = time.perf_counter()
     for lo in range(0, len(ids), ACK_BATCH):
         batch = ids[lo : lo + ACK_BATCH]
-        conn.execute(query, {"ids": batch, "leases": [lease] * len(batch)})
+        conn.execute(query, fence_params([(i, lease) for i in batch]))
     return len(ids) / (time.perf_counter() - started)
 
 

@@ -23,6 +23,20 @@ AND (%(search)s::text IS NULL
      OR strpos(lower(coalesce(error, '')), lower(%(search)s)) > 0
      OR message_id = %(search)s)
 
+-- fragment: fenced --
+-- The lease fence of ack, archive, requeue and relay_release: the row still
+-- carries the lease of the delivery that decided (a row released and claimed
+-- again elsewhere has a new lease, and the stale decision is not applied).
+-- %(fences)s holds "<row id>/<lease>" per decision; with the row ids as an
+-- index condition (m.id = ANY(%(ids)s)) this is a filter of the rows found,
+-- never a join: joined with unnest(ids, leases), the planner probed the
+-- messages partitions in a nested loop, and for a drained partition whose
+-- statistics said 0 rows (vacuumed while the horizon was pinned) it read the
+-- whole primary key index once per decision (an ack of 256 took 27 s in chaos
+-- scenario 10).  The statements run unprepared (custom plans), so the fence
+-- array is a constant that Postgres looks up by hash.
+(m.id::text || '/' || m.lease::text) = ANY(%(fences)s::text[])
+
 -- fragment: claim_update --
 -- The update of claim and claim_prioritized: the rows of their candidates CTE
 -- become this consumer's, under a fresh lease, attempts charged (see claim).
@@ -371,8 +385,7 @@ WHERE %(queue_name)s = ANY (w.queues)
 -- data-modifying CTE runs to completion whether or not its rows are read.
 WITH done AS (
     DELETE FROM {schema}.messages AS m
-    USING unnest(%(ids)s::bigint[], %(leases)s::uuid[]) AS a(id, lease)
-    WHERE m.id = a.id AND m.lease = a.lease
+    WHERE m.id = ANY(%(ids)s::bigint[]) AND {fenced}
     RETURNING m.*
 ),
 archived AS (
@@ -391,10 +404,12 @@ SELECT id FROM done;
 -- (Retries enqueued its retry).  Fenced like ack (by lease alone, see ack).
 WITH failed AS (
     DELETE FROM {schema}.messages AS m
-    USING unnest(%(ids)s::bigint[], %(leases)s::uuid[], %(error_types)s::text[], %(errors)s::text[])
-        AS a(id, lease, error_type, error)
-    WHERE m.id = a.id AND m.lease = a.lease
-    RETURNING m.*, a.error_type AS failure_type, a.error AS failure
+    WHERE m.id = ANY(%(ids)s::bigint[]) AND {fenced}
+    RETURNING m.*,
+        (%(error_types)s::text[])[array_position(%(fences)s::text[], m.id::text || '/' || m.lease::text)]
+            AS failure_type,
+        (%(errors)s::text[])[array_position(%(fences)s::text[], m.id::text || '/' || m.lease::text)]
+            AS failure
 ),
 archived AS (
     INSERT INTO {schema}.history
@@ -421,8 +436,7 @@ SELECT id FROM failed;
 WITH released AS (
     UPDATE {schema}.messages AS m
     SET state = 'pending', attempts = greatest(m.attempts - 1, 0), lease = NULL, owner = NULL
-    FROM unnest(%(ids)s::bigint[], %(leases)s::uuid[]) AS a(id, lease)
-    WHERE m.id = a.id AND m.lease = a.lease
+    WHERE m.id = ANY(%(ids)s::bigint[]) AND {fenced}
     RETURNING m.queue_name
 ),
 per_queue AS (

@@ -39,8 +39,7 @@ RETURNING m.id, m.queue_name, m.next_attempt_at, m.payload;
 -- Fenced by lease alone, like ack (see it in queries.sql).
 UPDATE {schema}.messages AS m
 SET state = 'pending', lease = NULL, owner = NULL
-FROM unnest(%(ids)s::bigint[], %(leases)s::uuid[]) AS a(id, lease)
-WHERE m.id = a.id AND m.lease = a.lease;
+WHERE m.id = ANY(%(ids)s::bigint[]) AND {fenced};
 
 -- name: relay_next_due --
 -- Milliseconds until the earliest delayed row of the relayed queues (NULL: none).

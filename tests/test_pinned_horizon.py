@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from dramatiq import Message
 
+from dramatiq_pg_outbox._runtime import fence_params
 from dramatiq_pg_outbox._runtime import watermark as watermark_module
 
 #: Messages drained while the horizon is pinned.
@@ -266,7 +267,7 @@ def test_an_ack_reads_the_primary_key_not_the_owner_index_while_the_horizon_is_p
     # When a batch of claimed messages is acked
     held = [m for m in (next(consumer) for _ in range(8)) if m is not None]
     assert held
-    params = {"ids": [m.row_id for m in held], "leases": [m.lease for m in held]}
+    params = fence_params([(m.row_id, m.lease) for m in held])
     with db.transaction(force_rollback=True):
         plan = "\n".join(
             r[0] for r in db.execute("EXPLAIN " + queries_for_schema("dramatiq")["ack"], params).fetchall()

@@ -31,6 +31,7 @@ from typing import Any
 import psycopg
 
 from dramatiq_pg_outbox._queries import queries_for_schema
+from dramatiq_pg_outbox._runtime import fence_params
 
 from .harness import QUEUE, cluster, wait_until
 from .scenarios import Context, Result
@@ -98,7 +99,7 @@ def explain_claim_and_ack(url: str) -> dict[str, Any]:
             rows = conn.execute(queries["claim"], claim).fetchall()
             ids = [r[0] for r in rows if r[0] is not None]
             if ids:
-                out["ack"] = _explain(conn, queries["ack"], {"ids": ids, "leases": [lease] * len(ids)})
+                out["ack"] = _explain(conn, queries["ack"], fence_params([(i, lease) for i in ids]))
     return out
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .host import Runtime
-from .messages import Outcome, StoredMessage, enqueue_result, enqueue_statement
+from .messages import Outcome, StoredMessage, enqueue_result, enqueue_statement, fence_params
 from .service import Service
 
 
@@ -255,7 +255,7 @@ class _Flusher(Service):
 
     def _statement(self, name: str, items: Sequence[Any]) -> tuple[str, dict[str, Any]]:
         """(SQL, parameters) of one fenced decision statement for ``(row id, lease, ...)`` items."""
-        params: dict[str, Any] = {"ids": [item[0] for item in items], "leases": [item[1] for item in items]}
+        params = fence_params(items)
         query = name
         if name == "requeue":
             params["notify"] = self.runtime.broker.options.notify != "off"
@@ -270,7 +270,7 @@ class _Flusher(Service):
     def _write(self, name: str, items: list[Any]) -> tuple[int, list[str]]:
         query, params = self._statement(name, items)
         with self.runtime.connection() as conn:
-            cur = conn.execute(query, params)
+            cur = conn.execute(query, params, prepare=False)  # see FENCED_STATEMENTS
             if name != "requeue":
                 return cur.rowcount, []
             rows = cur.fetchall()
@@ -293,7 +293,8 @@ class _Flusher(Service):
                 group = [o.fence() for o in outcomes if o.kind == kind]
                 if group:
                     query, params = self._statement(kind, group)
-                    archived.update(int(row[0]) for row in conn.execute(query, params).fetchall())
+                    rows = conn.execute(query, params, prepare=False).fetchall()  # see FENCED_STATEMENTS
+                    archived.update(int(row[0]) for row in rows)
             written = [o for o in outcomes if o.row_id in archived]
             messages = [m for o in written for m in o.messages]
             stored: list[StoredMessage] = []

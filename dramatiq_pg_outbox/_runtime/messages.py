@@ -237,3 +237,18 @@ def parse_notification(payload: str) -> tuple[str, int | None]:
         return queue_name, int(due)
     except ValueError:
         return queue_name, None
+
+
+#: Statements whose lease fence (``fenced`` in queries.sql) must be planned with the
+#: parameters' values, never prepared: the fence array is then a constant, looked up by hash.
+FENCED_STATEMENTS = frozenset({"ack", "archive", "requeue", "relay_release"})
+
+
+def fence_params(items: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """The parameters of a fenced statement for ``(row id, lease, ...)`` items.
+
+    Returns:
+      dict: ``ids`` (list[int]) and ``fences`` (list[str], ``"<row id>/<lease>"``
+      per item, matched by the ``fenced`` fragment of queries.sql).
+    """
+    return {"ids": [item[0] for item in items], "fences": [f"{item[0]}/{item[1]}" for item in items]}

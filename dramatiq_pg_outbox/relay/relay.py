@@ -12,7 +12,7 @@ from typing import Any
 from dramatiq import Broker, Message
 from dramatiq.errors import DecodeError
 
-from .._runtime import Service, _Maintenance, format_error, parse_notification
+from .._runtime import Service, _Maintenance, fence_params, format_error, parse_notification
 from .._runtime.listener import subscribe
 from .._runtime.watermark import Watermark
 from ..broker import PostgresBroker
@@ -200,9 +200,7 @@ class Relay(Service):
             return
         try:
             # The consumers' own ack: fenced by lease, moved to history as completed.
-            self.broker.runtime.execute(
-                "ack", {"ids": [i for i, _ in items], "leases": [le for _, le in items]}
-            )
+            self.broker.runtime.execute("ack", fence_params(items))
         except BaseException:
             if not retry:
                 self._unarchived.extend(items)
@@ -219,9 +217,7 @@ class Relay(Service):
         if not items:
             return
         try:
-            self.broker.runtime.execute(
-                "relay_release", {"ids": [i for i, _ in items], "leases": [le for _, le in items]}
-            )
+            self.broker.runtime.execute("relay_release", fence_params(items))
             self.stats.released += len(items)
         finally:
             self.broker.runtime.untrack(items)
@@ -232,8 +228,7 @@ class Relay(Service):
         self.broker.runtime.execute(
             "archive",
             {
-                "ids": [row_id],
-                "leases": [lease],
+                **fence_params([(row_id, lease)]),
                 "state": "failed",
                 "error_types": ["DecodeError"],
                 "errors": [text],
