@@ -270,7 +270,7 @@ class _Flusher(Service):
     def _write(self, name: str, items: list[Any]) -> tuple[int, list[str]]:
         query, params = self._statement(name, items)
         with self.runtime.connection() as conn:
-            cur = conn.execute(query, params, prepare=False)  # see FENCED_STATEMENTS
+            cur = conn.execute(query, params)
             if name != "requeue":
                 return cur.rowcount, []
             rows = cur.fetchall()
@@ -293,8 +293,7 @@ class _Flusher(Service):
                 group = [o.fence() for o in outcomes if o.kind == kind]
                 if group:
                     query, params = self._statement(kind, group)
-                    rows = conn.execute(query, params, prepare=False).fetchall()  # see FENCED_STATEMENTS
-                    archived.update(int(row[0]) for row in rows)
+                    archived.update(int(row[0]) for row in conn.execute(query, params).fetchall())
             written = [o for o in outcomes if o.row_id in archived]
             messages = [m for o in written for m in o.messages]
             stored: list[StoredMessage] = []

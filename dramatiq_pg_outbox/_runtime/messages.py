@@ -239,11 +239,6 @@ def parse_notification(payload: str) -> tuple[str, int | None]:
         return queue_name, None
 
 
-#: Statements whose lease fence (``fenced`` in queries.sql) must be planned with the
-#: parameters' values, never prepared: the fence array is then a constant, looked up by hash.
-FENCED_STATEMENTS = frozenset({"ack", "archive", "requeue", "relay_release"})
-
-
 def fence_params(items: Sequence[Sequence[Any]]) -> dict[str, Any]:
     """The parameters of a fenced statement for ``(row id, lease, ...)`` items.
 

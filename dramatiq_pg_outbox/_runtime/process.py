@@ -30,7 +30,6 @@ from .host import RuntimeHost, Wakeable
 from .listener import Subscription, subscribe
 from .maintenance import _Maintenance
 from .messages import (
-    FENCED_STATEMENTS,
     StoredMessage,
     enqueue_result,
     enqueue_statement,
@@ -170,9 +169,7 @@ class _Runtime:
     def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run query ``name`` on a pooled autocommit connection; its rows (``[]`` if none)."""
         with self.connection() as conn:
-            cur = conn.execute(
-                self.queries[name], params, prepare=False if name in FENCED_STATEMENTS else None
-            )
+            cur = conn.execute(self.queries[name], params)
             return cur.fetchall() if cur.description else []
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
