@@ -296,6 +296,10 @@ def test_an_ack_probes_each_partition_by_id_whatever_its_statistics_say(
     (drained,) = db.execute("SELECT DISTINCT tableoid::regclass::text FROM dramatiq.messages").fetchone()
     consumer = broker.consume("default", prefetch=64, timeout=100)
     drain(consumer, 5_000)
+    deadline = time.monotonic() + 30
+    while db.execute(f"SELECT count(*) FROM {drained}").fetchone() != (0,):  # the last acks' flush
+        assert time.monotonic() < deadline, "the acks were not flushed"
+        time.sleep(0.05)
     db.execute("UPDATE dramatiq.message_ring SET rotated_at = now() - interval '1 hour'")
     assert _Reclaimer(broker.runtime).run_once().rotated  # type: ignore[union-attr]
     db.execute(f"VACUUM {drained}")
