@@ -27,8 +27,9 @@ worker process's reclaim loop: turns the ring when the current partition is
 attached, up to ``max_slots``), moves the few pending rows left in an older
 partition (handed back, or inserted under an old snapshot) to the current one or
 to ``messages_vacuumed``, and empties each older partition that holds no row
-with ``TRUNCATE``, under ``LOCK ... NOWAIT``: a partition that a transaction
-has read is skipped, never waited for.  docs/design.md, "Reclaiming storage
+with ``TRUNCATE``, under a ``LOCK`` that waits ``LOCK_TIMEOUT_MS`` (20 ms) at
+most: a partition that a transaction has read is skipped and tried again at
+the next call.  docs/design.md, "Reclaiming storage
 without vacuum".
 
 The primary key becomes ``(id, slot)`` (a partitioned table's unique
@@ -55,6 +56,12 @@ depends_on: Sequence[str] | None = None
 
 #: Ring partitions created at upgrade.
 INITIAL_SLOTS = 4
+#: How long reclaim_messages() waits for a lock before it skips (ms).  Every claim and ack locks
+#: every partition for a few milliseconds, so with ``NOWAIT`` at 2,000 msg/s the ring took
+#: busy partitions for held ones and grew to its 8 partitions, and a transaction that read the
+#: table then held all of them (chaos scenario 10, stopped); claims queue behind a waiting
+#: ``LOCK`` for this long at most.
+LOCK_TIMEOUT_MS = 20
 #: Messages due later than this after their enqueue go to ``messages_vacuumed`` at upgrade (ms).
 PARK_MS = 60_000
 
@@ -182,7 +189,7 @@ def _functions(schema: str, s: str) -> None:
         RETURNS TABLE (slot smallint, rotated boolean, moved bigint, truncated integer, busy integer)
         LANGUAGE plpgsql SECURITY DEFINER
         SET search_path = pg_catalog, pg_temp
-        SET lock_timeout = '200ms'
+        SET lock_timeout = '{LOCK_TIMEOUT_MS}ms'
         AS $fn$
         DECLARE
             ring record;
@@ -217,7 +224,7 @@ def _functions(schema: str, s: str) -> None:
                     CONTINUE WHEN part.n = cur OR part.n IS NOT DISTINCT FROM ring.previous
                         OR pg_relation_size(part.rel) > 0;
                     BEGIN
-                        EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE NOWAIT', part.rel);
+                        EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', part.rel);
                         target := part.n;
                         EXIT;
                     EXCEPTION WHEN lock_not_available THEN
@@ -301,7 +308,7 @@ def _functions(schema: str, s: str) -> None:
             -- 3. Empty them, never waiting: a transaction holding one makes it wait for a later call.
             FOR part IN SELECT unnest(emptied) AS rel LOOP
                 BEGIN
-                    EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE NOWAIT', part.rel);
+                    EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', part.rel);
                     EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', part.rel) INTO occupied;
                     IF NOT occupied THEN
                         EXECUTE format('TRUNCATE %s', part.rel);
