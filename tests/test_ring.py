@@ -131,9 +131,7 @@ def test_a_row_left_in_an_older_partition_is_moved_and_the_partition_emptied(rec
     assert filenode(db, old) != node
 
 
-def test_a_partition_that_a_transaction_holds_is_skipped(
-    reclaimer: Any, db: Any, database_url: str
-) -> None:
+def test_a_partition_that_a_transaction_holds_is_skipped(reclaimer: Any, db: Any, database_url: str) -> None:
     # Given a finished partition that a REPEATABLE READ transaction has read
     broker, noop, pass_ = reclaimer
     db.execute("TRUNCATE dramatiq.messages")
