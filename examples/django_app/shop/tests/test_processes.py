@@ -1,4 +1,4 @@
-"""Real processes: a worker started by ``manage.py rundramatiq``, and a web process killed after its COMMIT."""
+"""Real processes: a worker started by ``manage.py rundramatiq``; a web process killed after its COMMIT."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ PROJECT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def rundramatiq() -> Iterator[subprocess.Popen[bytes]]:
-    """``python manage.py rundramatiq`` on the test databases (the settings read them from the environment)."""
+    """``python manage.py rundramatiq`` on the test databases (the settings read them from the env)."""
     command = [sys.executable, "manage.py", "rundramatiq", "--processes", "1", "--threads", "2"]
     command += ["--worker-shutdown-timeout", "5000"]
     proc = subprocess.Popen(command, cwd=PROJECT, start_new_session=True)
