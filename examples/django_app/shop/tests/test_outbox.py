@@ -213,14 +213,23 @@ def test_missing_tables_raise_schema_not_ready_naming_the_command(make_broker: A
     # Given a broker whose schema was never migrated in Django's database
     broker = make_broker(schema="nowhere")
     actor = dramatiq.actor(lambda: None, broker=broker, actor_name="nowhere_actor")
-    # When it sends inside outbox()
-    with pytest.raises(SchemaNotReady) as raised, transaction.atomic(), outbox(broker=broker):
-        actor.send()
-    # Then the error names the command that creates them, for that database
+    # And a password in Django's settings (the connection is open: only the error reads it)
+    connection.ensure_connection()
+    password = connection.settings_dict["PASSWORD"]
+    connection.settings_dict["PASSWORD"] = "hunter2"
+    try:
+        # When it sends inside outbox()
+        with pytest.raises(SchemaNotReady) as raised, transaction.atomic(), outbox(broker=broker):
+            actor.send()
+    finally:
+        connection.settings_dict["PASSWORD"] = password
+    # Then the error is one line naming the command that creates them, for that database,
+    # with the password masked
     text = str(raised.value)
     assert "\n" not in text
     assert "dramatiq-pg-outbox migrate --url" in text and "--schema nowhere" in text
     assert connection.settings_dict["NAME"] in text
+    assert "hunter2" not in text and ":***@" in text
 
 
 def test_a_send_from_another_thread_is_refused_instead_of_escaping_the_transaction(sql: Any) -> None:
