@@ -18,3 +18,10 @@ class LedgerEntry(models.Model):
     amount_cents = models.IntegerField()
     #: Set by the book_entry actor of the ledger's broker.
     booked_at = models.DateTimeField(null=True)
+
+
+class Refund(models.Model):
+    #: A foreign key: PostgreSQL checks it at COMMIT (Django makes it DEFERRABLE INITIALLY DEFERRED).
+    order = models.ForeignKey(Order, on_delete=models.CASCADE)
+    #: Unique: a second refund with the same reference raises IntegrityError.
+    reference = models.CharField(max_length=40, unique=True)

@@ -15,7 +15,7 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from django_dramatiq.models import Task
@@ -23,7 +23,7 @@ from psycopg import sql as pg_sql
 
 from dramatiq_pg_outbox import OutboxError, PostgresBroker, SchemaNotReady
 from dramatiq_pg_outbox.django import outbox
-from shop.models import LedgerEntry, Order
+from shop.models import LedgerEntry, Order, Refund
 from shop.tasks import send_receipt
 
 from .conftest import url_of, wait_for
@@ -102,6 +102,33 @@ def test_a_message_sent_in_a_rolled_back_nested_atomic_vanishes_and_the_others_s
     assert sorted(Order.objects.values_list("total_cents", flat=True)) == [1, 3]
     # And after_enqueue ran for those only
     assert {str(task.id) for task in Task.tasks.all()} == stored_ids(sql)
+
+
+def test_a_database_error_rolled_back_to_its_savepoint_keeps_the_messages_around_it(sql: Any) -> None:
+    # Given a refund, then a transaction that sends, hits a duplicate refund in a nested atomic()
+    # (as get_or_create() does), recovers, and sends again
+    order = place()
+    Refund.objects.create(order=order, reference="r-1")
+    with transaction.atomic(), outbox():
+        send_receipt.send(1)
+        with contextlib.suppress(IntegrityError), transaction.atomic():
+            send_receipt.send(2)
+            Refund.objects.create(order=order, reference="r-1")
+        send_receipt.send(3)
+    # Then the messages before and after the failed savepoint are stored, not the one inside it
+    assert stored(sql) == [("send_receipt", [1]), ("send_receipt", [3])]
+    assert {str(task.id) for task in Task.tasks.all()} == stored_ids(sql)
+
+
+def test_a_commit_that_fails_on_a_deferred_constraint_stores_nothing(sql: Any) -> None:
+    # Given a transaction that sends, then breaks a foreign key that PostgreSQL checks at COMMIT
+    with pytest.raises(IntegrityError), transaction.atomic(), outbox():
+        send_receipt.send(place().id)
+        Refund.objects.create(order_id=2**40, reference="no-such-order")
+    # Then the COMMIT failed: no order, no message, and no after_enqueue hook ran
+    assert stored(sql) == []
+    assert Order.objects.count() == 0
+    assert Task.tasks.count() == 0
 
 
 def test_set_rollback_discards_the_messages_of_the_whole_transaction(sql: Any) -> None:
