@@ -65,9 +65,15 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
-from django.db.utils import ConnectionDoesNotExist
 from dramatiq import Middleware
+
+try:
+    from django.db import DEFAULT_DB_ALIAS, connections, transaction
+    from django.db.utils import ConnectionDoesNotExist
+except ImportError as error:
+    raise ImportError(
+        f"dramatiq_pg_outbox.django needs Django ({error}): pip install 'dramatiq-pg-outbox[django]'"
+    ) from None
 
 from ._binding import Binding, _bindings
 from ._queries import queries_for_schema
