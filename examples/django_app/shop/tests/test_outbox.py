@@ -164,6 +164,22 @@ def test_enqueue_many_inside_outbox_writes_one_statement(sql: Any, global_broker
     assert [args for _, args in stored(sql)] == [[n] for n in range(101)]
 
 
+def test_an_idempotency_key_stores_one_message_and_announces_only_it(sql: Any, global_broker: Any) -> None:
+    # Given a keyed receipt sent twice in one transaction, once with an unkeyed message in one
+    # statement, and again in a later transaction
+    with transaction.atomic(), outbox():
+        first = send_receipt.send_with_options(args=(1,), idempotency_key="receipt-1")
+        send_receipt.send_with_options(args=(1,), idempotency_key="receipt-1")
+        again = send_receipt.message_with_options(args=(1,), idempotency_key="receipt-1")
+        global_broker.enqueue_many([again, send_receipt.message(2)])
+    with transaction.atomic(), outbox():
+        send_receipt.send_with_options(args=(1,), idempotency_key="receipt-1")
+    # Then the key stored one message, and after_enqueue ran for the stored ones only
+    assert stored(sql) == [("send_receipt", [1]), ("send_receipt", [2])]
+    assert {str(task.id) for task in Task.tasks.all()} == stored_ids(sql)
+    assert first.message_id in stored_ids(sql)
+
+
 def test_using_writes_to_that_database_in_its_own_transaction(
     sql: Any, ledger_broker: PostgresBroker
 ) -> None:
