@@ -255,9 +255,20 @@ def database_url(settings: dict[str, Any]) -> str:
     return url + ("?" + urlencode(query, quote_via=quote) if query else "")
 
 
-#: Keys of a Django database's ``OPTIONS`` that Django reads itself (not libpq parameters).
+#: Keys of a Django database's ``OPTIONS`` that are not libpq parameters: read by Django itself,
+#: or keyword arguments of the driver's ``connect()``.
 _DJANGO_ONLY_OPTIONS = frozenset(
-    {"isolation_level", "server_side_binding", "pool", "assume_role", "cursor_factory"}
+    {
+        "isolation_level",
+        "server_side_binding",
+        "pool",
+        "assume_role",
+        "prepare_threshold",
+        "cursor_factory",
+        "row_factory",
+        "context",
+        "autocommit",
+    }
 )
 
 

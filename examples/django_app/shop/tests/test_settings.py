@@ -17,7 +17,13 @@ def test_database_url_carries_every_connection_setting_and_libpq_option() -> Non
         "PASSWORD": "p@ss:/w rd",
         "HOST": "db.internal",
         "PORT": "6432",
-        "OPTIONS": {"sslmode": "require", "server_side_binding": True, "isolation_level": 2},
+        "OPTIONS": {
+            "sslmode": "require",
+            "application_name": "shop web",
+            "server_side_binding": True,
+            "isolation_level": 2,
+            "prepare_threshold": 5,
+        },
     }
     # Then the URL gives libpq the same connection, and Django's own options are left out
     assert psycopg.conninfo.conninfo_to_dict(database_url(settings)) == {
@@ -27,6 +33,7 @@ def test_database_url_carries_every_connection_setting_and_libpq_option() -> Non
         "host": "db.internal",
         "port": "6432",
         "sslmode": "require",
+        "application_name": "shop web",
     }
 
 
