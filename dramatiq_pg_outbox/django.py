@@ -227,13 +227,15 @@ def database_url(settings: dict[str, Any]) -> str:
       settings(dict): One entry of ``settings.DATABASES``.
 
     Raises:
-      ValueError: If the entry is not a PostgreSQL database (its ``ENGINE``).
+      ValueError: If the entry is not a PostgreSQL database (its ``ENGINE`` names neither
+        ``postgresql`` nor ``postgis``).
 
     Returns:
       str: The URL, password included (mask it before showing it).
     """
     engine = str(settings.get("ENGINE", ""))
-    if not engine.startswith("django.db.backends.postgresql"):
+    # Django's backend, PostGIS's, or a wrapper of either (django-prometheus...).
+    if "postgresql" not in engine and "postgis" not in engine:
         raise ValueError(
             f"database_url() needs a PostgreSQL database (ENGINE 'django.db.backends.postgresql'), "
             f"not {engine or 'an entry without ENGINE'!r}"
