@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django_dramatiq.models import Task
 
 from shop.models import Order
 
@@ -51,13 +50,10 @@ def test_a_rundramatiq_worker_sends_the_receipt_of_an_order_placed_in_the_view(
     order_id = response.json()["order"]
     # Then the worker runs send_receipt for it
     wait_for(lambda: Order.objects.get(pk=order_id).receipt_sent_at is not None, 60, "the receipt")
-    # And django_dramatiq's AdminMiddleware, in the worker, records the task as done
-    wait_for(
-        lambda: Task.tasks.filter(actor_name="send_receipt", status=Task.STATUS_DONE).count() == 1,
-        30,
-        "the task to be recorded as done",
-    )
     assert rundramatiq.poll() is None
+    # (Not checked: django_dramatiq's Task row ends "done". Its AdminMiddleware writes "enqueued"
+    # in after_enqueue, after the COMMIT, and the worker may have run the message by then, with
+    # this broker as with Redis or RabbitMQ.)
 
 
 @pytest.mark.parametrize(("how", "messages"), [("outbox", 1), ("on_commit", 0)])
