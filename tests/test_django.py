@@ -32,6 +32,7 @@ def test_the_django_example_suite_passes_with_nothing_skipped(admin_url: str) ->
         pytest.importorskip(module, reason=f"{module} is missing: pip install -e '.[dev]'")
     # Given the example's own test command, on this run's server (it creates its own databases)
     env = {**os.environ, "DRAMATIQ_PG_OUTBOX_TEST_URL": admin_url, "PYTHONPATH": python_path()}
+    env.pop("DJANGO_SETTINGS_MODULE", None)  # the example's conftest names its own settings
     # When it runs
     command = [sys.executable, "-m", "pytest", "-q"]
     done = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=240)
