@@ -19,6 +19,7 @@ from django.db import IntegrityError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from django_dramatiq.models import Task
+from dramatiq.brokers.stub import StubBroker
 from psycopg import sql as pg_sql
 
 from dramatiq_pg_outbox import OutboxError, PostgresBroker, SchemaNotReady
@@ -241,6 +242,19 @@ def test_the_wake_up_comes_at_commit_and_never_for_a_rolled_back_message(
         # Then the first wake-up to arrive is that queue's (notifications arrive in commit order)
         received = [n.payload for n in listener.notifies(timeout=10, stop_after=1)]
     assert received == ["committed"]
+
+
+def test_a_stub_broker_ignores_the_binding(sql: Any) -> None:
+    # Given an actor of Dramatiq's StubBroker (what django_dramatiq's test settings often use)
+    stub = StubBroker()
+    ping = dramatiq.actor(lambda: None, broker=stub, actor_name="ping")
+    # When it sends inside outbox() in a transaction that rolls back
+    with contextlib.suppress(Refused), transaction.atomic(), outbox():
+        ping.send()
+        raise Refused
+    # Then the stub queued it at once, as without outbox(), and no table was written
+    assert stub.queues["default"].qsize() == 1
+    assert stored(sql) == []
 
 
 def test_bad_arguments_raise_one_line_naming_the_fix() -> None:
