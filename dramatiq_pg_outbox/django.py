@@ -187,6 +187,15 @@ class DjangoOutbox:
             _bindings.reset(self._token)
             self._token = None
 
+    async def __aenter__(self) -> DjangoOutbox:
+        raise OutboxError(
+            "outbox() of dramatiq_pg_outbox.django is synchronous, as Django's atomic() is: use "
+            "`with transaction.atomic(), outbox():` in a sync function (sync_to_async() from async code)."
+        )
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
+
 
 class _AfterCommit:
     """What a committed enqueue still does: ``after_enqueue`` hooks, the after-commit wake-up."""

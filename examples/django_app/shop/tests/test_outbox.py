@@ -7,6 +7,7 @@ hide what a commit does.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import threading
@@ -264,6 +265,13 @@ def test_bad_arguments_raise_one_line_naming_the_fix() -> None:
         outbox(using="nope")
     with pytest.raises(OutboxError, match="outbox\\(\\) needs a PostgresBroker"):
         outbox(broker=object())  # type: ignore[arg-type]
+    with pytest.raises(OutboxError, match="is synchronous, as Django's atomic\\(\\) is"):
+        asyncio.run(enter_async())
+
+
+async def enter_async() -> None:
+    async with outbox():
+        pass
 
 
 def test_missing_tables_raise_schema_not_ready_naming_the_command(make_broker: Any, sql: Any) -> None:
