@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import dramatiq
 import psycopg
 import pytest
-from django.conf import settings
 
 from dramatiq_pg_outbox import PostgresBroker
-from dramatiq_pg_outbox.django import database_url
 
-
-def url_of(alias: str) -> str:
-    return database_url(settings.DATABASES[alias])
+from .helpers import url_of
 
 
 @pytest.fixture
@@ -70,12 +65,3 @@ def make_broker() -> Iterator[Callable[..., PostgresBroker]]:
 def global_broker() -> dramatiq.Broker:
     """The broker django_dramatiq built from DRAMATIQ_BROKER."""
     return dramatiq.get_broker()
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:
-    """Poll ``condition`` every 50 ms; fail after ``timeout`` seconds (a bound on a hang, not a measure)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)

@@ -28,7 +28,7 @@ from dramatiq_pg_outbox.django import outbox
 from shop.models import LedgerEntry, Order, Refund
 from shop.tasks import send_receipt
 
-from .conftest import url_of, wait_for
+from .helpers import url_of, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "ledger"])
 

@@ -14,7 +14,7 @@ import pytest
 
 from shop.models import Order
 
-from .conftest import wait_for
+from .helpers import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
