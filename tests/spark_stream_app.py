@@ -1,21 +1,24 @@
 """A streaming query that the Spark tests kill and restart: JSON files -> format("dramatiq").
 
-``python -m tests.spark_stream_app URL INPUT_DIR CHECKPOINT_DIR``: one micro-batch per
-input file, each written by two tasks (two transactions), until every file present is
-processed; then it exits 0.  Restarted with the same checkpoint it goes on where the
-checkpoint says.
+``python -m tests.spark_stream_app URL INPUT_DIR CHECKPOINT_DIR [MASTER]``: one micro-batch
+per input file, each written by two tasks (two transactions), until every file present is
+processed; then it prints the query's plan (``explain(extended=True)``) and exits 0.
+Restarted with the same checkpoint it goes on where the checkpoint says.  With ``MASTER``
+(``spark://...``) it runs on that cluster (:func:`cluster_session`), else on ``local[2]``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from dramatiq_pg_outbox.spark import local_session, register
+from dramatiq_pg_outbox.spark import cluster_session, local_session, register
 
 
-def main(url: str, input_dir: str, checkpoint: str) -> None:
-    # local_session sets SPARK_LOCAL_IP and PYSPARK_PYTHON, as a user's script would get them.
-    spark = local_session("dramatiq-pg-outbox-stream-test", cores="2")
+def main(url: str, input_dir: str, checkpoint: str, master: str = "") -> None:
+    # The session helpers set the executors' Python (and ship this package to a cluster's
+    # executors), as a user's script would get them.
+    name = "dramatiq-pg-outbox-stream-test"
+    spark = cluster_session(master, name) if master else local_session(name, cores="2")
     register(spark)
     rows = (
         spark.readStream.format("json")
@@ -37,9 +40,10 @@ def main(url: str, input_dir: str, checkpoint: str) -> None:
     )
     print(f"query {query.id} started", flush=True)
     query.processAllAvailable()
+    query.explain(extended=True)
     query.stop()
     spark.stop()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
