@@ -613,6 +613,8 @@ def test_a_streaming_query_killed_mid_batch_writes_every_row_once_after_its_rest
     shown = {"driver output": killed + printed, "event log": files_text(events)}
     assert shown["event log"], "no event log was written"
     if where == "cluster":
+        # (the executors ran the driver's copy of the package, shipped by cluster_session)
+        assert "/dramatiq_pg_outbox.zip/dramatiq_pg_outbox/__init__.py" in printed, printed[-3000:]
         shown["cluster logs"] = request.getfixturevalue("spark_cluster").logs()
         assert "dramatiq-pg-outbox-stream-test" in shown["cluster logs"]  # its executors' logs
     assert [name for name, text in shown.items() if secret in text] == []
