@@ -746,3 +746,59 @@ def test_history_names_a_bad_option(spark: Any, database_url: str) -> None:
     ]:
         with pytest.raises(Exception, match=expected):
             spark.read.format("dramatiq_history").options(**options).load().count()
+
+
+# -- format("dramatiq_backlog") ----------------------------------------------------------
+
+
+def test_the_backlog_reads_the_live_messages_in_id_ranges(spark: Any, db: Any, database_url: str) -> None:
+    from pyspark.sql import functions as F
+
+    from dramatiq_pg_outbox.spark import register
+
+    # Given 1,000 live messages: due, delayed, prioritized, one being processed, with gaps in the ids
+    db.execute(
+        """
+        INSERT INTO dramatiq.messages (id, queue_name, actor_name, message_id, state, attempts,
+            next_attempt_at, lease, owner, acquired_at, priority, idempotency_key, payload)
+        SELECT g * 3, CASE WHEN g % 2 = 0 THEN 'emails' ELSE 'reports' END, 'a' || (g % 3), 'm' || g,
+               CASE WHEN g = 7 THEN 'processing' ELSE 'pending' END, g % 4,
+               now() + CASE WHEN g % 5 = 0 THEN interval '1 hour' ELSE interval '0' END,
+               CASE WHEN g = 7 THEN gen_random_uuid() END, NULL, CASE WHEN g = 7 THEN now() END,
+               CASE WHEN g % 10 = 0 THEN 3 ELSE 0 END, CASE WHEN g % 2 = 0 THEN 'k' || g END, '\\x'::bytea
+        FROM generate_series(1, 1000) AS g
+        """
+    )
+    register(spark)
+    # When the backlog is read in 3 partitions
+    backlog = spark.read.format("dramatiq_backlog").option("url", database_url).option("partitions", 3).load()
+    # Then it is split into 3 id ranges and holds every message once, as SQL reads it
+    assert backlog.rdd.getNumPartitions() == 3
+    got = sorted(tuple(r) for r in backlog.collect())
+    expected = sorted(
+        tuple(r)
+        for r in db.execute(
+            """
+            SELECT id, queue_name, actor_name, message_id, state, attempts, priority,
+                   (extract(epoch FROM enqueued_at) * 1000)::bigint,
+                   (extract(epoch FROM next_attempt_at) * 1000)::bigint,
+                   (extract(epoch FROM acquired_at) * 1000)::bigint, idempotency_key
+            FROM dramatiq.messages
+            """
+        )
+    )
+    assert len(got) == 1000 and got == expected
+    assert backlog.filter(F.col("state") == "processing").select("acquired_ms").first()[0] is not None
+    by_state = backlog.groupBy("queue_name", "state").count().collect()
+    counts = {(r["queue_name"], r["state"]): r["count"] for r in by_state}
+    assert counts == {("emails", "pending"): 500, ("reports", "pending"): 499, ("reports", "processing"): 1}
+    # And an empty table reads as an empty DataFrame; a bad option is named
+    db.execute("TRUNCATE dramatiq.messages")
+    assert spark.read.format("dramatiq_backlog").option("url", database_url).load().count() == 0
+    for options, message in [
+        ({"url": database_url, "partitions": "0"}, "option 'partitions' is a whole number from 1"),
+        ({"url": database_url, "partition": "2"}, r"unknown option\(s\) \['partition'\]"),
+        ({}, r"needs the option\(s\) \['url'\]"),
+    ]:
+        with pytest.raises(Exception, match=message):
+            spark.read.format("dramatiq_backlog").options(**options).load().count()

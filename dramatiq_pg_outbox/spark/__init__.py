@@ -273,7 +273,9 @@ def register(spark: Any) -> None:
     ``df.write.format("dramatiq")`` (and ``writeStream``) enqueues one message per row
     (:mod:`dramatiq_pg_outbox.spark.source`); ``spark.read.format("dramatiq_history")``
     reads history, one partition per day (:mod:`dramatiq_pg_outbox.spark.history`), and
-    pushes filters to PostgreSQL if ``spark.sql.python.filterPushdown.enabled`` is on now.
+    pushes filters to PostgreSQL if ``spark.sql.python.filterPushdown.enabled`` is on now;
+    ``spark.read.format("dramatiq_backlog")`` reads the live messages in id ranges
+    (:mod:`dramatiq_pg_outbox.spark.backlog`).
     """
     from .source import register as register_source
 
