@@ -242,6 +242,7 @@ def run(ctx: Any) -> dict[str, Any]:
     upgrade(url)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CREATE TABLE plain_customers (customer_id bigint, email text, segment text)")
+        conn.execute("CREATE TABLE indexed_messages (LIKE dramatiq.messages INCLUDING ALL)")
     root = Path(__file__).resolve().parent.parent
     figures: dict[str, Any] = {}
     try:
