@@ -167,6 +167,10 @@ class SparkStandaloneCluster:
         for pid in self.running() if self.log_dir.exists() else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        # A killed process is gone once the kernel has torn it down: wait for it, briefly.
+        deadline = time.monotonic() + 5
+        while self.log_dir.exists() and self.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
         if not self._keep_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
