@@ -1,7 +1,9 @@
-"""Spark integration: bulk enqueue from DataFrames and the analytics job.
+"""Spark integration: bulk enqueue from DataFrames, the data sources and the analytics job.
 
-Runs on a session-scoped ``local[2]`` SparkSession with the UI off.  Skipped
-only when Java or pyspark is absent (``pip install '.[spark]'``).
+Runs on a session-scoped ``local[2]`` SparkSession with the UI off; the streaming
+kill-and-restart test and the pipeline example also run, as driver processes of their
+own, on a session-scoped standalone cluster (``spark_cluster``: a master and two workers
+on this machine).  Skipped only when Java or pyspark is absent (``pip install '.[spark]'``).
 """
 
 from __future__ import annotations
