@@ -1,5 +1,14 @@
 """Spark bulk enqueue vs a plain Spark JDBC append, same rows, same run.
 
+``python -m benchmarks.run --scenarios spark [--spark-rows N]`` (the ``spark`` scenario, issue 21):
+``run`` below measures, in one Spark application on ``local[2]`` and then in one on a standalone
+cluster started here (a master and two workers of 1 core; executors in their own JVMs), the
+data source ``df.write.format("dramatiq")`` against a plain JDBC append of the same rows, and
+a stream from Spark's ``rate`` source through ``writeStream.format("dramatiq")``: rows per
+second, and each row's latency from its timestamp to its commit (see ``spark_runs.py``).
+
+The standalone script compares ``enqueue_dataframe`` with the JDBC append in more cases:
+
     python benchmarks/bench_spark.py                 # 1,000,000 rows
     python benchmarks/bench_spark.py --rows 200000 --partitions 4 --repeat 3
 
@@ -31,8 +40,10 @@ database is created and dropped either way).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,6 +64,9 @@ from dramatiq_pg_outbox.spark import (
     local_session,
 )
 from dramatiq_pg_outbox.testing import postgres_server, scratch_database
+
+#: The scenario's database.
+DATABASE = "bench_spark"
 
 
 class PythonJSONEncoder(JSONEncoder):
@@ -208,6 +222,70 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.json.write_text(json.dumps(figures, indent=2))
     return 0
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    """The ``spark`` scenario of ``python -m benchmarks.run`` (see the module's documentation)."""
+    import subprocess
+    import tempfile
+
+    from benchmarks.bench_common import drop_database, markdown_table, recreate_database
+    from benchmarks.bench_systems import getenv_int
+    from dramatiq_pg_outbox.testing.spark_cluster import SparkStandaloneCluster
+
+    if jdbc_jar() is None:
+        return {"error": "no PostgreSQL JDBC jar: apt-get install -y libpostgresql-jdbc-java"}
+    rows = getenv_int("BENCH_SPARK_ROWS", 200_000 if ctx.quick else 1_000_000)
+    seconds = getenv_int("BENCH_SPARK_STREAM_SECONDS", 15 if ctx.quick else 30)
+    url = ctx.db_url(DATABASE)
+    recreate_database(ctx.admin_url, DATABASE)
+    upgrade(url)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE plain_customers (customer_id bigint, email text, segment text)")
+        conn.execute("CREATE TABLE indexed_messages (LIKE dramatiq.messages INCLUDING ALL)")
+    root = Path(__file__).resolve().parent.parent
+    figures: dict[str, Any] = {}
+    try:
+        for where in ("local[2]", "cluster"):
+            with contextlib.ExitStack() as stack:
+                master = where
+                if where == "cluster":
+                    cluster = stack.enter_context(SparkStandaloneCluster(workers=2, cores=1, memory="2g"))
+                    master = cluster.master_url
+                out = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "figures.json"
+                command = [sys.executable, "-m", "benchmarks.spark_runs", master, url, str(out), "--rows",
+                           str(rows), "--runs", str(ctx.runs), "--stream-seconds", str(seconds)]  # fmt: skip
+                print(f"  {where}: {' '.join(command[2:4])} ...", flush=True)
+                env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+                subprocess.run(command, cwd=root, env=env, check=True, timeout=3600)
+                figures[where] = json.loads(out.read_text())
+    finally:
+        drop_database(ctx.admin_url, DATABASE)
+    batch_rows, stream_rows = [], []
+    for where, f in figures.items():
+        cases = {name: statistics.median(values) for name, values in f["batch"].items()}
+        base = cases["jdbc append"]
+        for name, value in cases.items():
+            spread = f"{min(f['batch'][name]):.2f}-{max(f['batch'][name]):.2f}"
+            ratio = "1.00x (baseline)" if name == "jdbc append" else f"{value / base:.2f}x"
+            batch_rows.append([where, name, f"{value:.2f}", spread, f"{rows / value:,.0f}", ratio])
+        t, lat = f["stream_throughput"], f["stream_latency"]
+        stream_rows.append([
+            where, f"{t['rows_per_s']:,.0f}", f"{lat['offered_rows_per_s']:,}", f"{lat['rows_per_s']:,.0f}",
+            f"{lat['visible_p50_ms']:,.0f}", f"{lat['visible_p95_ms']:,.0f}",
+            f"{lat['enqueued_p50_ms']:,.0f}", f"{lat['enqueued_p95_ms']:,.0f}",
+            f"{lat['rows_measured']:,} ({lat['rows_unseen']} unseen)",
+        ])  # fmt: skip
+    batch_table = markdown_table(
+        ["spark", "case", "seconds (median)", "min-max", "rows/s", "vs jdbc append"], batch_rows
+    )
+    stream_table = markdown_table(
+        ["spark", "max rows/s (rate-micro-batch)", "offered rows/s", "rows/s",
+         "row -> commit seen p50 ms", "p95 ms", "row -> enqueued_at p50 ms", "p95 ms", "rows measured"],
+        stream_rows,
+    )  # fmt: skip
+    return {"rows": rows, "runs": ctx.runs, "stream_seconds": seconds, "figures": figures,
+            "batch_table": batch_table, "stream_table": stream_table}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained
 (issue 10): relay (outbox + relay to RabbitMQ vs publishing after commit);
 (issue 19): rate_limits (acquisitions per second of the rate-limiter backends), priorities
 (the claim with priorities against the claim before them, EXPLAIN and drains), migrate
-(seconds per million history rows of the 0007 rewrite).
+(seconds per million history rows of the 0007 rewrite);
+(issue 21): spark (the data source's batch write against a JDBC append, on local[2] and on a
+standalone cluster; a rate stream's rows per second and latency).
 Every system of a scenario is measured in the same run, on the same machine,
 against a durable PostgreSQL (fsync and synchronous_commit on).  By default a
 private server is started (``ThrowawayPostgres`` with pg_stat_statements);
@@ -36,6 +38,7 @@ SCENARIOS = (
     "rate_limits",
     "priorities",
     "migrate",
+    "spark",
 )
 
 
@@ -52,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prune-rows", type=int, default=None, help="history rows of prune (10000000)")
     parser.add_argument("--drain-messages", type=int, default=None, help="messages per drain (20000)")
     parser.add_argument("--migrate-rows", type=int, default=None, help="history rows of migrate (1000000)")
+    parser.add_argument("--spark-rows", type=int, default=None, help="rows of spark's batch (1000000)")
     parser.add_argument("--out", default="out/benchmarks", help="directory of the JSON results")
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BENCH_DRAIN_MESSAGES"] = str(args.drain_messages)
     if args.migrate_rows:
         os.environ["BENCH_MIGRATE_ROWS"] = str(args.migrate_rows)
+    if args.spark_rows:
+        os.environ["BENCH_SPARK_ROWS"] = str(args.spark_rows)
     if args.prune_rows:
         os.environ["BENCH_PRUNE_ROWS"] = str(args.prune_rows)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

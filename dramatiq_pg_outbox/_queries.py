@@ -14,7 +14,8 @@ is refused; the dashboard's file is a namespace of its own):
 
 - ``queries.sql``: enqueue, claim, flush, maintenance, results, periodic jobs.
 - ``admin.sql``: the operator statements (CLI, partitions, metrics, migrations, test servers).
-- ``relay.sql``, ``spark.sql``: the outbox relay, the Spark enqueue and analytics reads.
+- ``relay.sql``, ``spark.sql``: the outbox relay, the Spark enqueue and analytics reads;
+  ``spark_backlog.sql``: the Spark reader of the live messages.
 - ``dashboard/queries.sql``: the dashboard's reads (migration 0003's views).
 
 The layout follows procrastinate's ``queries.sql`` and its loader.
@@ -31,7 +32,7 @@ from .names import quote_ident
 _HEADER = re.compile(r"^-- (name|fragment): ([a-z_]+) --$", re.MULTILINE)
 
 #: The broker's SQL files, relative to the package: one namespace.
-SQL_FILES = ("queries.sql", "admin.sql", "relay.sql", "spark.sql")
+SQL_FILES = ("queries.sql", "admin.sql", "relay.sql", "spark.sql", "spark_backlog.sql")
 #: The dashboard's SQL file, relative to the package: a namespace of its own.
 DASHBOARD_SQL = "dashboard/queries.sql"
 

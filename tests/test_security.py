@@ -199,6 +199,32 @@ def test_the_spark_role_writes_a_partition_idempotently(secured: Secured) -> Non
     assert write_partition(plan, [("a",), ("b",), ("c",)]) == (3, 1)
 
 
+def test_the_backlog_reader_needs_only_the_columns_its_readme_grants(secured: Secured) -> None:
+    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[dev]')")
+    from dramatiq_pg_outbox.spark.backlog import _Reader as BacklogReader
+    from dramatiq_pg_outbox.spark.backlog import scan_from_options
+
+    # Given the column grant of examples/spark_pipeline/README.md ("The backlog as a table")
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    readme = (examples / "spark_pipeline" / "README.md").read_text()
+    grant = re.search(r"`(GRANT SELECT \(id, queue_name.*?TO dramatiq_monitor)`", readme, re.DOTALL)
+    assert grant is not None
+    with secured.connect("owner") as owner:
+        owner.execute(secured.localize(" ".join(grant.group(1).split())))
+    with secured.connect("producer") as producer:
+        producer.execute(
+            "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, payload) "
+            "VALUES ('backlog_only', 'record', 'm1', '\\x'::bytea)"
+        )
+    # When the monitor role reads the backlog as the reader's tasks do (without Spark)
+    reader = BacklogReader(scan_from_options({"url": secured.urls["monitor"], "partitions": "2"}))
+    rows = [row for part in reader.partitions() for row in reader.read(part)]
+    # Then it reads the messages, and still no payload
+    assert [(r[1], r[3], r[4]) for r in rows if r[1] == "backlog_only"] == [("backlog_only", "m1", "pending")]
+    with secured.connect("monitor") as monitor, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        monitor.execute("SELECT payload FROM dramatiq.messages")
+
+
 def test_the_outbox_relay_runs_with_the_worker_role_alone(secured: Secured) -> None:
     redis = pytest.importorskip("redis", reason="the relay test needs redis (pip install 'dramatiq[redis]')")
     from dramatiq.brokers.redis import RedisBroker

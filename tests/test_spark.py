@@ -1,7 +1,9 @@
-"""Spark integration: bulk enqueue from DataFrames and the analytics job.
+"""Spark integration: bulk enqueue from DataFrames, the data sources and the analytics job.
 
-Runs on a session-scoped ``local[2]`` SparkSession with the UI off.  Skipped
-only when Java or pyspark is absent (``pip install '.[spark]'``).
+Runs on a session-scoped ``local[2]`` SparkSession with the UI off; the streaming
+kill-and-restart test and the pipeline example also run, as driver processes of their
+own, on a session-scoped standalone cluster (``spark_cluster``: a master and two workers
+on this machine).  Skipped only when Java or pyspark is absent (``pip install '.[spark]'``).
 """
 
 from __future__ import annotations
@@ -503,8 +505,50 @@ def test_the_data_source_fails_on_a_null_key_and_names_it(spark: Any, db: Any, d
     assert count(db) == 0
 
 
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A Spark standalone cluster on this machine: a master and two workers of 1 core and 1 GB,
+    shared by the cluster tests and stopped (every JVM) at the end of the session."""
+    from dramatiq_pg_outbox.testing.spark_cluster import SparkStandaloneCluster
+
+    logs = tmp_path_factory.mktemp("spark-cluster")
+    cluster = SparkStandaloneCluster(workers=2, cores=1, memory="1g", log_dir=logs)
+    with cluster:
+        assert len(cluster.running()) >= 3  # the master and the workers
+        yield cluster
+    # No JVM, executor or Python worker of the cluster is left
+    assert cluster.running() == []
+
+
+def with_password(url: str) -> tuple[str, str]:
+    """``url`` with a password in it, and the password: the URL's own, else a made-up one (which a
+    server with trust authentication, as the test servers are, ignores)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.password:
+        return url, str(parsed.password)
+    secret = f"pw-{uuid.uuid4().hex}"
+    return parsed.set(password=secret).render_as_string(hide_password=False), secret
+
+
+def event_log_args(directory: Any) -> str:
+    """``PYSPARK_SUBMIT_ARGS`` that make a driver write Spark's event log (every plan, property and
+    task that the UI and the history server show) uncompressed into ``directory``."""
+    directory.mkdir(exist_ok=True)
+    return (
+        f"--conf spark.eventLog.enabled=true --conf spark.eventLog.dir=file://{directory} "
+        "--conf spark.eventLog.compress=false --conf spark.eventLog.rolling.enabled=false pyspark-shell"
+    )
+
+
+def files_text(directory: Any) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(directory.rglob("*")) if p.is_file())
+
+
+@pytest.mark.parametrize("where", ["local", "cluster"])
 def test_a_streaming_query_killed_mid_batch_writes_every_row_once_after_its_restart(
-    db: Any, database_url: str, tmp_path: Any
+    db: Any, database_url: str, tmp_path: Any, where: str, request: pytest.FixtureRequest
 ) -> None:
     import json
     import signal
@@ -512,26 +556,37 @@ def test_a_streaming_query_killed_mid_batch_writes_every_row_once_after_its_rest
     import sys
     import time
 
-    # Given 4 files of 5,000 rows, one micro-batch each, written by two tasks per batch
-    inputs, checkpoint = tmp_path / "in", tmp_path / "checkpoint"
+    # Given 4 files of 5,000 rows, one micro-batch each, written by two tasks per batch, and a
+    # database URL with a password in it
+    inputs, checkpoint, events = tmp_path / "in", tmp_path / "checkpoint", tmp_path / "events"
     inputs.mkdir()
     for f in range(4):
         lines = (
             json.dumps({"id": f * 5000 + i, "email": f"c{f * 5000 + i}@example.com"}) for i in range(5000)
         )
         (inputs / f"part-{f}.json").write_text("\n".join(lines) + "\n")
-    command = [sys.executable, "-m", "tests.spark_stream_app", database_url, str(inputs), str(checkpoint)]
+    url, secret = with_password(database_url)
+    # On a cluster: the driver here, the executors in the workers' JVMs, their Python workers
+    # started by those (the package shipped to them by cluster_session)
+    master = request.getfixturevalue("spark_cluster").master_url if where == "cluster" else ""
+    command = [sys.executable, "-m", "tests.spark_stream_app", url, str(inputs), str(checkpoint), master]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYSPARK_SUBMIT_ARGS": event_log_args(events)}
+    outputs: list[Any] = []
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(command, cwd=root, start_new_session=True, stdout=subprocess.PIPE)
+        output = (tmp_path / f"driver-{len(outputs)}.log").open("wb")
+        outputs.append(output)
+        return subprocess.Popen(
+            command, cwd=root, env=env, start_new_session=True, stdout=output, stderr=subprocess.STDOUT
+        )
 
     # When the query (driver, executors, Python workers) is killed -9 once rows are committed
     query = start()
     deadline = time.monotonic() + 180
     while (written := count(db)) == 0:
         assert query.poll() is None, "the query ended before it wrote anything"
-        assert time.monotonic() < deadline, "the query wrote nothing in 120 s"
+        assert time.monotonic() < deadline, "the query wrote nothing in 180 s"
         time.sleep(0.05)
     os.killpg(query.pid, signal.SIGKILL)
     query.wait(30)
@@ -540,16 +595,64 @@ def test_a_streaming_query_killed_mid_batch_writes_every_row_once_after_its_rest
     # And restarted from its checkpoint until every file is processed
     again = start()
     try:
-        assert again.wait(240) == 0
+        assert again.wait(240) == 0, (tmp_path / "driver-1.log").read_text(errors="replace")[-3000:]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(again.pid, signal.SIGKILL)  # the JVM may outlive its driver for a moment
+        for output in outputs:
+            output.close()
     # Then every row is exactly one message, all of one query (the checkpoint's)
     keys = [r[0] for r in db.execute("SELECT idempotency_key FROM dramatiq.messages").fetchall()]
     assert len(keys) == 20_000
     assert sorted(int(k.rsplit(":", 1)[1]) for k in keys) == list(range(20_000))
     assert len({k.split(":")[1] for k in keys}) == 1
-    print(f"killed with {at_kill} of 20,000 rows written")
+    # And the password is nowhere: not in the plan the driver printed (explain, extended), the
+    # event log (what the UI and the history server show: plans, properties, tasks), nor on a
+    # cluster in the master's, the workers' and the executors' logs
+    printed = (tmp_path / "driver-1.log").read_text(errors="replace")
+    assert "== Physical Plan ==" in printed and "dramatiq" in printed
+    killed = (tmp_path / "driver-0.log").read_text(errors="replace")
+    shown = {"driver output": killed + printed, "event log": files_text(events)}
+    assert shown["event log"], "no event log was written"
+    if where == "cluster":
+        # (the executors ran the driver's copy of the package, shipped by cluster_session)
+        assert "/dramatiq_pg_outbox.zip/dramatiq_pg_outbox/__init__.py" in printed, printed[-3000:]
+        shown["cluster logs"] = request.getfixturevalue("spark_cluster").logs()
+        assert "dramatiq-pg-outbox-stream-test" in shown["cluster logs"]  # its executors' logs
+    assert [name for name, text in shown.items() if secret in text] == []
+    print(f"{where}: killed with {at_kill} of 20,000 rows written")
+
+
+def test_the_pipeline_example_runs_on_a_cluster_without_showing_the_password(
+    spark_cluster: Any, admin_url: str, tmp_path: Any
+) -> None:
+    import subprocess
+    import sys
+
+    # Given the example's server named by a URL with a password in it, and Spark's event log on
+    url, secret = with_password(admin_url)
+    events, report = tmp_path / "events", tmp_path / "report"
+    env = {**os.environ, "DATABASE_URL": url, "PYSPARK_SUBMIT_ARGS": event_log_args(events)}
+    # When the example runs against the standalone cluster (executors in the workers' JVMs)
+    command = [
+        sys.executable, "-m", "examples.spark_pipeline", "--master", spark_cluster.master_url,
+        "--customers", "2000", "--processes", "1", "--threads", "4", "--out", str(report),
+    ]  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    # Then every check of its report passes and its files are written (by the executors)
+    assert done.returncode == 0 and "\nOK: " in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"Spark {spark_cluster.master_url}" in done.stdout
+    assert (report / "stats.csv").stat().st_size > 0 and (report / "parquet" / "stats").is_dir()
+    # And the password shows nowhere: output, event log (plans, properties), cluster logs
+    shown = {
+        "output": done.stdout + done.stderr,
+        "event log": files_text(events),
+        "cluster logs": spark_cluster.logs(),
+    }
+    assert "spark-pipeline-example" in shown["cluster logs"]
+    assert "BatchScan dramatiq_history" in shown["event log"]
+    assert [name for name, text in shown.items() if secret in text] == []
 
 
 # -- format("dramatiq_history") ----------------------------------------------------------
@@ -645,3 +748,59 @@ def test_history_names_a_bad_option(spark: Any, database_url: str) -> None:
     ]:
         with pytest.raises(Exception, match=expected):
             spark.read.format("dramatiq_history").options(**options).load().count()
+
+
+# -- format("dramatiq_backlog") ----------------------------------------------------------
+
+
+def test_the_backlog_reads_the_live_messages_in_id_ranges(spark: Any, db: Any, database_url: str) -> None:
+    from pyspark.sql import functions as F
+
+    from dramatiq_pg_outbox.spark import register
+
+    # Given 1,000 live messages: due, delayed, prioritized, one being processed, with gaps in the ids
+    db.execute(
+        """
+        INSERT INTO dramatiq.messages (id, queue_name, actor_name, message_id, state, attempts,
+            next_attempt_at, lease, owner, acquired_at, priority, idempotency_key, payload)
+        SELECT g * 3, CASE WHEN g % 2 = 0 THEN 'emails' ELSE 'reports' END, 'a' || (g % 3), 'm' || g,
+               CASE WHEN g = 7 THEN 'processing' ELSE 'pending' END, g % 4,
+               now() + CASE WHEN g % 5 = 0 THEN interval '1 hour' ELSE interval '0' END,
+               CASE WHEN g = 7 THEN gen_random_uuid() END, NULL, CASE WHEN g = 7 THEN now() END,
+               CASE WHEN g % 10 = 0 THEN 3 ELSE 0 END, CASE WHEN g % 2 = 0 THEN 'k' || g END, '\\x'::bytea
+        FROM generate_series(1, 1000) AS g
+        """
+    )
+    register(spark)
+    # When the backlog is read in 3 partitions
+    backlog = spark.read.format("dramatiq_backlog").option("url", database_url).option("partitions", 3).load()
+    # Then it is split into 3 id ranges and holds every message once, as SQL reads it
+    assert backlog.rdd.getNumPartitions() == 3
+    got = sorted(tuple(r) for r in backlog.collect())
+    expected = sorted(
+        tuple(r)
+        for r in db.execute(
+            """
+            SELECT id, queue_name, actor_name, message_id, state, attempts, priority,
+                   (extract(epoch FROM enqueued_at) * 1000)::bigint,
+                   (extract(epoch FROM next_attempt_at) * 1000)::bigint,
+                   (extract(epoch FROM acquired_at) * 1000)::bigint, idempotency_key
+            FROM dramatiq.messages
+            """
+        )
+    )
+    assert len(got) == 1000 and got == expected
+    assert backlog.filter(F.col("state") == "processing").select("acquired_ms").first()[0] is not None
+    by_state = backlog.groupBy("queue_name", "state").count().collect()
+    counts = {(r["queue_name"], r["state"]): r["count"] for r in by_state}
+    assert counts == {("emails", "pending"): 500, ("reports", "pending"): 499, ("reports", "processing"): 1}
+    # And an empty table reads as an empty DataFrame; a bad option is named
+    db.execute("TRUNCATE dramatiq.messages")
+    assert spark.read.format("dramatiq_backlog").option("url", database_url).load().count() == 0
+    for options, message in [
+        ({"url": database_url, "partitions": "0"}, "option 'partitions' is a whole number from 1"),
+        ({"url": database_url, "partition": "2"}, r"unknown option\(s\) \['partition'\]"),
+        ({}, r"needs the option\(s\) \['url'\]"),
+    ]:
+        with pytest.raises(Exception, match=message):
+            spark.read.format("dramatiq_backlog").options(**options).load().count()

@@ -101,6 +101,7 @@ __all__ = [
     "_Plan",
     "_encode_rows",
     "_prepare_in_jvm",
+    "cluster_session",
     "enqueue_dataframe",
     "idempotency_key_for",
     "jdbc_jar",
@@ -272,7 +273,9 @@ def register(spark: Any) -> None:
     ``df.write.format("dramatiq")`` (and ``writeStream``) enqueues one message per row
     (:mod:`dramatiq_pg_outbox.spark.source`); ``spark.read.format("dramatiq_history")``
     reads history, one partition per day (:mod:`dramatiq_pg_outbox.spark.history`), and
-    pushes filters to PostgreSQL if ``spark.sql.python.filterPushdown.enabled`` is on now.
+    pushes filters to PostgreSQL if ``spark.sql.python.filterPushdown.enabled`` is on now;
+    ``spark.read.format("dramatiq_backlog")`` reads the live messages in id ranges
+    (:mod:`dramatiq_pg_outbox.spark.backlog`).
     """
     from .source import register as register_source
 
@@ -289,26 +292,90 @@ def jdbc_jar() -> str | None:
     return None
 
 
-def local_session(app_name: str = "dramatiq-pg-outbox", *, cores: str = "*", memory: str = "1g") -> Any:
-    """A ``local[cores]`` SparkSession with the UI off and the JDBC driver jar when one is found.
+def cluster_session(
+    master: str,
+    app_name: str = "dramatiq-pg-outbox",
+    *,
+    executor_memory: str = "1g",
+    executor_cores: int = 1,
+    python: str | None = None,
+    ship_package: bool = True,
+) -> Any:
+    """A SparkSession on a cluster whose executors can run this package's data sources.
 
-    Sets ``SPARK_LOCAL_IP=127.0.0.1`` and ``PYSPARK_PYTHON`` (this interpreter) unless
-    already set.  For laptops, tests and examples; on a cluster, build the session as usual.
+    On top of what :func:`local_session` sets (session time zone UTC, the JDBC driver jar
+    when one is found, which Spark copies to the executors):
+
+    - ``spark.pyspark.python``: the executors' Python, ``python`` or else this interpreter
+      (right when the executors' machines have the same layout, as containers of one image
+      do); it needs this package's dependencies (``pip install 'dramatiq-pg-outbox[spark]'``:
+      pyarrow, psycopg, dramatiq);
+    - ``ship_package``: this package's own code, zipped, is added to the job
+      (``SparkContext.addPyFile``, as ``--py-files`` would), so executors run the driver's
+      copy of it, whatever version is installed there (the idempotency keys and payloads
+      must be built alike everywhere).
+
+    The database URL reaches the executors inside the pickled task, never through the
+    plan or the logs (Spark shows no option of a Python data source; see
+    ``examples/spark_pipeline/README.md`` for a URL without a password).
+
+    Parameters:
+      master(str): The cluster manager's URL, e.g. ``spark://host:7077``.
+      app_name(str): The application's name, shown by the cluster manager.
+      executor_memory(str): Memory of each executor, in Spark's notation (default ``"1g"``).
+      executor_cores(int): Cores of each executor (default 1).
+      python(str|None): The executors' Python interpreter (default: this one's path).
+      ship_package(bool): Ship this package's code with the job (default True).
+
+    Returns:
+      SparkSession: A new session, or the running one (whose settings then stay).
     """
-    import os
     import sys
 
+    builder = _builder(master, app_name).config("spark.pyspark.python", python or sys.executable)
+    builder = builder.config("spark.executor.memory", executor_memory)
+    builder = builder.config("spark.executor.cores", str(executor_cores))
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    if ship_package:
+        session.sparkContext.addPyFile(str(_package_zip()))
+    return session
+
+
+def _package_zip() -> Any:
+    """This package's code as a zip (``dramatiq_pg_outbox/...``, no caches), made once per process."""
+    import atexit
+    import shutil
+    import tempfile
+    import zipfile
+    from pathlib import Path
+
+    global _PACKAGE_ZIP
+    if _PACKAGE_ZIP is None:
+        package = Path(__file__).resolve().parent.parent
+        folder = Path(tempfile.mkdtemp(prefix="dpo-pyfiles-"))
+        atexit.register(shutil.rmtree, folder, True)
+        path = folder / "dramatiq_pg_outbox.zip"
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+            for file in sorted(package.rglob("*")):
+                if file.is_file() and "__pycache__" not in file.parts:
+                    archive.write(file, Path(package.name) / file.relative_to(package))
+        _PACKAGE_ZIP = path
+    return _PACKAGE_ZIP
+
+
+#: The zip of :func:`_package_zip`, once made.
+_PACKAGE_ZIP: Any = None
+
+
+def _builder(master: str, app_name: str) -> Any:
+    """A SparkSession builder with the settings every session of this package wants."""
     from pyspark.sql import SparkSession
 
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    # The executors' Python workers run this interpreter (with pyarrow and this package),
-    # not whatever "python3" the PATH finds first.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = (
-        SparkSession.builder.master(f"local[{cores}]")
+        SparkSession.builder.master(master)
         .appName(app_name)
         .config("spark.ui.enabled", "false")
-        .config("spark.driver.memory", memory)
         .config("spark.sql.shuffle.partitions", "8")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.ui.showConsoleProgress", "false")
@@ -316,6 +383,23 @@ def local_session(app_name: str = "dramatiq-pg-outbox", *, cores: str = "*", mem
     jar = jdbc_jar()
     if jar is not None:
         builder = builder.config("spark.jars", jar)
+    return builder
+
+
+def local_session(app_name: str = "dramatiq-pg-outbox", *, cores: str = "*", memory: str = "1g") -> Any:
+    """A ``local[cores]`` SparkSession with the UI off and the JDBC driver jar when one is found.
+
+    Sets ``SPARK_LOCAL_IP=127.0.0.1`` and ``PYSPARK_PYTHON`` (this interpreter) unless
+    already set.  For laptops, tests and examples; on a cluster, :func:`cluster_session`.
+    """
+    import os
+    import sys
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # The executors' Python workers run this interpreter (with pyarrow and this package),
+    # not whatever "python3" the PATH finds first.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = _builder(f"local[{cores}]", app_name).config("spark.driver.memory", memory)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session

@@ -227,8 +227,11 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> _Plan:
 
 
 def register(spark: Any) -> None:
-    """Make ``format("dramatiq")`` and ``format("dramatiq_history")`` known to ``spark`` (a SparkSession)."""
+    """Make ``format("dramatiq")``, ``format("dramatiq_history")`` and ``format("dramatiq_backlog")``
+    known to ``spark`` (a SparkSession)."""
+    from .backlog import register as register_backlog
     from .history import register as register_history
 
     spark.dataSource.register(DramatiqDataSource)
     register_history(spark)
+    register_backlog(spark)

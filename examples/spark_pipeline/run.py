@@ -1,7 +1,7 @@
 """Spark pipeline, end to end, with one command (from the repository root)::
 
     pip install -e '.[spark]'          # plus Java 17; JDBC jar optional (see README)
-    python -m examples.spark_pipeline [--customers 200000] [--out DIR]
+    python -m examples.spark_pipeline [--customers 200000] [--out DIR] [--master spark://HOST:7077]
 
 1. A scratch database gets the broker's tables and a ``customers`` table
    (``--customers`` rows).
@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=8, help="threads per worker process")
     parser.add_argument("--bucket", type=int, default=10, help="analytics time bucket, seconds")
     parser.add_argument("--timeout", type=float, default=900, help="longest wait for the workers, seconds")
+    parser.add_argument("--master", default="", help="a cluster's URL (spark://host:7077); default local[*]")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "spark_pipeline_report")
     return parser.parse_args(argv)
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from dramatiq_pg_outbox import upgrade
-    from dramatiq_pg_outbox.spark import enqueue_dataframe, local_session
+    from dramatiq_pg_outbox.spark import cluster_session, enqueue_dataframe, local_session
     from dramatiq_pg_outbox.spark_analytics import run as run_analytics
     from dramatiq_pg_outbox.testing import mask_password, postgres_server, scratch_database
 
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     from examples._workers import dramatiq_workers
 
     print(f"spark pipeline: {args.customers:,} customers, {args.partitions} partitions, "
-          f"{args.processes} worker processes x {args.threads} threads")  # fmt: skip
+          f"{args.processes} worker processes x {args.threads} threads, "
+          f"Spark {args.master or 'local[*]'}")  # fmt: skip
     problems: list[str] = []
     with postgres_server() as admin_url, scratch_database(admin_url, "spark_pipeline") as url:
         print(f"  database   {mask_password(url)} (dropped at exit)")
@@ -145,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["EXAMPLE_DATABASE_URL"] = url
         from examples.spark_pipeline.tasks import broker, notify_customer
 
-        spark = local_session("spark-pipeline-example")
+        # On a cluster, cluster_session sets the executors' Python and ships this package to them.
+        name = "spark-pipeline-example"
+        spark = cluster_session(args.master, name) if args.master else local_session(name)
         batch_id = f"newsletter-{time.strftime('%Y-%m-%d')}"
         log_path = Path(tempfile.gettempdir()) / f"spark_pipeline_workers_{os.getpid()}.log"
         try:

@@ -1,0 +1,138 @@
+"""Where the time of one ``format("dramatiq")`` task goes, without Spark around it.
+
+    python -m benchmarks.profile_spark_write [--rows 250000] [--runs 3]
+
+One executor task of the data source gets Arrow batches and writes them in one transaction
+(``spark/source.py``'s ``_write`` -> ``write_partition``).  This runs the same code on one
+partition of ``--rows`` customer rows (customer_id, email, segment: the ``spark`` scenario's),
+in this process, adding one step at a time, each timed (best of ``--runs``):
+
+1. Arrow batches to Python tuples (``_arrow_rows``);
+2. ... and every row encoded: uuid5 id, idempotency key, JSON payload (``_encode_rows``);
+3. ... and written by binary COPY into the staging table (transaction rolled back);
+4. the whole task (``write_partition``): 3, then INSERT ... ON CONFLICT DO NOTHING into the
+   messages table, the twins' check and the NOTIFY, committed (table truncated first);
+5. for scale: the same Arrow batches appended to a bare table by COPY (what a JDBC append does
+   with the customer rows, minus JDBC's batched INSERTs).
+
+The database: ``$DATABASE_URL``, else the local server, else a throwaway one (a scratch
+database either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import dramatiq
+import psycopg
+
+from dramatiq_pg_outbox import upgrade
+from dramatiq_pg_outbox._queries import queries_for_schema
+from dramatiq_pg_outbox.spark import _Plan, write_partition
+from dramatiq_pg_outbox.spark.encoding import _arrow_rows, _encode_rows
+from dramatiq_pg_outbox.testing import postgres_server, scratch_database
+from dramatiq_pg_outbox.urls import libpq_url
+
+
+def batches(rows: int, size: int = 10_000) -> list[Any]:
+    import pyarrow as pa
+
+    out = []
+    for start in range(0, rows, size):
+        ids = list(range(start, min(rows, start + size)))
+        out.append(
+            pa.RecordBatch.from_pydict(
+                {
+                    "customer_id": pa.array(ids, pa.int64()),
+                    "email": [f"customer{i}@example.com" for i in ids],
+                    "segment": ["gold" if i % 10 == 0 else "basic" for i in ids],
+                }
+            )
+        )
+    return out
+
+
+def best(runs: int, step: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> float:
+    times = []
+    for _ in range(runs):
+        before()
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, default=250_000)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args(argv)
+    data = batches(args.rows)
+    with postgres_server() as admin_url, scratch_database(admin_url, "profile_spark") as url:
+        upgrade(url)
+        plan = _Plan.build(
+            key="customer_id", args=["customer_id", "email"], kwargs={"segment": "segment"},
+            conninfo=libpq_url(url),
+            schema="dramatiq", channel="dramatiq_pg_outbox.dramatiq", queue_name="notifications",
+            actor_name="notify_customer", batch_id="profile", options={}, delay_ms=0, notify=True,
+            encoder=dramatiq.get_encoder(),
+        )  # fmt: skip
+        queries = queries_for_schema("dramatiq")
+
+        def to_rows() -> None:
+            for _ in _arrow_rows(data):
+                pass
+
+        def encode() -> None:
+            for _ in _encode_rows(plan, _arrow_rows(data), 0):
+                pass
+
+        def copy_only() -> None:
+            with psycopg.connect(plan.conninfo) as conn, conn.cursor() as cur:
+                cur.execute(queries["spark_stage"])
+                with cur.copy(queries["spark_copy_binary"]) as copy:
+                    copy.set_types(["text", "text", "bytea"])
+                    for record in _encode_rows(plan, _arrow_rows(data), 0):
+                        copy.write_row(record)
+                conn.rollback()
+
+        def truncate() -> None:
+            with psycopg.connect(plan.conninfo, autocommit=True) as conn:
+                conn.execute("TRUNCATE dramatiq.messages")
+                conn.execute("VACUUM ANALYZE dramatiq.messages")
+
+        def whole() -> None:
+            assert write_partition(plan, _arrow_rows(data)) == (args.rows, args.rows)
+
+        def plain_copy() -> None:
+            with psycopg.connect(plan.conninfo) as conn, conn.cursor() as cur:
+                cur.execute("CREATE TEMP TABLE plain (customer_id bigint, email text, segment text)")
+                with cur.copy("COPY plain FROM STDIN (FORMAT BINARY)") as copy:
+                    copy.set_types(["int8", "text", "text"])
+                    for row in _arrow_rows(data):
+                        copy.write_row(row)
+                conn.commit()
+
+        steps = {
+            "1 arrow -> tuples": best(args.runs, to_rows),
+            "2 + encode": best(args.runs, encode),
+            "3 + COPY to staging": best(args.runs, copy_only),
+            "4 whole task (+ INSERT, commit)": best(args.runs, whole, truncate),
+            "5 bare-table COPY of the rows": best(args.runs, plain_copy),
+        }
+    print(f"\none task of {args.rows:,} rows, best of {args.runs}")
+    print(f"{'step':<36}{'seconds':>9}{'us/row':>9}{'share of 4':>12}")
+    for name, seconds in steps.items():
+        share = seconds / steps["4 whole task (+ INSERT, commit)"]
+        print(f"{name:<36}{seconds:>9.2f}{seconds / args.rows * 1e6:>9.1f}{share:>12.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

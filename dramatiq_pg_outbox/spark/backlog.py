@@ -1,0 +1,134 @@
+"""The ``dramatiq_backlog`` Spark data source: ``spark.read.format("dramatiq_backlog")``.
+
+Usage (PySpark 4's Python Data Source API)::
+
+    from dramatiq_pg_outbox.spark import register
+
+    register(spark)
+    backlog = (spark.read.format("dramatiq_backlog")
+        .option("url", "postgresql://app@db/app")
+        .option("partitions", 8)                 # optional, default 4
+        .load())
+    backlog.groupBy("queue_name", "state").count()
+
+Columns: ``id long, queue_name string, actor_name string, message_id string, state string,
+attempts int, priority int, enqueued_ms long, next_attempt_ms long, acquired_ms long,
+idempotency_key string`` (times in epoch milliseconds, UTC; ``state`` is ``pending`` or
+``processing``; ``acquired_ms`` is null unless the message is being processed; no payloads).
+
+Partitions: the id range of the live messages (its minimum and maximum when the reader is
+planned) cut into ``partitions`` slices of equal width, one Spark partition each, read with
+one connection per running task.  The messages table is live: each slice is read in its own
+transaction, so the table is not read at one instant; a message enqueued after the range was
+taken is not read, one finished meanwhile may be missing, none is read twice.
+
+Raises: ``ValueError`` naming the option for a missing ``url``, an unknown option or a bad
+``schema`` or ``partitions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+from .._queries import queries_for_schema
+from .options import given_options
+
+SCHEMA = (
+    "id long, queue_name string, actor_name string, message_id string, state string, attempts int, "
+    "priority int, enqueued_ms long, next_attempt_ms long, acquired_ms long, idempotency_key string"
+)
+OPTIONS = ("url", "schema", "partitions")
+#: Slices of the id range when the ``partitions`` option is not given.
+DEFAULT_PARTITIONS = 4
+
+
+@dataclass
+class _Slice(InputPartition):
+    """One Spark partition: the messages whose id is in [lo, hi)."""
+
+    lo: int
+    hi: int
+
+
+@dataclass
+class _Scan:
+    conninfo: str = field(repr=False)
+    schema: str
+    partitions: int
+
+
+class BacklogDataSource(DataSource):
+    """``format("dramatiq_backlog")``: the live messages (see the module's documentation)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "dramatiq_backlog"
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return _Reader(scan_from_options(self.options))
+
+
+class _Reader(DataSourceReader):
+    def __init__(self, scan: _Scan) -> None:
+        self.scan = scan
+
+    def partitions(self) -> list[_Slice]:
+        import psycopg
+
+        queries = queries_for_schema(self.scan.schema)
+        with psycopg.connect(self.scan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
+            row = conn.execute(queries["backlog_id_range"]).fetchone()
+        if row is None or row[0] is None:
+            return [_Slice(0, 0)]  # Spark needs one partition at least; this one reads nothing
+        return slices(int(row[0]), int(row[1]) + 1, self.scan.partitions)
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        import psycopg
+
+        assert isinstance(partition, _Slice)
+        if partition.lo >= partition.hi:
+            return
+        queries = queries_for_schema(self.scan.schema)
+        with psycopg.connect(self.scan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
+            with conn.cursor(name="dpo_backlog") as cur:
+                cur.itersize = 10_000
+                cur.execute(queries["backlog_range_messages"], {"lo": partition.lo, "hi": partition.hi})
+                yield from cur
+
+
+def slices(lo: int, hi: int, parts: int) -> list[_Slice]:
+    """[lo, hi) cut into at most ``parts`` contiguous slices of (nearly) equal width."""
+    parts = max(1, min(parts, hi - lo))
+    width, extra = divmod(hi - lo, parts)
+    out, start = [], lo
+    for i in range(parts):
+        end = start + width + (1 if i < extra else 0)
+        out.append(_Slice(start, end))
+        start = end
+    return out
+
+
+def scan_from_options(options: Mapping[str, str]) -> _Scan:
+    """The scan the options ask for.
+
+    Raises:
+      ValueError: Naming the option: ``url`` missing or not PostgreSQL, an unknown option,
+        a bad ``schema``, ``partitions`` not a whole number from 1.
+    """
+    given, conninfo, schema = given_options(options, "dramatiq_backlog", OPTIONS, ("url",))
+    text = given.get("partitions", str(DEFAULT_PARTITIONS))
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"option 'partitions' is a whole number from 1, not {text!r}")
+    return _Scan(conninfo=conninfo, schema=schema, partitions=int(text))
+
+
+def register(spark: Any) -> None:
+    """Register ``format("dramatiq_backlog")`` with ``spark`` (a SparkSession)."""
+    spark.dataSource.register(BacklogDataSource)
