@@ -101,6 +101,12 @@ class PostgresBroker(Broker):
       listen(bool): Whether consumers LISTEN for wake-ups; polling alone still
         delivers everything.  Default True.
       check_schema(bool): Check the schema revision on first use.  Default True.
+      prepare_threshold(int|None): Executions of one statement on one pooled connection
+        after which psycopg prepares it on the server (psycopg's ``prepare_threshold``);
+        ``None`` never prepares.  Behind PgBouncer in transaction pooling without
+        ``max_prepared_statements`` (before 1.21), pass ``None``: a statement prepared on one
+        server connection is missing from the next (README, "Behind PgBouncer").  Default 5,
+        psycopg's.
 
     Times are integers (``int``, not ``float`` or ``bool``), as everywhere in
     Dramatiq.  All options are checked at construction, before any connection.
@@ -128,6 +134,7 @@ class PostgresBroker(Broker):
     notify = _Option[NotifyMode]()
     listen = _Option[bool]()
     check_schema = _Option[bool]()
+    prepare_threshold = _Option["int | None"]()
 
     def __init__(
         self,
@@ -152,6 +159,7 @@ class PostgresBroker(Broker):
         notify: NotifyMode = "transaction",
         listen: bool = True,
         check_schema: bool = True,
+        prepare_threshold: int | None = 5,
     ) -> None:
         super().__init__(middleware=middleware)
         #: The worker-side instruments of :class:`~dramatiq_pg_outbox.metrics.WorkerMetrics`, if added.
@@ -183,6 +191,7 @@ class PostgresBroker(Broker):
             notify=notify,
             listen=listen,
             check_schema=check_schema,
+            prepare_threshold=prepare_threshold,
         )
         #: The validated tuning options (also readable as attributes: ``broker.max_fetch_interval``).
         self.options = options
