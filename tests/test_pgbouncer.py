@@ -281,6 +281,74 @@ def test_the_relay_moves_the_outbox_to_redis_through_pgbouncer(
         client.close()
 
 
+def test_rate_limiters_and_a_barrier_work_through_pgbouncer_with_transaction_scoped_locks(
+    single_url: str, db: Any, make_broker: Any
+) -> None:
+    from dramatiq.rate_limits import Barrier, ConcurrentRateLimiter, WindowRateLimiter
+
+    from dramatiq_pg_outbox.rate_limits import PostgresBackend
+
+    db.execute("TRUNCATE dramatiq.rate_limits, dramatiq.rate_limit_events")
+    key = f"pgb-{uuid.uuid4().hex[:8]}"
+    # Given two processes' backends (two brokers) through one server connection, listen=False
+    brokers = [make_broker(single_url, **BEHIND_PGBOUNCER) for _ in range(2)]
+    first, second = (PostgresBackend(broker=broker, poll_interval=100) for broker in brokers)
+    # When they take turns on a window limiter of 3 (its sum takes an advisory lock per key,
+    # transaction-scoped) and on a mutex
+    window = [WindowRateLimiter(backend, f"{key}-window", limit=3, window=60) for backend in (first, second)]
+    admitted = 0
+    for i in range(8):
+        with window[i % 2].acquire(raise_on_failure=False) as acquired:
+            admitted += bool(acquired)
+    mutex = [ConcurrentRateLimiter(backend, f"{key}-mutex", limit=1) for backend in (first, second)]
+    with mutex[0].acquire(raise_on_failure=False) as held:
+        with mutex[1].acquire(raise_on_failure=False) as also_held:
+            assert held and not also_held
+    with mutex[1].acquire(raise_on_failure=False) as held_after:
+        assert held_after
+    # Then the window admitted exactly 3; and a barrier released through one backend is seen
+    # by a waiter on the other, by polling
+    assert admitted == 3
+    barrier = Barrier(first, f"{key}-barrier", ttl=60_000)
+    barrier.create(parties=1)
+    assert barrier.wait(block=False) is True
+    assert Barrier(second, f"{key}-barrier", ttl=60_000).wait(timeout=10_000) is True
+
+
+def test_the_readme_pgbouncer_snippet_runs_as_written(single_url: str, db: Any) -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Behind PgBouncer\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    # Only the example's URLs change (to the test database through PgBouncer): the code runs as printed.
+    alias = make_url(single_url).database
+    assert alias is not None
+    code = code.replace("app@pgbouncer:6432/app", single_url.split("://", 1)[1])
+    previous = dramatiq.get_broker()
+    namespace: dict[str, Any] = {"__name__": "readme_pgbouncer"}
+    exec(compile(code, "README.md#behind-pgbouncer", "exec", dont_inherit=True), namespace)
+    broker, results, engine = namespace["broker"], namespace["results"], namespace["engine"]
+    try:
+        assert make_url(broker.conninfo).database == alias and engine.url.database == alias
+        actor = dramatiq.actor(lambda: None, broker=broker, actor_name="pgb_readme", queue_name="pgb_readme")
+        # When two connections of the engine take turns sending through outbox(), 8 times each
+        with engine.connect() as first, engine.connect() as second:
+            for _ in range(8):
+                for conn in (first, second):
+                    with conn.begin(), outbox(conn, broker):
+                        actor.send()
+        # And the results backend stores and reads a result as often
+        message = actor.message()
+        for i in range(8):
+            results.store_result(message, i, 60_000)
+            assert results.get_result(message) == i
+        # Then every message is stored
+        assert count(db, "SELECT count(*) FROM dramatiq.messages WHERE queue_name = 'pgb_readme'") == 16
+    finally:
+        engine.dispose()
+        broker.close()
+        dramatiq.set_broker(previous)
+
+
 # -- migrations and two-phase transactions ------------------------------------------------------
 
 
