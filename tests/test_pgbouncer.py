@@ -397,3 +397,15 @@ def test_migrations_and_a_two_phase_outbox_transaction_work_through_pgbouncer(tw
         finally:
             engine.dispose()
             broker.close()
+
+
+def test_prepare_threshold_in_the_url_is_refused_at_construction_naming_the_broker_option() -> None:
+    # Given a URL carrying prepare_threshold, which libpq refuses at every connection attempt
+    url = "postgresql://app:s3cret@127.0.0.1:1/app?prepare_threshold=0"
+    # Then the broker refuses it at once, in one line that names the option and hides the password
+    with pytest.raises(ValueError) as excinfo:
+        PostgresBroker(url=url)
+    message = str(excinfo.value)
+    assert 'invalid URI query parameter: "prepare_threshold"' in message
+    assert "PostgresBroker(url=..., prepare_threshold=None)" in message
+    assert "s3cret" not in message and "\n" not in message

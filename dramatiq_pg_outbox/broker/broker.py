@@ -171,6 +171,7 @@ class PostgresBroker(Broker):
         self.conninfo = libpq_url(parsed)
         #: The URL with its password masked (also a ``?password=`` query parameter): for logs and errors.
         self.safe_url = safe_url(parsed)
+        _check_libpq_url(self.conninfo, self.safe_url, parsed.password)
         self.schema = validate_schema_name(schema)
         #: LISTEN/NOTIFY channel: ``dramatiq_pg_outbox.<schema>``, shortened for long schemas.
         self.channel = channel_for(schema)
@@ -448,6 +449,25 @@ class PostgresBroker(Broker):
         queue_name = q_name(validate_queue_name(queue_name))
         rows = self.runtime.execute("queue_size", {"queue_names": [queue_name, dq_name(queue_name)]})
         return int(rows[0][0])
+
+
+def _check_libpq_url(conninfo: str, shown: str, password: Any) -> None:
+    """Refuse at construction a URL that libpq would refuse at every connection attempt.
+
+    Raises:
+      ValueError: Naming the parameter libpq does not know (``?prepare_threshold=`` is an
+        option of the broker, not of the URL), never the password.
+    """
+    try:
+        conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError as e:
+        detail = libpq_detail(e)
+        if password and str(password) in detail:
+            detail = "its syntax is wrong"
+        hint = ""
+        if "prepare_threshold" in detail:
+            hint = " It is an option of the broker: PostgresBroker(url=..., prepare_threshold=None)."
+        raise ValueError(f"libpq refuses the URL {shown}: {detail}.{hint}") from None
 
 
 def _stored_form(message: Message[Any] | MessageProxy) -> Message[Any]:
