@@ -104,9 +104,9 @@ class PostgresBroker(Broker):
       prepare_threshold(int|None): Executions of one statement on one pooled connection
         after which psycopg prepares it on the server (psycopg's ``prepare_threshold``);
         ``None`` never prepares.  Behind PgBouncer in transaction pooling without
-        ``max_prepared_statements`` (before 1.21), pass ``None``: a statement prepared on one
-        server connection is missing from the next (README, "Behind PgBouncer").  Default 5,
-        psycopg's.
+        ``max_prepared_statements`` (before 1.21), pass ``None``: the next transaction may run on
+        a server connection where the statement's name is missing or is another client's
+        (README, "Behind PgBouncer").  Not a URL parameter.  Default 5, psycopg's.
 
     Times are integers (``int``, not ``float`` or ``bool``), as everywhere in
     Dramatiq.  All options are checked at construction, before any connection.
