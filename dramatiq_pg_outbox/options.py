@@ -86,6 +86,7 @@ class BrokerOptions:
     max_lease             None, or integer ms >= 1
     notify                "transaction", "after_commit" or "off"
     listen, check_schema  True or False
+    prepare_threshold     None (never prepare), or integer >= 0
     ====================  ========================================================
 
     Raises:
@@ -109,6 +110,7 @@ class BrokerOptions:
     notify: NotifyMode = "transaction"
     listen: bool = True
     check_schema: bool = True
+    prepare_threshold: int | None = 5
 
     def __post_init__(self) -> None:
         checked: dict[str, Any] = {
@@ -127,6 +129,7 @@ class BrokerOptions:
             "max_lease": None if self.max_lease is None else _milliseconds("max_lease", self.max_lease, 1),
             "listen": _flag("listen", self.listen),
             "check_schema": _flag("check_schema", self.check_schema),
+            "prepare_threshold": self._prepare_threshold(),
         }
         if self.notify not in NOTIFY_MODES:
             raise _invalid("notify", self.notify, "it must be 'transaction', 'after_commit' or 'off'")
@@ -142,6 +145,19 @@ class BrokerOptions:
         # Integral values of another type (numpy ints) are stored as plain ints.
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+
+    def _prepare_threshold(self) -> int | None:
+        value = self.prepare_threshold
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise _invalid(
+                "prepare_threshold",
+                value,
+                "it must be None (never prepare a statement: behind PgBouncer's transaction pooling) "
+                "or an integer >= 0",
+            )
+        return int(value)
 
     def _overfetch_factor(self) -> float:
         value = self.overfetch_factor

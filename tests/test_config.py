@@ -93,6 +93,10 @@ BAD_OPTIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"listen": None}, "listen", "True or False"),
     ({"check_schema": 0}, "check_schema", "True or False"),
     ({"check_schema": "no"}, "check_schema", "True or False"),
+    ({"prepare_threshold": -1}, "prepare_threshold", "None (never prepare a statement"),
+    ({"prepare_threshold": 5.0}, "prepare_threshold", "or an integer >= 0"),
+    ({"prepare_threshold": False}, "prepare_threshold", "or an integer >= 0"),
+    ({"prepare_threshold": "None"}, "prepare_threshold", "or an integer >= 0"),
 ]
 
 
@@ -132,6 +136,8 @@ GOOD_OPTIONS: list[dict[str, Any]] = [
     {"notify": "off"},
     {"listen": False},
     {"check_schema": False},
+    {"prepare_threshold": None},
+    {"prepare_threshold": 0},
 ]
 
 

@@ -80,7 +80,12 @@ class _Runtime:
             max_size=broker.options.pool_size,
             # The application name tells operators (pg_stat_activity) which
             # process holds which connection: "dramatiq-pg-outbox:<pid>".
-            kwargs={"autocommit": True, "application_name": f"dramatiq-pg-outbox:{self.pid}"},
+            # prepare_threshold=None behind PgBouncer's transaction pooling (README, "Behind PgBouncer").
+            kwargs={
+                "autocommit": True,
+                "application_name": f"dramatiq-pg-outbox:{self.pid}",
+                "prepare_threshold": broker.options.prepare_threshold,
+            },
             timeout=broker.options.pool_timeout / 1000,
             name=f"dramatiq-pg-outbox-{self.pid}",
             open=False,

@@ -101,6 +101,12 @@ class PostgresBroker(Broker):
       listen(bool): Whether consumers LISTEN for wake-ups; polling alone still
         delivers everything.  Default True.
       check_schema(bool): Check the schema revision on first use.  Default True.
+      prepare_threshold(int|None): Executions of one statement on one pooled connection
+        after which psycopg prepares it on the server (psycopg's ``prepare_threshold``);
+        ``None`` never prepares.  Behind PgBouncer in transaction pooling without
+        ``max_prepared_statements`` (before 1.21), pass ``None``: the next transaction may run on
+        a server connection where the statement's name is missing or is another client's
+        (README, "Behind PgBouncer").  Not a URL parameter.  Default 5, psycopg's.
 
     Times are integers (``int``, not ``float`` or ``bool``), as everywhere in
     Dramatiq.  All options are checked at construction, before any connection.
@@ -128,6 +134,7 @@ class PostgresBroker(Broker):
     notify = _Option[NotifyMode]()
     listen = _Option[bool]()
     check_schema = _Option[bool]()
+    prepare_threshold = _Option["int | None"]()
 
     def __init__(
         self,
@@ -152,6 +159,7 @@ class PostgresBroker(Broker):
         notify: NotifyMode = "transaction",
         listen: bool = True,
         check_schema: bool = True,
+        prepare_threshold: int | None = 5,
     ) -> None:
         super().__init__(middleware=middleware)
         #: The worker-side instruments of :class:`~dramatiq_pg_outbox.metrics.WorkerMetrics`, if added.
@@ -163,6 +171,7 @@ class PostgresBroker(Broker):
         self.conninfo = libpq_url(parsed)
         #: The URL with its password masked (also a ``?password=`` query parameter): for logs and errors.
         self.safe_url = safe_url(parsed)
+        _check_libpq_url(self.conninfo, self.safe_url, parsed.password)
         self.schema = validate_schema_name(schema)
         #: LISTEN/NOTIFY channel: ``dramatiq_pg_outbox.<schema>``, shortened for long schemas.
         self.channel = channel_for(schema)
@@ -183,6 +192,7 @@ class PostgresBroker(Broker):
             notify=notify,
             listen=listen,
             check_schema=check_schema,
+            prepare_threshold=prepare_threshold,
         )
         #: The validated tuning options (also readable as attributes: ``broker.max_fetch_interval``).
         self.options = options
@@ -439,6 +449,25 @@ class PostgresBroker(Broker):
         queue_name = q_name(validate_queue_name(queue_name))
         rows = self.runtime.execute("queue_size", {"queue_names": [queue_name, dq_name(queue_name)]})
         return int(rows[0][0])
+
+
+def _check_libpq_url(conninfo: str, shown: str, password: Any) -> None:
+    """Refuse at construction a URL that libpq would refuse at every connection attempt.
+
+    Raises:
+      ValueError: Naming the parameter libpq does not know (``?prepare_threshold=`` is an
+        option of the broker, not of the URL), never the password.
+    """
+    try:
+        conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError as e:
+        detail = libpq_detail(e)
+        if password and str(password) in detail:
+            detail = "its syntax is wrong"
+        hint = ""
+        if "prepare_threshold" in detail:
+            hint = " It is an option of the broker: PostgresBroker(url=..., prepare_threshold=None)."
+        raise ValueError(f"libpq refuses the URL {shown}: {detail}.{hint}") from None
 
 
 def _stored_form(message: Message[Any] | MessageProxy) -> Message[Any]:
