@@ -1,0 +1,164 @@
+"""OpenTelemetry: one trace from a request's span, through send() (in outbox() or not), into the actor.
+
+The test process is the web application: an SDK tracer provider of its own (the global one
+is left alone) with an in-memory exporter.  The workers are real ``dramatiq`` processes
+running tests/worker_app.py with the SDK exporting to JSON-lines files
+(``DPO_OTEL_SPANS``, tests/otel_spans.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import pytest
+
+pytest.importorskip("opentelemetry.sdk", reason="pip install -e '.[dev]' (opentelemetry-sdk)")
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NoOpTracerProvider
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from dramatiq_pg_outbox import outbox
+from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
+from dramatiq_pg_outbox.tracing import (
+    ACTOR_NAME,
+    DEAD_LETTERED,
+    DELIVERY_COUNT,
+    ENQUEUE_PATH,
+    OPTION,
+    TracingMiddleware,
+)
+from tests.helpers import count, wait_for
+from tests.otel_spans import read_spans, span_record
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def web(make_broker: Any, exporter: InMemorySpanExporter) -> Any:
+    """The producing side: a broker with the middleware and a provider of its own, and
+    stand-ins for tests/worker_app.py's actors (same names and queue; bodies never run here)."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    broker = make_broker()
+    broker.add_middleware(TracingMiddleware(tracer_provider=provider))
+
+    class Web:
+        tracer = provider.get_tracer("web")
+
+    for name in ("record", "traced_record", "fail", "crash_once"):
+        setattr(Web, name, dramatiq.actor(lambda key: None, actor_name=name, broker=broker, max_retries=0))
+    Web.broker = broker  # type: ignore[attr-defined]
+    return Web
+
+
+def _process_spans(directory: Path, n: int) -> dict[str, dict[str, Any]]:
+    """The workers' ``process`` spans by message id, once there are ``n``."""
+    wait_for(
+        lambda: sum(s["kind"] == "CONSUMER" for s in read_spans(directory)) >= n, 30, f"{n} process spans"
+    )
+    spans = read_spans(directory)
+    return {s["attributes"]["messaging.message.id"]: s for s in spans if s["kind"] == "CONSUMER"}
+
+
+def _expect_messaging(span: dict[str, Any], operation: str, message: dramatiq.Message[Any]) -> None:
+    assert span["name"] == f"{operation} default"
+    attributes = span["attributes"]
+    assert attributes["messaging.system"] == "dramatiq_pg_outbox"
+    assert attributes["messaging.operation.type"] == operation
+    assert attributes["messaging.operation.name"] == operation
+    assert attributes["messaging.destination.name"] == "default"
+    assert attributes["messaging.message.id"] == message.message_id
+    assert attributes[ACTOR_NAME] == message.actor_name
+
+
+def test_one_trace_runs_from_the_request_through_the_outbox_and_send_into_the_actors(
+    web: Any, exporter: InMemorySpanExporter, worker_process: Any, db: Any, database_url: str, tmp_path: Path
+) -> None:
+    # Given a worker process whose spans go to files, and a web request's span
+    worker_process(threads=2, env={"DPO_OTEL_SPANS": str(tmp_path)})
+    engine = create_engine(normalize_sqlalchemy_url(database_url))
+    with web.tracer.start_as_current_span("web request") as request:
+        # When the request sends in its own transaction, on the broker's pool, and a message that fails
+        with Session(engine) as session:
+            with outbox(session):
+                in_outbox = web.traced_record.send("outbox")
+            session.commit()
+        on_pool = web.record.send("pool")
+        failing = web.fail.send("failing")
+    engine.dispose()
+    sent = [in_outbox, on_pool, failing]
+    processed = _process_spans(tmp_path, 3)
+    assert count(db, "SELECT count(*) FROM received WHERE key IN ('outbox', 'pool')") == 2
+
+    # Then the request has one PRODUCER span per message, the context the message carried
+    request_ctx = request.get_span_context()
+    trace_id = f"{request_ctx.trace_id:032x}"
+    spans = map(span_record, exporter.get_finished_spans())
+    sends = {s["attributes"]["messaging.message.id"]: s for s in spans if s["kind"] == "PRODUCER"}
+    for message, path in zip(sent, ["outbox", "pool", "pool"], strict=True):
+        send = sends[message.message_id]
+        assert (send["kind"], send["trace_id"]) == ("PRODUCER", trace_id)
+        assert send["parent_id"] == f"{request_ctx.span_id:016x}"
+        _expect_messaging(send, "send", message)
+        assert send["attributes"][ENQUEUE_PATH] == path
+        # (W3C traceparent: version-trace id-parent id-flags, which the SDK's version may vary)
+        assert message.options[OPTION]["traceparent"].startswith(f"00-{trace_id}-{send['span_id']}-")
+        # And the worker's CONSUMER span continues the trace as that span's child (and links to it)
+        process = processed[message.message_id]
+        assert (process["kind"], process["trace_id"]) == ("CONSUMER", trace_id)
+        assert process["parent_id"] == send["span_id"]
+        assert process["links"] == [f"{trace_id}-{send['span_id']}"]
+        _expect_messaging(process, "process", message)
+        assert process["attributes"][DELIVERY_COUNT] == 1
+    # The actor's own span is a child of its process span: the process span was current
+    (body,) = [s for s in read_spans(tmp_path) if s["name"] == "actor body"]
+    assert (body["trace_id"], body["parent_id"]) == (trace_id, processed[in_outbox.message_id]["span_id"])
+    # A successful delivery is not an error; the dead-lettered one is, with its exception
+    assert processed[on_pool.message_id]["status"] == "UNSET"
+    assert DEAD_LETTERED not in processed[on_pool.message_id]["attributes"]
+    failed = processed[failing.message_id]
+    assert (failed["status"], failed["events"]) == ("ERROR", ["exception"])
+    assert failed["attributes"]["error.type"] == "RuntimeError"
+    assert failed["attributes"][DEAD_LETTERED] is True
+
+
+def test_a_message_redelivered_after_its_worker_died_counts_two_deliveries(
+    web: Any, exporter: InMemorySpanExporter, worker_process: Any, db: Any, tmp_path: Path
+) -> None:
+    # Given a message that kills the worker process on its first delivery
+    with web.tracer.start_as_current_span("web request"):
+        message = web.crash_once.send("again")
+    first = worker_process(threads=1, env={"DPO_OTEL_SPANS": str(tmp_path)})
+    assert first.proc.wait(30) != 0
+    # When another worker rescues it and runs it
+    worker_process(threads=1, env={"DPO_OTEL_SPANS": str(tmp_path)})
+    wait_for(lambda: count(db, "SELECT count(*) FROM received WHERE key = 'again'") == 1, 30, "the rescue")
+    # Then its one finished process span (the dead process exported none) says 2 deliveries,
+    # the broker's count, and still continues the sender's trace
+    (send,) = [s for s in map(span_record, exporter.get_finished_spans()) if s["kind"] == "PRODUCER"]
+    process = _process_spans(tmp_path, 1)[message.message_id]
+    assert process["attributes"][DELIVERY_COUNT] == 2
+    assert (process["trace_id"], process["parent_id"]) == (send["trace_id"], send["span_id"])
+
+
+def test_without_a_recording_span_the_message_carries_no_trace_context(make_broker: Any, db: Any) -> None:
+    # Given the middleware on a provider that records nothing (OpenTelemetry's API without an SDK)
+    broker = make_broker()
+    broker.add_middleware(TracingMiddleware(tracer_provider=NoOpTracerProvider()))
+    record = dramatiq.actor(lambda key: None, actor_name="record", broker=broker)
+    # When a message that carries a stale context (a retry's, say) is sent outside any span
+    stale = {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"}
+    message = record.message_with_options(args=("k",), **{OPTION: stale})
+    broker.enqueue(message)
+    # Then the stored message carries none
+    (payload,) = db.execute("SELECT payload FROM dramatiq.messages").fetchone()
+    assert OPTION not in dramatiq.Message.decode(bytes(payload)).options
