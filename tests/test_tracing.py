@@ -54,7 +54,7 @@ def web(make_broker: Any, exporter: InMemorySpanExporter) -> Any:
     class Web:
         tracer = provider.get_tracer("web")
 
-    for name in ("record", "traced_record", "fail", "crash_once"):
+    for name in ("record", "traced_record", "fail", "crash_once", "fail_once"):
         setattr(Web, name, dramatiq.actor(lambda key: None, actor_name=name, broker=broker, max_retries=0))
     Web.broker = broker  # type: ignore[attr-defined]
     return Web
@@ -129,6 +129,32 @@ def test_one_trace_runs_from_the_request_through_the_outbox_and_send_into_the_ac
     assert (failed["status"], failed["events"]) == ("ERROR", ["exception"])
     assert failed["attributes"]["error.type"] == "RuntimeError"
     assert failed["attributes"][DEAD_LETTERED] is True
+
+
+def test_a_retry_is_sent_within_the_failed_delivery_and_continues_the_trace(
+    web: Any, exporter: InMemorySpanExporter, worker_process: Any, db: Any, tmp_path: Path
+) -> None:
+    # Given a message whose first run raises, with a retry left
+    worker_process(threads=1, env={"DPO_OTEL_SPANS": str(tmp_path)})
+    with web.tracer.start_as_current_span("web request"):
+        message = web.fail_once.send("retried")
+    # When it runs, fails, is retried (the same message id) and runs again
+    wait_for(lambda: count(db, "SELECT count(*) FROM received WHERE key = 'retried'") == 1, 30, "the retry")
+    wait_for(lambda: sum(s["kind"] == "CONSUMER" for s in read_spans(tmp_path)) == 2, 30, "2 process spans")
+    (send,) = [s for s in map(span_record, exporter.get_finished_spans()) if s["kind"] == "PRODUCER"]
+    spans = read_spans(tmp_path)
+    (first, second) = [s for s in spans if s["kind"] == "CONSUMER"]
+    (retry,) = [s for s in spans if s["kind"] == "PRODUCER"]
+    # Then the failed delivery is an error (acked: not dead-lettered), the retry is a follow-up
+    # sent within it (written with its ack), and the second delivery is the retry's child
+    assert first["parent_id"] == send["span_id"]
+    assert (first["status"], first["attributes"]["error.type"]) == ("ERROR", "RuntimeError")
+    assert DEAD_LETTERED not in first["attributes"]
+    assert (retry["parent_id"], retry["attributes"][ENQUEUE_PATH]) == (first["span_id"], "follow_up")
+    _expect_messaging(retry, "send", message)
+    assert (second["parent_id"], second["status"]) == (retry["span_id"], "UNSET")
+    _expect_messaging(second, "process", message)
+    assert {s["trace_id"] for s in (send, first, retry, second)} == {send["trace_id"]}
 
 
 def test_a_message_redelivered_after_its_worker_died_counts_two_deliveries(

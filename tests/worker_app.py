@@ -108,6 +108,15 @@ def traced_record(key: str) -> None:
         _record(key)
 
 
+@dramatiq.actor(max_retries=1, min_backoff=10, max_backoff=10)
+def fail_once(key: str) -> None:
+    """Raises on its first run (recording the start), so Retries sends a retry; records the key next."""
+    if _db().execute("SELECT 1 FROM started WHERE key = %s", (key,)).fetchone() is None:
+        _execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
+        raise RuntimeError(f"failing once on purpose: {key}")
+    _record(key)
+
+
 @dramatiq.actor(max_retries=0)
 def crash_once(key: str) -> None:
     """Kills its worker process on its first delivery (recording the start), records the key on the next."""
