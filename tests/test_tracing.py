@@ -8,6 +8,10 @@ running tests/worker_app.py with the SDK exporting to JSON-lines files
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,8 @@ from dramatiq_pg_outbox.tracing import (
 )
 from tests.helpers import count, wait_for
 from tests.otel_spans import read_spans, span_record
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -188,3 +194,70 @@ def test_without_a_recording_span_the_message_carries_no_trace_context(make_brok
     # Then the stored message carries none
     (payload,) = db.execute("SELECT payload FROM dramatiq.messages").fetchone()
     assert OPTION not in dramatiq.Message.decode(bytes(payload)).options
+
+
+# -- the README's snippet ---------------------------------------------------------------------------
+
+
+def _console_spans(text: str) -> list[dict[str, Any]]:
+    """The spans printed by OpenTelemetry's ConsoleSpanExporter: indented JSON objects from a
+    line "{" to a line "}", among the worker's log lines."""
+    spans, lines = [], None
+    for line in text.splitlines():
+        if line == "{":
+            lines = [line]
+        elif lines is not None:
+            lines.append(line)
+            if line == "}":
+                spans.append(json.loads("\n".join(lines)))
+                lines = None
+    return spans
+
+
+def test_the_readme_snippet_continues_the_sign_up_trace_in_the_worker(
+    database_url: str, db: Any, tmp_path: Path
+) -> None:
+    # Given the README's tasks.py, with the test database's URLs
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n### OpenTelemetry\n", 1)[1].split("\n### ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    sa_url = normalize_sqlalchemy_url(database_url).render_as_string(hide_password=False)
+    code = code.replace("postgresql+psycopg://app@db/app", sa_url).replace(
+        "postgresql://app@db/app", database_url
+    )
+    (tmp_path / "tasks.py").write_text(code)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    # When `python tasks.py` sends, and `dramatiq tasks` runs the message (the CLI passes its
+    # workers' output to its stderr)
+    sender = subprocess.run(
+        [sys.executable, "tasks.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert sender.returncode == 0, sender.stderr
+    out = tmp_path / "worker.out"
+    with open(out, "w") as stdout:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "dramatiq", "tasks", "--processes", "1", "--threads", "1"],
+            cwd=tmp_path, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: '"render e-mail"' in out.read_text(), 30, "the actor's span")
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    # Then the worker's spans continue the request's trace: request > send > process > render
+    request, send = sorted(_console_spans(sender.stdout), key=lambda s: s["kind"] != "SpanKind.INTERNAL")
+    assert (request["name"], send["name"], send["kind"]) == (
+        "POST /sign-up",
+        "send default",
+        "SpanKind.PRODUCER",
+    )
+    spans = {s["name"]: s for s in _console_spans(out.read_text())}
+    process, render = spans["process default"], spans["render e-mail"]
+    assert process["kind"] == "SpanKind.CONSUMER"
+    assert process["attributes"][DELIVERY_COUNT] == 1
+    chain = [request, send, process, render]
+    assert {s["context"]["trace_id"] for s in chain} == {request["context"]["trace_id"]}
+    assert [s["parent_id"] for s in chain[1:]] == [s["context"]["span_id"] for s in chain[:-1]]
