@@ -20,7 +20,7 @@ is the same module.
 
 What it records, after the OpenTelemetry semantic conventions for messaging
 spans (semantic conventions 1.44, status "development": ``send``/``process``
-operation types, which replaced ``publish``/``deliver`` in 1.27):
+operation types, which replaced ``publish``/``deliver``):
 
 * ``send <queue>``, kind PRODUCER, for every message enqueued through the broker
   (``send()``, ``send_with_options()``, ``enqueue_many()``, inside or outside
@@ -59,7 +59,7 @@ Cost: nothing unless the middleware is added.  Added without a configured SDK,
 OpenTelemetry's API hands out non-recording spans: no option is stored, no
 context is attached on the worker thread, and the hooks took about 2
 microseconds per send and 6 per delivery (Python 3.11, measured with Dramatiq's
-StubBroker on a busy 2-core machine), against the hundreds a claim and an ack cost.  No span is made for claims or
+StubBroker on a busy 2-core machine).  No span is made for claims or
 flushes: they are batched (one claim serves many messages, and an idle
 consumer claims every ``max_fetch_interval``), so per-claim spans would be noise
 in every trace; :class:`~dramatiq_pg_outbox.metrics.WorkerMetrics` has their
