@@ -55,6 +55,16 @@ before the actor runs (1 on a first delivery; more after a worker died holding
 it; the conventions have no generic attribute for it, so it is namespaced by
 this project).  Dramatiq's retries are new messages: each counts from 1.
 
+Metrics, the conventions' messaging metrics through the meter provider (each with
+``messaging.system``, ``messaging.operation.name`` and ``messaging.destination.name``):
+``messaging.client.sent.messages`` (counter, ``{message}``) counts a message once it is
+stored: at once on the pool, at the commit of its ``outbox()`` transaction (never
+if it rolls back), with the ack for a follow-up; an idempotency duplicate is not
+counted.  ``messaging.client.consumed.messages`` (counter) counts deliveries handed
+to an actor, and ``messaging.process.duration`` (histogram, seconds, the
+conventions' buckets) times each from its first middleware hook to its ack or
+nack, with ``error.type`` when the actor raised.
+
 Cost: nothing unless the middleware is added.  Added without a configured SDK,
 OpenTelemetry's API hands out non-recording spans: no option is stored, no
 context is attached on the worker thread, and the hooks took about 2
@@ -80,6 +90,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import threading
+import time
 from collections.abc import Mapping
 from contextvars import Token
 from typing import TYPE_CHECKING, Any
@@ -93,7 +104,7 @@ from .errors import OutboxError
 
 try:
     from opentelemetry import context as otel_context
-    from opentelemetry import propagate, trace
+    from opentelemetry import metrics, propagate, trace
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(
         "dramatiq_pg_outbox.tracing needs opentelemetry-api: pip install 'dramatiq-pg-outbox[otel]'"
@@ -103,6 +114,7 @@ if TYPE_CHECKING:
     from dramatiq import Broker, Message
     from dramatiq.broker import MessageProxy
     from opentelemetry.context import Context
+    from opentelemetry.metrics import MeterProvider
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
 #: The message option that carries the creation context: the propagator's fields
@@ -120,23 +132,31 @@ DEAD_LETTERED = "dramatiq_pg_outbox.message.dead_lettered"
 ACTOR_NAME = "dramatiq_pg_outbox.actor.name"
 #: The schema of the attribute names used (the semantic conventions' version).
 SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
+#: Bucket boundaries of ``messaging.process.duration``, in seconds (the conventions' advice).
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
 
 class _Delivery:
-    """The ``process`` span of the message a worker thread is running, and the context token it attached."""
+    """The message a worker thread is running: its ``process`` span, the context token
+    attached for it (None if none was), when it started (``time.monotonic()``, seconds),
+    the attributes of its metrics."""
 
-    __slots__ = ("message_id", "span", "token")
+    __slots__ = ("attributes", "message_id", "span", "started", "token")
 
-    def __init__(self, message_id: str, span: Span, token: Token[Context]) -> None:
+    def __init__(
+        self, message_id: str, span: Span, token: Token[Context] | None, attributes: dict[str, Any]
+    ) -> None:
         self.message_id = message_id
         self.span = span
         self.token = token
+        self.started = time.monotonic()
+        self.attributes = attributes
 
 
 class TracingMiddleware(Middleware):
-    """Dramatiq middleware: W3C trace context through the message, PRODUCER and CONSUMER spans.
+    """Dramatiq middleware: W3C trace context through the message, PRODUCER and CONSUMER spans, metrics.
 
-    See the module docstring for the spans, their attributes and their cost.
+    See the module docstring for the spans, their attributes, the metrics and their cost.
     Add it to the broker of every process that sends or runs messages::
 
         broker.add_middleware(TracingMiddleware())
@@ -149,15 +169,34 @@ class TracingMiddleware(Middleware):
       tracer_provider(opentelemetry.trace.TracerProvider|None): Where spans go.
         Default None: the global provider (``opentelemetry.trace.set_tracer_provider``);
         one set after the middleware was made is used too (OpenTelemetry's proxy tracer).
+      meter_provider(opentelemetry.metrics.MeterProvider|None): Where metrics go.
+        Default None: the global provider (``opentelemetry.metrics.set_meter_provider``),
+        likewise.
 
     Raises:
       ImportError: At import of this module, if ``opentelemetry-api`` is missing
         (``pip install 'dramatiq-pg-outbox[otel]'``).
     """
 
-    def __init__(self, *, tracer_provider: TracerProvider | None = None) -> None:
+    def __init__(
+        self, *, tracer_provider: TracerProvider | None = None, meter_provider: MeterProvider | None = None
+    ) -> None:
+        version = _version()
         self._tracer: Tracer = trace.get_tracer(
-            __name__, _version(), tracer_provider=tracer_provider, schema_url=SCHEMA_URL
+            __name__, version, tracer_provider=tracer_provider, schema_url=SCHEMA_URL
+        )
+        meter = metrics.get_meter(__name__, version, meter_provider=meter_provider, schema_url=SCHEMA_URL)
+        self._sent = meter.create_counter(
+            "messaging.client.sent.messages", "{message}", "Messages stored by the broker"
+        )
+        self._consumed = meter.create_counter(
+            "messaging.client.consumed.messages", "{message}", "Deliveries handed to an actor"
+        )
+        self._process_duration = meter.create_histogram(
+            "messaging.process.duration",
+            "s",
+            "Time from the first middleware hook of a delivery to its ack or nack",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
         )
         self._local = threading.local()
 
@@ -187,6 +226,18 @@ class TracingMiddleware(Middleware):
             # No valid context to carry (no span anywhere): drop a stale one, e.g. a retry's.
             message.options.pop(OPTION, None)
 
+    def after_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
+        """Count the message in ``messaging.client.sent.messages``: stored now, or committed with
+        its ``outbox()`` transaction or its ack (an idempotency duplicate is not counted)."""
+        self._sent.add(
+            1,
+            {
+                "messaging.system": SYSTEM,
+                "messaging.operation.name": "send",
+                "messaging.destination.name": message.queue_name,
+            },
+        )
+
     # Consumer side.
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
@@ -214,10 +265,17 @@ class TracingMiddleware(Middleware):
             attributes=attributes,
             links=links,
         )
-        if parent is None and not span.is_recording():
-            return  # no SDK and no context to pass on: nothing to record or to make current
-        token = otel_context.attach(trace.set_span_in_context(span, parent))
-        self._local.delivery = _Delivery(message.message_id, span, token)
+        token = None
+        if parent is not None or span.is_recording():
+            # (Without an SDK and a context to pass on there is nothing to make current.)
+            token = otel_context.attach(trace.set_span_in_context(span, parent))
+        metric_attributes = {
+            "messaging.system": SYSTEM,
+            "messaging.operation.name": "process",
+            "messaging.destination.name": message.queue_name,
+        }
+        self._consumed.add(1, metric_attributes)
+        self._local.delivery = _Delivery(message.message_id, span, token, metric_attributes)
 
     def after_process_message(
         self,
@@ -233,6 +291,7 @@ class TracingMiddleware(Middleware):
             return
         delivery.span.record_exception(exception)
         delivery.span.set_attribute("error.type", type(exception).__qualname__)
+        delivery.attributes["error.type"] = type(exception).__qualname__
         delivery.span.set_status(trace.StatusCode.ERROR, f"{type(exception).__qualname__}: {exception}")
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
@@ -264,16 +323,18 @@ class TracingMiddleware(Middleware):
         if delivery is None:
             return
         self._local.delivery = None
+        self._process_duration.record(time.monotonic() - delivery.started, delivery.attributes)
         delivery.span.end()
-        otel_context.detach(delivery.token)
+        if delivery.token is not None:
+            otel_context.detach(delivery.token)
 
 
-def _version() -> str | None:
-    """The installed package's version, for the instrumentation scope (None if not installed)."""
+def _version() -> str:
+    """The installed package's version, for the instrumentation scope ("" if not installed)."""
     try:
         return importlib.metadata.version("dramatiq-pg-outbox")
     except importlib.metadata.PackageNotFoundError:
-        return None
+        return ""
 
 
 def _enqueue_path(broker: PostgresBroker) -> str:

@@ -20,6 +20,8 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="pip install -e '.[dev]' (opentelemetry-sdk)")
 
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -261,3 +263,54 @@ def test_the_readme_snippet_continues_the_sign_up_trace_in_the_worker(
     chain = [request, send, process, render]
     assert {s["context"]["trace_id"] for s in chain} == {request["context"]["trace_id"]}
     assert [s["parent_id"] for s in chain[1:]] == [s["context"]["span_id"] for s in chain[:-1]]
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+
+def test_messages_are_counted_when_stored_and_deliveries_timed_by_outcome(
+    make_broker: Any, start_worker: Any, database_url: str
+) -> None:
+    # Given the middleware with a meter provider of its own, and an actor that fails on "boom"
+    reader = InMemoryMetricReader()
+    broker = make_broker()
+    broker.add_middleware(TracingMiddleware(meter_provider=MeterProvider(metric_readers=[reader])))
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def work(key: str) -> None:
+        if key == "boom":
+            raise RuntimeError(key)
+
+    # When three messages commit with their transaction, one is rolled back, one is sent on the pool
+    engine = create_engine(normalize_sqlalchemy_url(database_url))
+    with Session(engine) as session:
+        with outbox(session):
+            for key in ("a", "b", "c"):
+                work.send(key)
+        session.commit()
+    with Session(engine) as session:
+        with outbox(session):
+            work.send("rolled back")
+        session.rollback()
+    engine.dispose()
+    work.send("boom")
+    start_worker(broker)
+    broker.join("default", timeout=30_000)
+    # Then 4 were sent (the rolled-back one never was), 4 consumed, and 4 deliveries timed,
+    # the failed one under its error.type
+    points = {
+        metric.name: metric.data.data_points
+        for resource in reader.get_metrics_data().resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+    common = {"messaging.system": "dramatiq_pg_outbox", "messaging.destination.name": "default"}
+    ((sent,),) = [points["messaging.client.sent.messages"]]
+    assert (sent.value, dict(sent.attributes)) == (4, {**common, "messaging.operation.name": "send"})
+    ((consumed,),) = [points["messaging.client.consumed.messages"]]
+    assert (consumed.value, dict(consumed.attributes)) == (
+        4,
+        {**common, "messaging.operation.name": "process"},
+    )
+    durations = {p.attributes.get("error.type"): p.count for p in points["messaging.process.duration"]}
+    assert durations == {None: 3, "RuntimeError": 1}
