@@ -30,7 +30,8 @@ operation types, which replaced ``publish``/``deliver``):
   message's creation context, injected with the globally configured propagator
   (W3C ``traceparent``/``tracestate`` and baggage by default) into the message
   option ``trace_context``, before the message is encoded, so the stored message
-  carries it.  It does not time the write: inside ``outbox()`` nothing is written
+  carries it; a message sent outside any span that already carries a context (a
+  forwarded one) keeps it, with no span.  It does not time the write: inside ``outbox()`` nothing is written
   until the application commits (its database instrumentation times the commit),
   a follow-up is written with the ack of the message being finished, and a
   ``send()`` on the pool writes at once.  ``dramatiq_pg_outbox.enqueue.path``
@@ -203,7 +204,15 @@ class TracingMiddleware(Middleware):
     # Producer side.
 
     def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
-        """Start and end the ``send`` span; inject its context into ``message.options``."""
+        """Start and end the ``send`` span; inject its context into ``message.options``.
+
+        Outside any span, a message that already carries a context keeps it and gets no
+        span: it is being forwarded (the outbox relay's target broker, a due delayed
+        message that Dramatiq's worker re-enqueues on RabbitMQ or Redis), and its creation
+        context is the one to continue.
+        """
+        if OPTION in message.options and not trace.get_current_span().get_span_context().is_valid:
+            return
         attributes: dict[str, Any] = {
             "messaging.system": SYSTEM,
             "messaging.operation.type": "send",
@@ -222,9 +231,6 @@ class TracingMiddleware(Middleware):
         span.end()
         if carrier:
             message.options[OPTION] = carrier
-        else:
-            # No valid context to carry (no span anywhere): drop a stale one, e.g. a retry's.
-            message.options.pop(OPTION, None)
 
     def after_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
         """Count the message in ``messaging.client.sent.messages``: stored now, or committed with

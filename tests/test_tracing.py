@@ -184,16 +184,32 @@ def test_a_message_redelivered_after_its_worker_died_counts_two_deliveries(
     assert (process["trace_id"], process["parent_id"]) == (send["trace_id"], send["span_id"])
 
 
-def test_without_a_recording_span_the_message_carries_no_trace_context(make_broker: Any, db: Any) -> None:
+def test_outside_any_span_a_message_keeps_the_context_it_carries(
+    make_broker: Any, exporter: InMemorySpanExporter, db: Any
+) -> None:
+    # Given the middleware on a recording provider
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    broker = make_broker()
+    broker.add_middleware(TracingMiddleware(tracer_provider=provider))
+    record = dramatiq.actor(lambda key: None, actor_name="record", broker=broker)
+    # When a message that carries a context (as one forwarded by the relay does) is sent outside any span
+    carried = {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"}
+    broker.enqueue(record.message_with_options(args=("k",), **{OPTION: carried}))
+    # Then it is stored with that context, and no span starts a trace of its own
+    (payload,) = db.execute("SELECT payload FROM dramatiq.messages").fetchone()
+    assert dramatiq.Message.decode(bytes(payload)).options[OPTION] == carried
+    assert exporter.get_finished_spans() == ()
+
+
+def test_without_an_sdk_a_message_sent_outside_any_span_carries_no_context(make_broker: Any, db: Any) -> None:
     # Given the middleware on a provider that records nothing (OpenTelemetry's API without an SDK)
     broker = make_broker()
     broker.add_middleware(TracingMiddleware(tracer_provider=NoOpTracerProvider()))
     record = dramatiq.actor(lambda key: None, actor_name="record", broker=broker)
-    # When a message that carries a stale context (a retry's, say) is sent outside any span
-    stale = {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"}
-    message = record.message_with_options(args=("k",), **{OPTION: stale})
-    broker.enqueue(message)
-    # Then the stored message carries none
+    # When a message is sent outside any span
+    record.send("k")
+    # Then the stored message carries no trace context
     (payload,) = db.execute("SELECT payload FROM dramatiq.messages").fetchone()
     assert OPTION not in dramatiq.Message.decode(bytes(payload)).options
 
