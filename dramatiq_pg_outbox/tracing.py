@@ -46,7 +46,9 @@ operation types, which replaced ``publish``/``deliver``):
   ``dramatiq_pg_outbox.message.dead_lettered``.
 
 Attributes of both: ``messaging.system`` (``"dramatiq_pg_outbox"``: the
-conventions list no value for this broker and allow a custom one),
+conventions list no value for this broker and allow a custom one; ``"rabbitmq"``
+or ``"dramatiq"`` when the middleware is on Dramatiq's RabbitMQ or another broker,
+a relay's target, say),
 ``messaging.operation.type`` and ``messaging.operation.name`` (``"send"`` or
 ``"process"``), ``messaging.destination.name`` (the queue), ``messaging.message.id``
 (Dramatiq's message id; a retry keeps it), ``dramatiq_pg_outbox.actor.name``.
@@ -121,7 +123,9 @@ if TYPE_CHECKING:
 #: The message option that carries the creation context: the propagator's fields
 #: (``traceparent``, ``tracestate``, ``baggage``), a ``dict[str, str]``.
 OPTION = "trace_context"
-#: ``messaging.system``: no listed value applies, so a custom one (the package's name).
+#: ``messaging.system`` on a :class:`~dramatiq_pg_outbox.PostgresBroker`: no listed value
+#: applies, so a custom one (the package's name).  ``"rabbitmq"`` on Dramatiq's
+#: ``RabbitmqBroker`` (a listed value), ``"dramatiq"`` on any other broker.
 SYSTEM = "dramatiq_pg_outbox"
 #: The delivery count of a ``process`` span (claims of the stored message, this one included).
 DELIVERY_COUNT = "dramatiq_pg_outbox.message.delivery_count"
@@ -214,7 +218,7 @@ class TracingMiddleware(Middleware):
         if OPTION in message.options and not trace.get_current_span().get_span_context().is_valid:
             return
         attributes: dict[str, Any] = {
-            "messaging.system": SYSTEM,
+            "messaging.system": _system(broker),
             "messaging.operation.type": "send",
             "messaging.operation.name": "send",
             "messaging.destination.name": message.queue_name,
@@ -238,7 +242,7 @@ class TracingMiddleware(Middleware):
         self._sent.add(
             1,
             {
-                "messaging.system": SYSTEM,
+                "messaging.system": _system(broker),
                 "messaging.operation.name": "send",
                 "messaging.destination.name": message.queue_name,
             },
@@ -254,7 +258,7 @@ class TracingMiddleware(Middleware):
         creation = trace.get_current_span(parent).get_span_context() if parent is not None else None
         links = [trace.Link(creation)] if creation is not None and creation.is_valid else None
         attributes: dict[str, Any] = {
-            "messaging.system": SYSTEM,
+            "messaging.system": _system(broker),
             "messaging.operation.type": "process",
             "messaging.operation.name": "process",
             "messaging.destination.name": message.queue_name,
@@ -276,7 +280,7 @@ class TracingMiddleware(Middleware):
             # (Without an SDK and a context to pass on there is nothing to make current.)
             token = otel_context.attach(trace.set_span_in_context(span, parent))
         metric_attributes = {
-            "messaging.system": SYSTEM,
+            "messaging.system": _system(broker),
             "messaging.operation.name": "process",
             "messaging.destination.name": message.queue_name,
         }
@@ -333,6 +337,13 @@ class TracingMiddleware(Middleware):
         delivery.span.end()
         if delivery.token is not None:
             otel_context.detach(delivery.token)
+
+
+def _system(broker: Broker) -> str:
+    """``messaging.system`` for a message of ``broker`` (see :data:`SYSTEM`)."""
+    if isinstance(broker, PostgresBroker):
+        return SYSTEM
+    return "rabbitmq" if type(broker).__name__ == "RabbitmqBroker" else "dramatiq"
 
 
 def _version() -> str:

@@ -12,6 +12,9 @@ import json
 import os
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,7 @@ from dramatiq_pg_outbox.tracing import (
     OPTION,
     TracingMiddleware,
 )
-from tests.helpers import count, wait_for
+from tests.helpers import count, reachable, wait_for
 from tests.otel_spans import read_spans, span_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +69,13 @@ def web(make_broker: Any, exporter: InMemorySpanExporter) -> Any:
         setattr(Web, name, dramatiq.actor(lambda key: None, actor_name=name, broker=broker, max_retries=0))
     Web.broker = broker  # type: ignore[attr-defined]
     return Web
+
+
+@contextmanager
+def web_request(provider: TracerProvider) -> Iterator[Any]:
+    """A span standing for the web request that sends."""
+    with provider.get_tracer("web").start_as_current_span("web request") as span:
+        yield span
 
 
 def _process_spans(directory: Path, n: int) -> dict[str, dict[str, Any]]:
@@ -212,6 +222,52 @@ def test_without_an_sdk_a_message_sent_outside_any_span_carries_no_context(make_
     # Then the stored message carries no trace context
     (payload,) = db.execute("SELECT payload FROM dramatiq.messages").fetchone()
     assert OPTION not in dramatiq.Message.decode(bytes(payload)).options
+
+
+def test_the_trace_continues_through_the_relay_into_a_redis_worker(
+    make_broker: Any, exporter: InMemorySpanExporter, database_url: str, db: Any
+) -> None:
+    relay_tests = pytest.importorskip("tests.test_relay", reason="pip install -e '.[dev]' (the relay extra)")
+    if not reachable("127.0.0.1", 6379):
+        pytest.skip("no redis server at 127.0.0.1:6379")
+    from dramatiq_pg_outbox.relay import Relay
+
+    # Given the middleware on the outbox's broker, on the relay's Redis broker and on a Redis worker's
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    broker = make_broker()
+    target = relay_tests.Target("redis", f"relay_{uuid.uuid4().hex[:10]}")
+    relay_target = target.make()
+    for b in (broker, target.consumer_broker, relay_target):
+        b.add_middleware(TracingMiddleware(tracer_provider=provider))
+    relay = relay_tests.RelayThread(Relay(broker, relay_target, [target.queue]))
+    try:
+        target.start_worker()
+        # When a request sends in its transaction, and the relay moves the message to Redis
+        send = relay_tests.producer_actor(broker, target.queue)
+        engine = create_engine(normalize_sqlalchemy_url(database_url))
+        with web_request(provider) as request, Session(engine) as session:
+            with outbox(session):
+                message = send.send("traced")
+            session.commit()
+        engine.dispose()
+        wait_for(lambda: target.received.distinct() == {"traced"}, 30, "the relayed message run")
+        wait_for(lambda: len(exporter.get_finished_spans()) >= 3, 10, "the worker's span")
+    finally:
+        relay.stop()
+        target.close()
+    # Then the Redis worker's process span is the child of the send span made in the request
+    # (the relay, sending outside any span, kept the message's context and made no span)
+    spans = [span_record(s) for s in exporter.get_finished_spans()]
+    (sent,) = [s for s in spans if s["kind"] == "PRODUCER"]
+    (process,) = [s for s in spans if s["kind"] == "CONSUMER"]
+    assert sent["parent_id"] == f"{request.get_span_context().span_id:016x}"
+    assert (process["trace_id"], process["parent_id"]) == (sent["trace_id"], sent["span_id"])
+    assert process["attributes"]["messaging.message.id"] == message.message_id
+    assert (sent["attributes"]["messaging.system"], process["attributes"]["messaging.system"]) == (
+        "dramatiq_pg_outbox",
+        "dramatiq",
+    )
 
 
 # -- the README's snippet ---------------------------------------------------------------------------
