@@ -37,6 +37,20 @@ if os.environ.get("DPO_METRICS"):
 
     broker.add_middleware(Prometheus())
     broker.add_middleware(WorkerMetrics())
+if os.environ.get("DPO_OTEL_SPANS"):
+    # OpenTelemetry's SDK exporting each finished span at once to DPO_OTEL_SPANS/<pid>.jsonl,
+    # and our tracing middleware (tests/test_tracing.py).
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from dramatiq_pg_outbox.tracing import TracingMiddleware
+    from tests.otel_spans import JsonLinesExporter
+
+    _provider = TracerProvider()
+    _provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(os.environ["DPO_OTEL_SPANS"])))
+    trace.set_tracer_provider(_provider)
+    broker.add_middleware(TracingMiddleware())
 dramatiq.set_broker(broker)
 
 _conn: dict[int, psycopg.Connection[Any]] = {}
@@ -83,6 +97,33 @@ def slow_record(key: str, seconds: float) -> None:
 def fail(key: str) -> None:
     """Raises: with max_retries=0, a dead letter."""
     raise RuntimeError(f"failed on purpose: {key}")
+
+
+@dramatiq.actor(max_retries=0)
+def traced_record(key: str) -> None:
+    """Records the key inside a span of its own (a child of the current span, if any)."""
+    from opentelemetry import trace
+
+    with trace.get_tracer(__name__).start_as_current_span("actor body"):
+        _record(key)
+
+
+@dramatiq.actor(max_retries=1, min_backoff=10, max_backoff=10)
+def fail_once(key: str) -> None:
+    """Raises on its first run (recording the start), so Retries sends a retry; records the key next."""
+    if _db().execute("SELECT 1 FROM started WHERE key = %s", (key,)).fetchone() is None:
+        _execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
+        raise RuntimeError(f"failing once on purpose: {key}")
+    _record(key)
+
+
+@dramatiq.actor(max_retries=0)
+def crash_once(key: str) -> None:
+    """Kills its worker process on its first delivery (recording the start), records the key on the next."""
+    if _db().execute("SELECT 1 FROM started WHERE key = %s", (key,)).fetchone() is None:
+        _execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
+        os._exit(1)
+    _record(key)
 
 
 @dramatiq.actor(max_retries=0)
