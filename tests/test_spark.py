@@ -762,12 +762,13 @@ def test_the_backlog_reads_the_live_messages_in_id_ranges(spark: Any, db: Any, d
     db.execute(
         """
         INSERT INTO dramatiq.messages (id, queue_name, actor_name, message_id, state, attempts,
-            next_attempt_at, lease, owner, acquired_at, priority, idempotency_key, payload)
+            next_attempt_at, lease, owner, acquired_at, priority, idempotency_key, payload, slot)
         SELECT g * 3, CASE WHEN g % 2 = 0 THEN 'emails' ELSE 'reports' END, 'a' || (g % 3), 'm' || g,
                CASE WHEN g = 7 THEN 'processing' ELSE 'pending' END, g % 4,
                now() + CASE WHEN g % 5 = 0 THEN interval '1 hour' ELSE interval '0' END,
                CASE WHEN g = 7 THEN gen_random_uuid() END, NULL, CASE WHEN g = 7 THEN now() END,
-               CASE WHEN g % 10 = 0 THEN 3 ELSE 0 END, CASE WHEN g % 2 = 0 THEN 'k' || g END, '\\x'::bytea
+               CASE WHEN g % 10 = 0 THEN 3 ELSE 0 END, CASE WHEN g % 2 = 0 THEN 'k' || g END, '\\x'::bytea,
+               CASE WHEN g % 2 = 0 THEN -1 ELSE dramatiq.message_slot() END  -- keyed: messages_vacuumed
         FROM generate_series(1, 1000) AS g
         """
     )
