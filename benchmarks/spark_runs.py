@@ -46,6 +46,7 @@ from typing import Any
 
 import psycopg
 
+from benchmarks.bench_spark import customers
 from dramatiq_pg_outbox.names import channel_for
 from dramatiq_pg_outbox.spark import (
     _Plan,
@@ -61,22 +62,6 @@ from dramatiq_pg_outbox.spark import (
 ROWS_PER_BATCH = 100_000
 #: Rows per second offered when measuring the stream's latency.
 LATENCY_RATE = 2_000
-
-
-def customers(spark: Any, rows: int, partitions: int) -> Any:
-    from pyspark.sql import functions as F
-
-    df = (
-        spark.range(0, rows, numPartitions=partitions)
-        .select(
-            F.col("id").alias("customer_id"),
-            F.concat(F.lit("customer"), F.col("id").cast("string"), F.lit("@example.com")).alias("email"),
-            F.when(F.col("id") % 10 == 0, "gold").otherwise("basic").alias("segment"),
-        )
-        .cache()
-    )
-    df.count()
-    return df
 
 
 def execute(url: str, statement: str) -> Any:

@@ -6,7 +6,7 @@ Storage layout
 (smallint):
 
 ``messages_ring<n>`` (n = 0, 1, 2, ...)  the ring: unkeyed messages due within
-                        ``park_ms`` (60 s) of their enqueue.  Inserts go to the
+                        ``park_ms`` (30 s) of their enqueue.  Inserts go to the
                         ring's current partition (``message_ring.slot``, the
                         column's default through ``message_slot()``).  Each
                         partition carries ``CHECK (idempotency_key IS NULL)``.
@@ -62,8 +62,9 @@ INITIAL_SLOTS = 4
 #: table then held all of them (chaos scenario 10, stopped); claims queue behind a waiting
 #: ``LOCK`` for this long at most.
 LOCK_TIMEOUT_MS = 20
-#: Messages due later than this after their enqueue go to ``messages_vacuumed`` at upgrade (ms).
-PARK_MS = 60_000
+#: Messages due later than this after their enqueue go to ``messages_vacuumed`` at upgrade (ms):
+#: ``dramatiq_pg_outbox.names.PARK_AFTER_MS`` when this revision was written.
+PARK_MS = 30_000
 
 #: Columns of messages before this revision, in order.
 COLUMNS = (
@@ -153,6 +154,12 @@ def _view(s: str) -> None:
 def _functions(schema: str, s: str) -> None:
     """message_slot(), attach_message_slot(n) and reclaim_messages(...)."""
     lit = _literal(schema)
+    # The ring's partitions, (rel regclass, n smallint), as reclaim_messages() lists them.
+    ring = (
+        "SELECT c.oid::regclass AS rel, substr(c.relname, 14)::smallint AS n "
+        "FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+        f"WHERE i.inhparent = '{s}.messages'::regclass AND c.relname ~ '^messages_ring[0-9]+$'"
+    )
     op.execute(
         f"""
         CREATE FUNCTION {s}.message_slot() RETURNS smallint
@@ -216,10 +223,7 @@ def _functions(schema: str, s: str) -> None:
                 -- An empty partition that no transaction holds now: one that a long transaction
                 -- has read could not be emptied again until it ends.
                 FOR part IN
-                    SELECT c.oid::regclass AS rel, substr(c.relname, 14)::smallint AS n
-                    FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
-                    WHERE i.inhparent = '{s}.messages'::regclass AND c.relname ~ '^messages_ring[0-9]+$'
-                    ORDER BY 2
+                    {ring} ORDER BY 2
                 LOOP
                     CONTINUE WHEN part.n = cur OR part.n IS NOT DISTINCT FROM ring.previous
                         OR pg_relation_size(part.rel) > 0;
@@ -233,11 +237,7 @@ def _functions(schema: str, s: str) -> None:
                     END;
                 END LOOP;
                 IF target IS NULL THEN
-                    SELECT count(*) INTO n
-                    FROM (SELECT substr(c.relname, 14)::smallint AS x
-                          FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
-                          WHERE i.inhparent = '{s}.messages'::regclass
-                            AND c.relname ~ '^messages_ring[0-9]+$') AS p;
+                    SELECT count(*) INTO n FROM ({ring}) AS p;
                     -- A new one when none is empty, or when the empty ones have been held for a
                     -- whole interval more (a claim holds one for milliseconds; a transaction that
                     -- read the table holds it until it ends).
@@ -269,10 +269,7 @@ def _functions(schema: str, s: str) -> None:
             -- 2. Partitions older than the previous one: move their few pending rows, and
             --    empty those left with none (processing rows finish where they are).
             FOR part IN
-                SELECT c.oid::regclass AS rel, substr(c.relname, 14)::smallint AS n
-                FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
-                WHERE i.inhparent = '{s}.messages'::regclass AND c.relname ~ '^messages_ring[0-9]+$'
-                ORDER BY 2
+                {ring} ORDER BY 2
             LOOP
                 CONTINUE WHEN part.n = cur OR part.n IS NOT DISTINCT FROM ring.previous;
                 CONTINUE WHEN pg_relation_size(part.rel) = 0;

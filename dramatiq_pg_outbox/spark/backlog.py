@@ -35,7 +35,7 @@ from typing import Any
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from .._queries import queries_for_schema
-from .options import given_options
+from .options import connect, given_options
 
 SCHEMA = (
     "id long, queue_name string, actor_name string, message_id string, state string, attempts int, "
@@ -80,23 +80,19 @@ class _Reader(DataSourceReader):
         self.scan = scan
 
     def partitions(self) -> list[_Slice]:
-        import psycopg
-
         queries = queries_for_schema(self.scan.schema)
-        with psycopg.connect(self.scan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
+        with connect(self.scan.conninfo) as conn:
             row = conn.execute(queries["backlog_id_range"]).fetchone()
         if row is None or row[0] is None:
             return [_Slice(0, 0)]  # Spark needs one partition at least; this one reads nothing
         return slices(int(row[0]), int(row[1]) + 1, self.scan.partitions)
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        import psycopg
-
         assert isinstance(partition, _Slice)
         if partition.lo >= partition.hi:
             return
         queries = queries_for_schema(self.scan.schema)
-        with psycopg.connect(self.scan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
+        with connect(self.scan.conninfo) as conn:
             with conn.cursor(name="dpo_backlog") as cur:
                 cur.itersize = 10_000
                 cur.execute(queries["backlog_range_messages"], {"lo": partition.lo, "hi": partition.hi})

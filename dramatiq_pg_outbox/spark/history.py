@@ -54,7 +54,7 @@ from pyspark.sql.datasource import (
 )
 
 from .._queries import queries_for_schema
-from .options import given_options
+from .options import connect, given_options
 
 SCHEMA = (
     "id long, queue_name string, actor_name string, message_id string, state string, attempts int, "
@@ -119,10 +119,8 @@ class _Reader(DataSourceReader):
         self.scan = scan
 
     def partitions(self) -> list[_Day]:
-        import psycopg
-
         queries = queries_for_schema(self.scan.schema)
-        with psycopg.connect(self.scan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
+        with connect(self.scan.conninfo) as conn:
             days = [row[0] for row in conn.execute(queries["history_days"])]
         epoch = datetime.date(1970, 1, 1)
         parts = []
@@ -135,8 +133,6 @@ class _Reader(DataSourceReader):
         return parts or [_Day(0, 0)]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
-        import psycopg
-
         assert isinstance(partition, _Day)
         if partition.lo >= partition.hi:
             return
@@ -145,7 +141,7 @@ class _Reader(DataSourceReader):
         for column, name in _PUSHED_COLUMNS.items():
             allowed = self.scan.values[column]
             params[name] = None if allowed is None else sorted(allowed)
-        with psycopg.connect(self.scan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
+        with connect(self.scan.conninfo) as conn:
             with conn.cursor(name="dpo_history") as cur:
                 cur.itersize = 10_000
                 cur.execute(queries["history_range_rows"], params)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..names import DEFAULT_SCHEMA, validate_schema_name
 from ..urls import libpq_url
@@ -45,3 +46,16 @@ def given_options(
     except ValueError as e:
         raise ValueError(f"option 'schema': {e}") from None
     return given, conninfo, schema
+
+
+def connect(conninfo: str) -> Any:
+    """A psycopg connection of the Spark integration (imported lazily: executors need it only here).
+
+    Every connection is named ``dramatiq-pg-outbox-spark`` in ``pg_stat_activity``.
+
+    Raises:
+      psycopg.OperationalError: If the server cannot be reached.
+    """
+    import psycopg
+
+    return psycopg.connect(conninfo, application_name="dramatiq-pg-outbox-spark")

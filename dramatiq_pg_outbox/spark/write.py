@@ -12,6 +12,7 @@ from ..names import PARK_AFTER_MS
 if TYPE_CHECKING:
     pass
 from .encoding import EnqueueError, _encode_rows, _Plan
+from .options import connect
 
 
 def write_prepared_partition(plan: _Plan, batches: Iterable[Any]) -> tuple[int, int]:
@@ -74,10 +75,8 @@ def write_partition(plan: _Plan, rows: Iterable[Any]) -> tuple[int, int]:
 
 def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tuple[int, int]:
     """One transaction: COPY into a temporary table, insert what is new, verify, NOTIFY once."""
-    import psycopg
-
     queries = queries_for_schema(plan.schema)
-    with psycopg.connect(plan.conninfo, application_name="dramatiq-pg-outbox-spark") as conn:
+    with connect(plan.conninfo) as conn:
         with conn.cursor() as cur:
             cur.execute(queries["spark_stage"])
             with cur.copy(queries[copy_query]) as copy:
