@@ -157,3 +157,15 @@ def test_a_partition_that_a_transaction_holds_is_skipped(reclaimer: Any, db: Any
     # When the transaction has ended, the next pass empties it
     assert pass_.run_once().truncated >= 1
     assert filenode(db, held) != node
+
+
+def test_the_pools_prepared_statements_run_generic_plans(make_broker: Any) -> None:
+    # Given a broker, and one configured for PgBouncer's transaction pooling (nothing prepared)
+    broker = make_broker()
+    pooled = make_broker(prepare_threshold=None)
+    # Then its connections plan a prepared statement once (planning the claim over the partitions
+    # cost as much as running it), and the other's carry no session setting to a shared server
+    with broker.runtime.connection() as conn:
+        assert conn.execute("SHOW plan_cache_mode").fetchone() == ("force_generic_plan",)
+    with pooled.runtime.connection() as conn:
+        assert conn.execute("SHOW plan_cache_mode").fetchone() == ("auto",)

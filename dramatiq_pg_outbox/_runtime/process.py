@@ -89,6 +89,7 @@ class _Runtime:
             timeout=broker.options.pool_timeout / 1000,
             name=f"dramatiq-pg-outbox-{self.pid}",
             open=False,
+            configure=self._configure,
         )
         self.pool.open(wait=False)
         # Reentrant: register() heartbeats, and the heartbeat reads queue_names().
@@ -176,6 +177,15 @@ class _Runtime:
         with self.connection() as conn:
             cur = conn.execute(self.queries[name], params)
             return cur.fetchall() if cur.description else []
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        """Prepared statements run generic plans (``generic_plans`` in queries.sql).
+
+        Not behind PgBouncer's transaction pooling (``prepare_threshold=None``): nothing is
+        prepared there, and a session setting would reach other clients of the server connection.
+        """
+        if self.broker.options.prepare_threshold is not None:
+            conn.execute(self.queries["generic_plans"])
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
         check_schema(conn, self.broker.schema, url=self.broker.safe_url)
