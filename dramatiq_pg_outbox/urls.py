@@ -90,8 +90,51 @@ def normalize_sqlalchemy_url(url: str | URL) -> URL:
 
 
 def libpq_url(url: str | URL) -> str:
-    """Return a libpq connection URL (``postgresql://...``) for psycopg from any PostgreSQL URL."""
+    """Return a libpq connection URL (``postgresql://...``) for psycopg from any PostgreSQL URL.
+
+    The user name, password, database name and query values are percent-encoded
+    whole (:func:`percent_encode`), so that libpq reads back exactly the strings of
+    the SQLAlchemy URL: SQLAlchemy's ``render_as_string`` leaves spaces in the user
+    name, password and database name (libpq refuses them) and writes a space of a
+    query value as ``+`` (libpq keeps a ``+``).  The host and port are kept as
+    SQLAlchemy holds them (it never decodes a host, so a socket directory written
+    ``%2Frun%2Fpostgresql`` stays encoded).
+
+    Raises:
+      ValueError: If the URL is not a PostgreSQL URL (the message masks the password).
+    """
     parsed = make_url(url) if isinstance(url, str) else url
     if parsed.get_backend_name() not in ("postgresql", "postgres"):
         raise ValueError(f"Not a PostgreSQL URL: {safe_url(parsed)}")
-    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+    text = "postgresql://"
+    if parsed.username is not None:
+        text += percent_encode(parsed.username)
+        if parsed.password is not None:
+            text += ":" + percent_encode(str(parsed.password))
+        text += "@"
+    if parsed.host is not None:
+        text += f"[{parsed.host}]" if ":" in parsed.host else parsed.host
+    if parsed.port is not None:
+        text += f":{parsed.port}"
+    if parsed.database is not None:
+        text += "/" + percent_encode(parsed.database)
+    if parsed.query:
+        text += "?" + "&".join(
+            f"{percent_encode(key)}={percent_encode(value)}"
+            for key in sorted(parsed.query)
+            for value in _values(parsed.query[key])
+        )
+    return text
+
+
+def percent_encode(text: str) -> str:
+    """``text`` for a libpq URL: each byte but letters, digits and ``-._~`` written ``%XX`` (UTF-8).
+
+    libpq percent-decodes every part of a URL and nothing else (a ``+`` stays a ``+``).
+    """
+    return urllib.parse.quote(text, safe="")
+
+
+def _values(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    """A query parameter's values: SQLAlchemy holds a repeated parameter as a tuple."""
+    return (value,) if isinstance(value, str) else value

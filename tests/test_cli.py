@@ -18,11 +18,13 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import dramatiq
 import psycopg
 import pytest
 from alembic.script import ScriptDirectory
+from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
@@ -189,6 +191,33 @@ def test_a_wrong_password_is_one_line_without_the_password(
             ],
             hides=wrong,
         )
+
+
+def test_a_password_that_the_url_must_percent_encode_logs_in(
+    password_server: tuple[ThrowawayPostgres, str, str],
+) -> None:
+    # Given a role whose password has a space, '@', '/', '%', '#', '?', ':', '+' and non-ASCII letters,
+    # written percent-encoded in the URL as RFC 3986 asks
+    server, _, _ = password_server
+    role, password = random_name("cli_awkward"), f"p w@/%#?:+ä€{secrets.token_hex(4)}"
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), sql.Literal(password))
+        )
+    try:
+        url = make_url(server.url).set(username=role, password=None).render_as_string()
+        url = url.replace(f"{role}@", f"{role}:{quote(password, safe='')}@", 1)
+        assert make_url(url).password == password
+        # When the broker and the CLI connect with it
+        with psycopg.connect(PostgresBroker(url=url).conninfo) as conn:
+            # Then the server checked that password and let the role in
+            assert conn.execute("SELECT current_user").fetchone() == (role,)
+        # (the CLI gets as far as the missing tables, so it logged in, and shows no password)
+        result = cli("status", "--url", url, "--schema", random_name("cli_none"))
+        one_line_error(result, 1, says=["tables do not exist"], hides=password)
+    finally:
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def test_an_unknown_role_is_one_line_naming_it(database_url: str) -> None:

@@ -6,13 +6,14 @@ import logging
 import math
 import queue
 from typing import Any
+from urllib.parse import quote
 
 import dramatiq
 import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy import create_engine
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.errors import SchemaNotReady
@@ -307,3 +308,78 @@ def test_mask_password_hides_ssl_key_passphrases_too(text: str, expected: str) -
 def test_mask_password_hides_an_ssl_key_passphrase_in_a_conninfo_string() -> None:
     masked = mask_password(f"host=h sslpassword={SSL_SECRET} dbname=db")
     assert conninfo_to_dict(masked) == {"host": "h", "sslpassword": "***", "dbname": "db"}
+
+
+# -- the libpq URL keeps every character of the credentials, the database and the options --
+
+#: Passwords that a URL must percent-encode, or that an encoder may get wrong.
+AWKWARD_PASSWORDS = [
+    "pass word",
+    "p@ss",
+    "pa/ss",
+    "100%",
+    "%20",
+    "pa#ss",
+    "pa?ss",
+    "pa:ss",
+    "pa+ss",
+    "a&b=c",
+    "[pa]ss",
+    "back\\slash",
+    "quo'te\"s",
+    "pässwörd€",
+    "pässwörd €",
+    " leading and trailing ",
+]
+
+
+@pytest.mark.parametrize("password", AWKWARD_PASSWORDS)
+@pytest.mark.parametrize("user", ["app", "user name@corp:x+y"])
+def test_libpq_url_keeps_every_character_of_the_user_and_password(user: str, password: str) -> None:
+    # Given: the same credentials as a SQLAlchemy URL object and as a percent-encoded URL string
+    built = URL.create("postgresql+psycopg", user, password, "db.example", 5432, "app")
+    written = f"postgresql://{quote(user, safe='')}:{quote(password, safe='')}@db.example:5432/app"
+    assert make_url(written).password == password
+    for url in (built, written):
+        # When: it is turned into the libpq URL that psycopg connects with
+        conninfo = libpq_url(url)
+        # Then: libpq reads back the same user and password, and the rest unchanged
+        params = conninfo_to_dict(conninfo)
+        assert (params["user"], params["password"]) == (user, password), conninfo
+        assert (params["host"], params["port"], params["dbname"]) == ("db.example", "5432", "app")
+        # and so does the broker, which refused such a URL at construction before
+        assert conninfo_to_dict(PostgresBroker(url=url).conninfo)["password"] == password
+
+
+@pytest.mark.parametrize(
+    ("parameter", "value"),
+    [
+        ("dbname", "my db"),
+        ("dbname", "a+b/c%d"),
+        ("application_name", "nightly batch"),
+        ("application_name", "a+b"),
+        ("options", "-c statement_timeout=5s -c search_path=app"),
+        ("sslrootcert", "/etc/ssl/my certs/root.crt"),
+    ],
+)
+def test_libpq_url_keeps_spaces_and_pluses_in_the_database_name_and_the_query(
+    parameter: str, value: str
+) -> None:
+    if parameter == "dbname":
+        url = URL.create("postgresql", "app", None, "db.example", None, value)
+    else:
+        url = URL.create("postgresql", "app", None, "db.example", None, "app", {parameter: value})
+    conninfo = libpq_url(url)
+    assert conninfo_to_dict(conninfo)[parameter] == value, conninfo
+
+
+def test_a_password_libpq_cannot_take_is_refused_without_showing_it_even_percent_encoded() -> None:
+    # Given: a password with a NUL byte, which libpq refuses even percent-encoded (%00), and an '@'
+    password = "s3cret@\x00pw"
+    url = URL.create("postgresql", "app", password, "db.example", None, "app")
+    # When: a broker is built with it
+    with pytest.raises(ValueError, match="libpq refuses the URL") as excinfo:
+        PostgresBroker(url=url)
+    # Then: the error names neither the password nor its percent-encoded form
+    message = str(excinfo.value)
+    assert "s3cret" not in message and "***" in message

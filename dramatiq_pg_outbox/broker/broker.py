@@ -28,7 +28,7 @@ from .._runtime import StoredMessage, _Runtime
 from ..errors import describe_rejection, libpq_detail
 from ..names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
 from ..options import BrokerOptions, NotifyMode
-from ..urls import libpq_url, safe_url
+from ..urls import libpq_url, percent_encode, safe_url
 from .consumer import _deciding, _PostgresConsumer, _PostgresMessage, deciding
 
 #: Signals whose middleware hooks run while a delivery's outcome is decided:
@@ -456,13 +456,13 @@ def _check_libpq_url(conninfo: str, shown: str, password: Any) -> None:
 
     Raises:
       ValueError: Naming the parameter libpq does not know (``?prepare_threshold=`` is an
-        option of the broker, not of the URL), never the password.
+        option of the broker, not of the URL), never the password (as given or percent-encoded).
     """
     try:
         conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as e:
         detail = libpq_detail(e)
-        if password and str(password) in detail:
+        if password and any(form in detail for form in (str(password), percent_encode(str(password)))):
             detail = "its syntax is wrong"
         hint = ""
         if "prepare_threshold" in detail:
