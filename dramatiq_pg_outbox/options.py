@@ -97,7 +97,7 @@ class BrokerOptions:
     pool_size: int = 4
     pool_timeout: int = 10_000
     max_deliveries: int = 5
-    overfetch_factor: float = 4.0
+    overfetch_factor: float = 16.0
     min_fetch_interval: int = 0
     max_fetch_interval: int = 1_000
     flush_interval: int = 5

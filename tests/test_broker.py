@@ -14,6 +14,8 @@ from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 
 from dramatiq_pg_outbox import PostgresBroker
 
+from .helpers import wait_for
+
 #: Background maintenance ticks once at start, then the test drives it by hand.
 MANUAL = {"heartbeat_interval": 600_000, "heartbeat_timeout": 1_200_000, "rescue_interval": 600_000}
 
@@ -387,3 +389,93 @@ def test_enqueue_many_stores_a_fan_out_in_batches(
     start_worker(broker)
     broker.join("default", timeout=30_000)
     assert sorted(seen) == list(range(2_500))
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        # A claim that did not fill, or the first of a backlog, says nothing of the pace.
+        ({"backlog": True, "asked": 64, "claimed": 10, "held": 32, "left": 0}, 64),
+        ({"backlog": False, "asked": 64, "claimed": 64, "held": 0, "left": 0}, 64),
+        # Worker threads ran dry during the round trip: double, up to the cap.
+        ({"backlog": True, "asked": 32, "claimed": 32, "held": 32, "left": 3}, 128),
+        ({"backlog": True, "asked": 32, "claimed": 32, "held": 0, "left": 0}, 128),
+        # Most of what was held is still undecided: tasks are long, halve down to the floor.
+        ({"backlog": True, "asked": 32, "claimed": 32, "held": 32, "left": 30}, 32),
+        # In between: keep.
+        ({"backlog": True, "asked": 32, "claimed": 32, "held": 32, "left": 12}, 64),
+    ],
+)
+def test_the_claim_size_doubles_when_threads_ran_dry_and_halves_when_tasks_are_long(
+    case: dict[str, Any], expected: int
+) -> None:
+    from dramatiq_pg_outbox.broker.consumer import claim_limit
+
+    assert claim_limit(64, 16, 128, **case) == expected
+    assert claim_limit(128, 16, 128, **{**case, "held": 64, "left": 0, "asked": 64, "claimed": 64}) == 128
+    assert claim_limit(16, 16, 128, **{**case, "held": 8, "left": 8, "asked": 8, "claimed": 8}) in (16, 32)
+
+
+def queue_empty(db: Any) -> bool:
+    return db.execute("SELECT count(*) FROM dramatiq.messages").fetchone() == (0,)
+
+
+def claims_seen(broker: PostgresBroker, delay_s: float = 0.0) -> list[int]:
+    """The ``limit`` of every claim the broker makes from now on (after ``delay_s`` more of round trip)."""
+    sizes: list[int] = []
+    execute = broker.runtime.execute
+
+    def recorded(name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        if name.startswith("claim") and params.get("queue_name") == "default":
+            sizes.append(params["limit"])
+            time.sleep(delay_s)
+        return execute(name, params)
+
+    broker.runtime.execute = recorded  # type: ignore[method-assign]
+    return sizes
+
+
+def test_a_consumer_of_long_tasks_holds_no_more_than_dramatiqs_prefetch(
+    broker: PostgresBroker, start_worker: Any, db: Any
+) -> None:
+    # Given a backlog of tasks that each take 200 ms, and a worker of 2 threads (Dramatiq's
+    # prefetch: 4; the cap, prefetch x overfetch_factor, is far above it)
+    @dramatiq.actor(broker=broker)
+    def slow() -> None:
+        time.sleep(0.2)
+
+    for _ in range(60):
+        slow.send()
+    start_worker(broker, worker_threads=2)
+    # When it has worked for a while (its first claim takes 4 x prefetch, as before)
+    time.sleep(2.0)
+    held = []
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        (n,) = db.execute("SELECT count(*) FROM dramatiq.messages WHERE state = 'processing'").fetchone()
+        held.append(n)
+        time.sleep(0.05)
+    # Then it held at most twice the prefetch (a claim of 4 lands while 4 are held), never the
+    # cap: another process can start the rest (on the parent commit it held prefetch x 4 = 16)
+    assert max(held) <= 8, held
+    assert max(held) >= 2, held
+
+
+def test_a_consumer_of_short_tasks_grows_its_claims_while_its_threads_run_dry(
+    broker: PostgresBroker, start_worker: Any, db: Any
+) -> None:
+    # Given a backlog of no-op tasks, and claims whose round trip is 20 ms longer than the
+    # database needs (so that the worker threads surely run dry while one is in flight)
+    @dramatiq.actor(broker=broker)
+    def quick() -> None:
+        pass
+
+    broker.enqueue_many([quick.message() for _ in range(1_500)])
+    sizes = claims_seen(broker, delay_s=0.02)
+    # When a worker of 2 threads (prefetch 4) drains it
+    start_worker(broker, worker_threads=2)
+    wait_for(lambda: queue_empty(db), 60, "the backlog to drain")
+    # Then its claims grew to the cap, prefetch x overfetch_factor (on the parent commit
+    # every claim asked for at most prefetch x 4 = 16)
+    assert max(sizes) >= 32, sizes
+    assert max(sizes) <= 4 * broker.options.overfetch_factor, sizes

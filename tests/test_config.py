@@ -156,7 +156,7 @@ def test_the_defaults_pass_their_own_rules() -> None:
     defaults = BrokerOptions()
     assert (broker.flush_batch_size, broker.heartbeat_timeout) == (1_000, 20_000)
     assert broker.heartbeat_timeout >= 2 * broker.heartbeat_interval
-    assert defaults.overfetch_factor == broker.overfetch_factor == 4.0
+    assert defaults.overfetch_factor == broker.overfetch_factor == 16.0
 
 
 def test_an_integer_overfetch_factor_is_stored_as_a_float() -> None:

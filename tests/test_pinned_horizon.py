@@ -104,7 +104,7 @@ def test_claims_start_at_the_watermark_while_the_horizon_is_pinned(
     # LAG_MS ago are behind its watermark, and only its sweeps read them all.
     # (Measured: 12 blocks per claim, 313 claims of which 12 sweeps; on the parent
     # commit, whose every claim starts at the queue's first entry, 56 per claim.)
-    assert claims >= MESSAGES / consumer.limit
+    assert claims >= MESSAGES / consumer._cap
     assert blocks / claims < 25, (blocks, claims, sweeps)
     assert 1 <= sweeps < claims / 4
     # And the horizon was pinned: a sweep now reads every entry claimed since

@@ -73,10 +73,12 @@ class PostgresBroker(Broker):
       max_deliveries(int): Claims of one stored message before it is quarantined
         (moved to history as failed and never run again), >= 1.  Default 5.
       overfetch_factor(float): A consumer holds at most ``prefetch x overfetch_factor``
-        claimed, unacknowledged messages; a finite number > 0.  Default 4.0: with
-        Dramatiq's prefetch (2 x threads) a claim then covers the next claim's
-        round trip, so worker threads do not starve on no-op-sized tasks; use
-        1.0 for long tasks to hoard less.
+        claimed, unacknowledged messages; a finite number > 0.  Default 16.0.  Within
+        that cap the buffer adapts (``consumer.claim_limit``): it starts at Dramatiq's
+        prefetch (2 x threads), doubles after a claim of a backlog during which the
+        worker threads ran dry (short tasks get large batched claims) and halves when
+        most of what it held was still waiting (long tasks do not hoard messages
+        another process could start); 1.0 keeps it at the prefetch.
       min_fetch_interval(int): Pause after a fetch that filled the buffer, in milliseconds, >= 0.  Default 0.
       max_fetch_interval(int): Poll interval of an idle consumer, in milliseconds, >= 1.  Default 1000.
       flush_interval(int): How long acks are gathered before one write, in milliseconds, >= 0.  Default 5.
@@ -146,7 +148,7 @@ class PostgresBroker(Broker):
         pool_size: int = 4,
         pool_timeout: int = 10_000,
         max_deliveries: int = 5,
-        overfetch_factor: float = 4.0,
+        overfetch_factor: float = 16.0,
         min_fetch_interval: int = 0,
         max_fetch_interval: int = 1_000,
         flush_interval: int = 5,

@@ -55,6 +55,54 @@ def deciding() -> _PostgresMessage | None:
     return message
 
 
+#: A consumer's first buffer size, in multiples of Dramatiq's prefetch (the fixed size of
+#: earlier versions): one notification's worth of messages due at once fits in it.
+INITIAL_OVERFETCH = 4
+
+
+def claim_limit(
+    limit: int, floor: int, cap: int, *, backlog: bool, asked: int, claimed: int, held: int, left: int
+) -> int:
+    """A consumer's next buffer size, from what its last claim saw: halved, kept or doubled.
+
+    With a backlog a consumer claims again when half its buffer is free, so the
+    other half (``held`` messages, claimed earlier and not yet decided) keeps its
+    worker threads busy during the claim's round trip.  ``left`` of them were still
+    undecided when the claim returned.  A claim that filled (``claimed == asked``)
+    after one that did too (``backlog``):
+
+    * ``left`` under half the floor (fewer than Dramatiq's worker threads, whose
+      prefetch is 2 x threads): threads ran dry while it was in flight: double;
+    * more than three quarters of ``held`` left: tasks are long beside a round
+      trip, and a buffer half the size would still cover it: halve;
+    * otherwise keep.  A claim that did not fill, or the first of a backlog (it
+      started from an idle buffer), says nothing of the pace: keep.
+
+    Short tasks get large batched claims (the round trip of one claim is the
+    drain's bottleneck, benchmarks/README.md section 19) while long tasks do not
+    hoard messages another process could start.  The same multiplicative
+    increase and decrease on a signal of starvation or slack as TCP's congestion
+    window (RFC 5681), on the buffer of a queue consumer instead of a socket.
+
+    Parameters:
+      limit(int): The buffer size the claim was made with, messages.
+      floor(int), cap(int): Bounds of the result, messages, 1 <= floor <= cap.
+      backlog(bool): Whether the claim before it filled.
+      asked(int), claimed(int): Rows the claim asked for and got.
+      held(int), left(int): Undecided messages when it was sent and when it returned.
+
+    Returns:
+      int: The next buffer size, within [floor, cap].
+    """
+    if claimed < asked or not backlog:
+        return limit
+    if 2 * left < floor:
+        return min(cap, 2 * limit)
+    if held and 4 * left > 3 * held:
+        return max(floor, limit // 2)
+    return limit
+
+
 class _PostgresMessage(MessageProxy):
     """A claimed message: carries its row id and lease for fenced acks."""
 
@@ -97,7 +145,15 @@ class _PostgresConsumer(Consumer):
         self.runtime = broker.runtime
         self.queue_name = queue_name
         self.timeout = timeout
-        self.limit = max(1, math.ceil(max(prefetch, 1) * broker.options.overfetch_factor))
+        prefetch = max(prefetch, 1)
+        #: Bounds of ``limit``: prefetch x overfetch_factor at most, Dramatiq's prefetch (or
+        #: that cap, if lower) at least.
+        self._cap = max(1, math.ceil(prefetch * broker.options.overfetch_factor))
+        self._floor = min(prefetch, self._cap)
+        #: Most claimed, unacknowledged messages held now (see claim_limit): it starts at
+        #: 4 x prefetch (within the bounds) and adapts after each claim of a backlog.
+        #: Consumer thread only.
+        self.limit = min(self._cap, INITIAL_OVERFETCH * prefetch)
         self._buffer: deque[_PostgresMessage] = deque()
         self._outstanding = 0
         self._lock = threading.Lock()
@@ -222,6 +278,8 @@ class _PostgresConsumer(Consumer):
         lease = uuid.uuid4()
         sent = time.monotonic()
         metrics = self.broker._metrics
+        with self._lock:
+            held = self._outstanding
         sweep, bound = self.watermark.start(sent)
         rows = self.runtime.execute(
             "claim_prioritized" if self._prioritized else "claim",
@@ -258,7 +316,19 @@ class _PostgresConsumer(Consumer):
                 metrics.claimed.labels(self.queue_name).inc(len(rows))
         self.claims += 1
         self.empty_claims += not rows
-        self._more = len(rows) >= limit
+        backlog, self._more = self._more, len(rows) >= limit
+        with self._lock:
+            left = self._outstanding
+            self.limit = claim_limit(
+                self.limit,
+                self._floor,
+                self._cap,
+                backlog=backlog,
+                asked=limit,
+                claimed=len(rows),
+                held=held,
+                left=left,
+            )
         now = time.monotonic()
         options = self.broker.options
         interval = options.min_fetch_interval if self._more else options.max_fetch_interval
