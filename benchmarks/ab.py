@@ -39,11 +39,15 @@ def _worktree(rev: str, base: str) -> str:
 
 
 def _figures(report: dict[str, Any]) -> dict[str, float]:
-    """The figures of one ``benchmarks.run`` report: drain msgs/s per system and shape, latency p50/p99."""
+    """The figures of one ``benchmarks.run`` report: drain msgs/s and CPU per message per system
+    and shape (CPU only from revisions whose drain measures it), latency p50/p99."""
     found: dict[str, float] = {}
     for key, value in report.get("drain", {}).get("raw", {}).items():
         if value["values"]:
             found[f"drain {key} (msgs/s)"] = statistics.median(value["values"])
+    for key, values in report.get("drain", {}).get("raw_cpu", {}).items():
+        if values:
+            found[f"drain {key} (CPU ms/msg)"] = statistics.median(values)
     for label, percentiles in report.get("latency", {}).get("raw_percentiles", {}).items():
         for p in ("50", "99"):
             if p in percentiles:

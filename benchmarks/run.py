@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             result["seconds"] = round(time.monotonic() - started, 1)
             report[name] = result
             for key, value in result.items():
-                if isinstance(value, str) and ("table" in key or key == "explain"):
+                if isinstance(value, str) and ("table" in key or key in ("explain", "floor")):
                     print(f"\n{key}:\n{value}", flush=True)
             save_json(os.path.join(args.out, f"results-{stamp}.json"), report)
     print(f"\nsaved {os.path.join(args.out, f'results-{stamp}.json')}")
