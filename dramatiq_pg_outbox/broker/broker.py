@@ -74,11 +74,12 @@ class PostgresBroker(Broker):
         (moved to history as failed and never run again), >= 1.  Default 5.
       overfetch_factor(float): A consumer holds at most ``prefetch x overfetch_factor``
         claimed, unacknowledged messages; a finite number > 0.  Default 16.0.  Within
-        that cap the buffer adapts (``consumer.claim_limit``): it starts at Dramatiq's
-        prefetch (2 x threads), doubles after a claim of a backlog during which the
-        worker threads ran dry (short tasks get large batched claims) and halves when
-        most of what it held was still waiting (long tasks do not hoard messages
-        another process could start); 1.0 keeps it at the prefetch.
+        that cap the buffer adapts (``consumer.claim_limit``): it starts at 4 x
+        Dramatiq's prefetch (2 x threads), doubles after a claim of a backlog during
+        which the worker threads ran dry (short tasks get large batched claims) and
+        halves, down to the prefetch, when most of what it held was still waiting
+        (long tasks do not hoard messages another process could start); 1.0 keeps it
+        at the prefetch.
       min_fetch_interval(int): Pause after a fetch that filled the buffer, in milliseconds, >= 0.  Default 0.
       max_fetch_interval(int): Poll interval of an idle consumer, in milliseconds, >= 1.  Default 1000.
       flush_interval(int): How long acks are gathered before one write, in milliseconds, >= 0.  Default 5.
