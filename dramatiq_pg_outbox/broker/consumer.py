@@ -152,7 +152,7 @@ class _PostgresConsumer(Consumer):
         self._floor = min(prefetch, self._cap)
         #: Most claimed, unacknowledged messages held now (see claim_limit): it starts at
         #: 4 x prefetch (within the bounds) and adapts after each claim of a backlog.
-        #: Consumer thread only.
+        #: Changed by the consumer thread only, under _lock (_release reads it there).
         self.limit = min(self._cap, INITIAL_OVERFETCH * prefetch)
         self._buffer: deque[_PostgresMessage] = deque()
         self._outstanding = 0
