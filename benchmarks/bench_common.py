@@ -112,6 +112,18 @@ def percentile(values: Sequence[float], p: float) -> float:
     return ordered[k]
 
 
+def busy_jiffies() -> int:
+    """Busy time of the whole machine so far, in clock ticks (all CPUs, idle and iowait excluded)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields[:8]) - fields[3] - fields[4]
+
+
+def cpu_ms_per_message(ticks: int, n: int) -> float:
+    """Milliseconds of CPU per message from ``ticks`` clock ticks spent on ``n`` messages."""
+    return ticks * 1000.0 / os.sysconf("SC_CLK_TCK") / max(n, 1)
+
+
 def fmt_rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 

@@ -19,10 +19,12 @@ No broker on Dramatiq and PostgreSQL can cost less than their sum.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
+import uuid
 from typing import Any
+
+import psycopg
 
 from .bench_common import (
     OURS,
@@ -30,7 +32,9 @@ from .bench_common import (
     STUB,
     Context,
     Series,
+    busy_jiffies,
     connection_count,
+    cpu_ms_per_message,
     db_name,
     fmt_rate,
     fmt_ratio,
@@ -71,24 +75,8 @@ FROM done
 """
 
 
-def busy_jiffies() -> int:
-    """Busy time of the whole machine so far, in clock ticks (all CPUs, idle and iowait excluded)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return sum(fields[:8]) - fields[3] - fields[4]
-
-
-def cpu_ms_per_message(busy: int, n: int) -> float:
-    """Milliseconds of CPU per message from busy clock ticks over n messages."""
-    return busy * 1000.0 / os.sysconf("SC_CLK_TCK") / max(n, 1)
-
-
 def raw_sql_once(ctx: Context, n: int) -> tuple[float, float]:
     """The raw-SQL claim-and-archive of ``n`` prefilled rows: (msgs/s, whole-box CPU ms per message)."""
-    import uuid
-
-    import psycopg
-
     dbname = db_name(OURS, "floor")
     url = ctx.db_url(dbname)
     install(OURS, ctx.admin_url, dbname, url)
@@ -240,40 +228,34 @@ def run(ctx: Context) -> dict[str, Any]:
     header += ["2x8 msgs/s (median)", "2x8 min-max", "ours / it (2x8)"]
     table = markdown_table(header, rows)
     # CPU per message, and the floor: the StubBroker's drain plus the raw-SQL claim-and-archive.
-    stub_cpu = cpu.get((STUB, 1, 8))
-    floor_cpu = (
-        stub_cpu.median + raw_cpu.median
-        if floor and stub_cpu is not None and stub_cpu.median is not None and raw_cpu.median is not None
-        else None
-    )
+    cpu_median = {key: c.median for key, c in cpu.items() if c.median is not None}
+    stub_cpu = cpu_median.get((STUB, 1, 8))
+    floor_cpu = stub_cpu + raw_cpu.median if stub_cpu is not None and raw_cpu.median is not None else None
     cpu_rows = []
     for system in ctx.systems:
         row = [system]
         for processes, threads in CONFIGS:
-            c = cpu.get((system, processes, threads))
-            ours_c = cpu.get((OURS, processes, threads))
-            if c is None or c.median is None:
+            theirs = cpu_median.get((system, processes, threads))
+            if theirs is None:
                 row += ["n/a", ""]
                 continue
-            theirs = c.median
-            mine = ours_c.median if ours_c is not None else None
-            row += [f"{theirs:.4f} ({min(c.values):.4f}-{max(c.values):.4f})", fmt_ratio(mine, theirs)]
+            values = cpu[(system, processes, threads)].values
+            mine = cpu_median.get((OURS, processes, threads))
+            row += [f"{theirs:.4f} ({min(values):.4f}-{max(values):.4f})", fmt_ratio(mine, theirs)]
         cpu_rows.append(row)
-    if floor_cpu is not None and raw_cpu.median is not None and stub_cpu is not None:
+    if floor_cpu is not None:
         cells = []
         for processes, threads in CONFIGS:
-            ours_c = cpu.get((OURS, processes, threads))
-            mine = ours_c.median if ours_c is not None else None
-            cells += [f"{floor_cpu:.4f}", fmt_ratio(mine, floor_cpu)]
+            cells += [f"{floor_cpu:.4f}", fmt_ratio(cpu_median.get((OURS, processes, threads)), floor_cpu)]
         cpu_rows.append([FLOOR, *cells])
     cpu_header = ["system", "1x8 CPU ms/msg (median, min-max)", "ours / it (1x8)"]
     cpu_header += ["2x8 CPU ms/msg (median, min-max)", "ours / it (2x8)"]
     cpu_table = markdown_table(cpu_header, cpu_rows)
     floor_note = (
-        f"floor = StubBroker 1x8 drain {stub_cpu.median:.4f} ms + raw SQL claim-and-archive "
+        f"floor = StubBroker 1x8 drain {stub_cpu:.4f} ms + raw SQL claim-and-archive "
         f"{raw_cpu.median:.4f} ms ({fmt_rate(raw_rate.median)} msgs/s on one connection, "
         f"batches of {RAW_BATCH}) per message, medians of {len(raw_cpu.values)} runs"
-        if floor_cpu is not None and stub_cpu is not None and stub_cpu.median is not None
+        if floor_cpu is not None and stub_cpu is not None and raw_cpu.median is not None
         else "floor not measured (needs the systems StubBroker and dramatiq-pg-outbox)"
     )
     conn_rows = []

@@ -89,6 +89,18 @@ def customers(spark: Any, rows: int, partitions: int) -> Any:
     return df
 
 
+def message_rows(frame: Any, batch_id: str) -> Any:
+    """The rows enqueue_dataframe writes for ``customers()`` (id, key, JSON payload), built by the
+    same Spark code, for a bare JDBC append of the message rows."""
+    plan = _Plan.build(
+        key="customer_id", args=["customer_id", "email"], kwargs={"segment": "segment"},
+        conninfo="", schema="dramatiq", channel="", queue_name="notifications",
+        actor_name="notify_customer", batch_id=batch_id, options={}, delay_ms=0, notify=False,
+        encoder=JSONEncoder(),
+    )  # fmt: skip
+    return _prepare_in_jvm(frame.select(*plan.columns), plan, 0)
+
+
 def timed(fn: Any) -> tuple[float, Any]:
     started = time.perf_counter()
     result = fn()
@@ -155,21 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         python_path: list[float] = []
         plain_messages: list[float] = []
 
-        def message_rows(frame: Any) -> Any:
-            """The rows enqueue_dataframe writes (id, key, JSON payload), built by the same Spark code."""
-            plan = _Plan.build(
-                key="customer_id", args=["customer_id", "email"], kwargs={"segment": "segment"},
-                conninfo="", schema="dramatiq", channel="", queue_name="notifications",
-                actor_name="notify_customer", batch_id="plain", options={}, delay_ms=0, notify=False,
-                encoder=JSONEncoder(),
-            )  # fmt: skip
-            return _prepare_in_jvm(frame.select(*plan.columns), plan, 0)
-
         for i in range(args.repeat):
             truncate("plain_customers")
             plain.append(timed(lambda: jdbc_append(df))[0])
             truncate("plain_messages")
-            plain_messages.append(timed(lambda: jdbc_append(message_rows(df), "plain_messages"))[0])
+            plain_messages.append(timed(lambda: jdbc_append(message_rows(df, "plain"), "plain_messages"))[0])
             truncate("dramatiq.messages")
             seconds, result = timed(lambda i=i: enqueue(df, f"bench-{i}"))
             assert result.enqueued == args.rows, result

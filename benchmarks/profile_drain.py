@@ -8,8 +8,8 @@ while py-spy samples every worker process (``--no-py-spy`` to skip it).  Printed
   processes and the PostgreSQL server (``/proc/<pid>/stat`` of each), in ms;
 * the statements by total server time (planning + execution, ``pg_stat_statements``):
   calls, rows per call, planning and execution ms per call, share of the total;
-* the worker processes' Python functions by own time (py-spy's samples, GIL held or
-  not: ``--gil`` counts only samples that held the GIL) and the top of each stack.
+* the worker processes' Python functions by own and inclusive time, over the samples in which
+  a thread was not waiting (``--gil``: only samples that held the GIL).
 
 Issue 23 asks for these lines before and after each change (benchmarks/README.md).
 """
@@ -28,17 +28,8 @@ from typing import Any
 
 import psycopg
 
-from .bench_common import OURS, db_name, postgres_for_benchmarks
+from .bench_common import OURS, busy_jiffies, cpu_ms_per_message, db_name, postgres_for_benchmarks
 from .bench_systems import WorkerGroup, install, prefill
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _box_jiffies() -> int:
-    """Busy jiffies of the whole machine (all CPUs, idle and iowait excluded)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return sum(fields[:8]) - fields[3] - fields[4]
 
 
 def _proc_jiffies(pids: list[int]) -> int:
@@ -179,6 +170,7 @@ def _thread_lines(files: list[str]) -> list[str]:
 
 
 def _py_spy_lines(files: list[str], top: int) -> list[str]:
+    """The functions of the samples in which a thread was not waiting (own time, and inclusive)."""
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
     samples = 0
@@ -195,16 +187,16 @@ def _py_spy_lines(files: list[str], top: int) -> list[str]:
             count = int(count_text)
             frames = [frame for frame in stack.split(";") if frame and not frame.startswith("process ")]
             frames = [frame for frame in frames if not frame.startswith("thread ")]
-            if not frames:
+            if not frames or _state(frames) == "waiting":
                 continue
             samples += count
             own[frames[-1]] += count
             for frame in set(frames):
                 inclusive[frame] += count
-    out = ["| function (own time) | share of samples |", "|---|---|"]
+    out = ["| function (own time) | share of samples not waiting |", "|---|---|"]
     for frame, count in own.most_common(top):
         out.append(f"| `{frame[:110]}` | {100 * count / max(samples, 1):.1f}% |")
-    out += ["", "| function (inclusive) | share of samples |", "|---|---|"]
+    out += ["", "| function (inclusive) | share of samples not waiting |", "|---|---|"]
     for frame, count in inclusive.most_common(top + 10):
         out.append(f"| `{frame[:110]}` | {100 * count / max(samples, 1):.1f}% |")
     return out
@@ -255,12 +247,12 @@ def main(argv: list[str] | None = None) -> None:
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute("SELECT pg_stat_statements_reset()")
             server = _server_pids(url)
-            busy0 = _box_jiffies()
+            busy0 = busy_jiffies()
             workers0 = _proc_jiffies(group.pids())
             server0 = _proc_jiffies(server)
             t0 = group.go()
             t1 = group.wait_for(args.n, 120.0)
-            busy1 = _box_jiffies()
+            busy1 = busy_jiffies()
             workers1 = _proc_jiffies(group.pids())
             server1 = _proc_jiffies(list(set(server) | set(_server_pids(url))))
             statements = _statements(url, dbname, args.n)
@@ -273,13 +265,13 @@ def main(argv: list[str] | None = None) -> None:
         if t1 is None:
             raise SystemExit("the drain did not finish within 120 s")
         elapsed = t1 - t0
-        ms = 1000.0 / CLOCK_TICKS / args.n
         shape = f"{args.processes} x {args.threads}"
         print(f"## Drain of {args.n:,} messages, {shape}: {args.n / elapsed:,.0f} msg/s")
         print()
         print("| CPU per message (ms) | whole box | worker processes | PostgreSQL |")
         print("|---|---|---|---|")
-        cpu = [(busy1 - busy0) * ms, (workers1 - workers0) * ms, (server1 - server0) * ms]
+        ticks = (busy1 - busy0, workers1 - workers0, server1 - server0)
+        cpu = [cpu_ms_per_message(t, args.n) for t in ticks]
         print("| | " + " | ".join(f"{x:.4f}" for x in cpu) + " |")
         print()
         print("\n".join(statements))

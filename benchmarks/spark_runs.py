@@ -46,11 +46,9 @@ from typing import Any
 
 import psycopg
 
-from benchmarks.bench_spark import customers
+from benchmarks.bench_spark import customers, message_rows
 from dramatiq_pg_outbox.names import channel_for
 from dramatiq_pg_outbox.spark import (
-    _Plan,
-    _prepare_in_jvm,
     cluster_session,
     enqueue_dataframe,
     jdbc_options,
@@ -101,17 +99,10 @@ def batch(spark: Any, url: str, rows: int, partitions: int, runs: int) -> dict[s
                           args=["customer_id", "email"], kwargs={"segment": "segment"},
                           batch_id=batch_id, url=url)  # fmt: skip
 
-    def message_rows(frame: Any) -> Any:
-        from dramatiq.encoder import JSONEncoder
+    def jdbc_message_rows(frame: Any) -> Any:
         from pyspark.sql import functions as F
 
-        plan = _Plan.build(
-            key="customer_id", args=["customer_id", "email"], kwargs={"segment": "segment"},
-            conninfo="", schema="dramatiq", channel="", queue_name="notifications",
-            actor_name="notify_customer", batch_id="jdbc", options={}, delay_ms=0, notify=False,
-            encoder=JSONEncoder(),
-        )  # fmt: skip
-        prepared = _prepare_in_jvm(frame.select(*plan.columns), plan, 0)
+        prepared = message_rows(frame, "jdbc")
         return prepared.select(
             F.lit("notifications").alias("queue_name"), F.lit("notify_customer").alias("actor_name"),
             "message_id", "idempotency_key", F.col("payload").cast("binary").alias("payload"),
@@ -131,7 +122,7 @@ def batch(spark: Any, url: str, rows: int, partitions: int, runs: int) -> dict[s
     source(warm, "warm-source")
     function(warm, "warm-function")
     fresh("indexed_messages")
-    append_messages(message_rows(warm))
+    append_messages(jdbc_message_rows(warm))
     cases: dict[str, list[float]] = {
         "jdbc append": [],
         'format("dramatiq")': [],
@@ -148,7 +139,7 @@ def batch(spark: Any, url: str, rows: int, partitions: int, runs: int) -> dict[s
         cases["enqueue_dataframe"].append(timed(lambda i=i: function(df, f"function-{i}")))
         assert execute(url, "SELECT count(*) FROM dramatiq.messages") == rows
         fresh("indexed_messages")
-        cases["jdbc append, indexed messages"].append(timed(lambda: append_messages(message_rows(df))))
+        cases["jdbc append, indexed messages"].append(timed(lambda: append_messages(jdbc_message_rows(df))))
         assert execute(url, "SELECT count(*) FROM indexed_messages") == rows
         print(f"  batch round {i + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in cases.items()),
               flush=True)  # fmt: skip

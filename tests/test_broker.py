@@ -412,8 +412,14 @@ def test_the_claim_size_doubles_when_threads_ran_dry_and_halves_when_tasks_are_l
     from dramatiq_pg_outbox.broker.consumer import claim_limit
 
     assert claim_limit(64, 16, 128, **case) == expected
-    assert claim_limit(128, 16, 128, **{**case, "held": 64, "left": 0, "asked": 64, "claimed": 64}) == 128
-    assert claim_limit(16, 16, 128, **{**case, "held": 8, "left": 8, "asked": 8, "claimed": 8}) in (16, 32)
+
+
+def test_the_claim_size_stays_between_the_prefetch_and_the_cap() -> None:
+    from dramatiq_pg_outbox.broker.consumer import claim_limit
+
+    # Threads ran dry at the cap: it stays at the cap; long tasks at the floor: it stays there
+    assert claim_limit(128, 16, 128, backlog=True, asked=64, claimed=64, held=64, left=0) == 128
+    assert claim_limit(16, 16, 128, backlog=True, asked=8, claimed=8, held=8, left=8) == 16
 
 
 def queue_empty(db: Any) -> bool:
