@@ -20,15 +20,15 @@ What is compared (each on a freshly truncated table, best of ``--repeat``):
   ``--rewrite-batched`` also turns on the driver's multi-row rewrite).
 - ``enqueue_dataframe``: the same rows as Dramatiq messages (encoded JSON
   payloads, uuid5 ids, idempotency keys) into the broker's messages table,
-  with its indexes, the history check and ON CONFLICT DO NOTHING.
+  with its indexes and the history check.
 - ``re-run (no-op)``: the same enqueue again with the same batch id, which
   adds nothing.
 - ``python-encoded``: the enqueue with the payloads encoded per row in the
-  executors' Python (the path taken for custom encoders and types Spark
-  cannot encode like Dramatiq) instead of by Spark expressions.
+  executors' Python (the path taken for custom encoders and types Arrow
+  cannot encode like Dramatiq) instead of a batch at a time.
 - ``jdbc append (messages)``: for scale, a plain JDBC append of the rows that
   ``enqueue_dataframe`` writes (message id, key, JSON payload, built by the
-  same Spark expressions) into a bare table: the cost of the message format
+  same encoder) into a bare table: the cost of the message format
   alone, without the queue table's indexes and the idempotency checks.
 
 Needs the ``[spark]`` extra, Java 17 and the PostgreSQL JDBC jar (Debian:
@@ -57,7 +57,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dramatiq_pg_outbox import upgrade
 from dramatiq_pg_outbox.spark import (
     _Plan,
-    _prepare_in_jvm,
     enqueue_dataframe,
     jdbc_jar,
     jdbc_options,
@@ -91,14 +90,23 @@ def customers(spark: Any, rows: int, partitions: int) -> Any:
 
 def message_rows(frame: Any, batch_id: str) -> Any:
     """The rows enqueue_dataframe writes for ``customers()`` (id, key, JSON payload), built by the
-    same Spark code, for a bare JDBC append of the message rows."""
+    same encoder (``_encode_batch``, in the executors), for a bare JDBC append of the message rows."""
+    from dramatiq_pg_outbox.spark.encoding import _encode_batch
+
     plan = _Plan.build(
         key="customer_id", args=["customer_id", "email"], kwargs={"segment": "segment"},
         conninfo="", schema="dramatiq", channel="", queue_name="notifications",
         actor_name="notify_customer", batch_id=batch_id, options={}, delay_ms=0, notify=False,
         encoder=JSONEncoder(),
     )  # fmt: skip
-    return _prepare_in_jvm(frame.select(*plan.columns), plan, 0)
+
+    def encode(batches: Any) -> Any:
+        for batch in batches:
+            yield _encode_batch(plan, batch.select(list(plan.columns)), 0)
+
+    return frame.select(*plan.columns).mapInArrow(
+        encode, "message_id string, idempotency_key string, payload string"
+    )
 
 
 def timed(fn: Any) -> tuple[float, Any]:

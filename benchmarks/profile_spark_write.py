@@ -2,18 +2,21 @@
 
     python -m benchmarks.profile_spark_write [--rows 250000] [--runs 3]
 
-One executor task of the data source gets Arrow batches and writes them in one transaction
-(``spark/source.py``'s ``_write`` -> ``write_partition``).  This runs the same code on one
-partition of ``--rows`` customer rows (customer_id, email, segment: the ``spark`` scenario's),
-in this process, adding one step at a time, each timed (best of ``--runs``):
+One executor task of the data source (and of ``enqueue_dataframe``) gets Arrow batches and
+writes them in one transaction (``spark/write.py``'s ``write_arrow_partition``).  This runs the
+same code on one partition of ``--rows`` customer rows (customer_id, email, segment: the
+``spark`` scenario's), in this process, adding one step at a time, each timed (best of
+``--runs``):
 
-1. Arrow batches to Python tuples (``_arrow_rows``);
-2. ... and every row encoded: uuid5 id, idempotency key, JSON payload (``_encode_rows``);
-3. ... and written by binary COPY into the staging table (transaction rolled back);
-4. the whole task (``write_partition``): 3, then INSERT ... ON CONFLICT DO NOTHING into the
-   messages table, the twins' check and the NOTIFY, committed (table truncated first);
+1. every batch encoded column at a time: uuid5 id, idempotency key, JSON payload
+   (``_encode_batch``);
+2. ... and written as CSV by Arrow;
+3. ... and COPY'd into the staging table (transaction rolled back);
+4. the whole task (``write_arrow_partition``): 3, then the known keys dropped, the INSERT
+   into the messages table, the twins' check and the NOTIFY, committed (table truncated first);
 5. for scale: the same Arrow batches appended to a bare table by COPY (what a JDBC append does
-   with the customer rows, minus JDBC's batched INSERTs).
+   with the customer rows, minus JDBC's batched INSERTs);
+6. for scale: the row-by-row encoder of custom encoders (``_encode_rows``), alone.
 
 The database: ``$DATABASE_URL``, else the local server, else a throwaway one (a scratch
 database either way).
@@ -22,6 +25,7 @@ database either way).
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 from collections.abc import Callable
@@ -29,11 +33,12 @@ from typing import Any
 
 import dramatiq
 import psycopg
+from pyarrow import csv
 
 from dramatiq_pg_outbox import upgrade
 from dramatiq_pg_outbox._queries import queries_for_schema
-from dramatiq_pg_outbox.spark import _Plan, write_partition
-from dramatiq_pg_outbox.spark.encoding import _arrow_rows, _encode_rows
+from dramatiq_pg_outbox.spark import _Plan, write_arrow_partition
+from dramatiq_pg_outbox.spark.encoding import _arrow_rows, _encode_batch, _encode_rows
 from dramatiq_pg_outbox.testing import postgres_server, scratch_database
 from dramatiq_pg_outbox.urls import libpq_url
 
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args(argv)
     data = batches(args.rows)
+    no_header = csv.WriteOptions(include_header=False)
     with postgres_server() as admin_url, scratch_database(admin_url, "profile_spark") as url:
         upgrade(url)
         plan = _Plan.build(
@@ -85,22 +91,27 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         queries = queries_for_schema("dramatiq")
 
-        def to_rows() -> None:
-            for _ in _arrow_rows(data):
-                pass
-
         def encode() -> None:
-            for _ in _encode_rows(plan, _arrow_rows(data), 0):
-                pass
+            for batch in data:
+                _encode_batch(plan, batch, 0)
+
+        def encode_csv() -> None:
+            for batch in data:
+                csv.write_csv(_encode_batch(plan, batch, 0), io.BytesIO(), no_header)
 
         def copy_only() -> None:
             with psycopg.connect(plan.conninfo) as conn, conn.cursor() as cur:
                 cur.execute(queries["spark_stage"])
-                with cur.copy(queries["spark_copy_binary"]) as copy:
-                    copy.set_types(["text", "text", "bytea"])
-                    for record in _encode_rows(plan, _arrow_rows(data), 0):
-                        copy.write_row(record)
+                with cur.copy(queries["spark_copy_text"]) as copy:
+                    for batch in data:
+                        buffer = io.BytesIO()
+                        csv.write_csv(_encode_batch(plan, batch, 0), buffer, no_header)
+                        copy.write(buffer.getvalue())
                 conn.rollback()
+
+        def encode_rows() -> None:
+            for _ in _encode_rows(plan, _arrow_rows(data), 0):
+                pass
 
         def truncate() -> None:
             with psycopg.connect(plan.conninfo, autocommit=True) as conn:
@@ -108,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 conn.execute("VACUUM ANALYZE dramatiq.messages")
 
         def whole() -> None:
-            assert write_partition(plan, _arrow_rows(data)) == (args.rows, args.rows)
+            assert write_arrow_partition(plan, data) == (args.rows, args.rows)
 
         def plain_copy() -> None:
             with psycopg.connect(plan.conninfo) as conn, conn.cursor() as cur:
@@ -120,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                 conn.commit()
 
         steps = {
-            "1 arrow -> tuples": best(args.runs, to_rows),
-            "2 + encode": best(args.runs, encode),
+            "1 encode (Arrow)": best(args.runs, encode),
+            "2 + CSV": best(args.runs, encode_csv),
             "3 + COPY to staging": best(args.runs, copy_only),
             "4 whole task (+ INSERT, commit)": best(args.runs, whole, truncate),
             "5 bare-table COPY of the rows": best(args.runs, plain_copy),
+            "6 row-by-row encode (alone)": best(args.runs, encode_rows),
         }
     print(f"\none task of {args.rows:,} rows, best of {args.runs}")
     print(f"{'step':<36}{'seconds':>9}{'us/row':>9}{'share of 4':>12}")

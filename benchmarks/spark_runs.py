@@ -9,14 +9,14 @@ Batch, ``--runs`` rounds, each on freshly truncated tables, the cases interleave
 - ``jdbc append``: ``df.write.format("jdbc").mode("append")`` of the rows (customer_id bigint,
   email text, segment text; batchsize 10,000) into a bare table without an index: the baseline;
 - ``format("dramatiq")``: the same DataFrame written as messages by the data source (the
-  executors' Python encodes every row; COPY, INSERT ... ON CONFLICT DO NOTHING, one NOTIFY per
-  task), with a new batch id each round;
-- ``enqueue_dataframe``: the same through the function, whose payloads Spark's expressions
-  build (for scale);
+  executors encode a batch at a time with Arrow; COPY, the known keys dropped, INSERT, one
+  NOTIFY per task), with a new batch id each round;
+- ``enqueue_dataframe``: the same through the function (the same writer in each task; for
+  scale);
 - ``jdbc append, indexed messages``: for scale too, the message rows themselves (ids, keys and
-  payloads built by enqueue_dataframe's Spark expressions) appended by JDBC into a copy of the
+  payloads built by the same encoder in the executors) appended by JDBC into a copy of the
   messages table with its indexes (``LIKE ... INCLUDING ALL``): what the table costs, without
-  the staging, the history check and ``ON CONFLICT`` (not idempotent).
+  the staging and the history check (not idempotent).
 
 Streaming, ``format("dramatiq")`` fed by Spark's ``rate`` source (2 partitions), default trigger:
 

@@ -14,9 +14,35 @@ COPY dpo_stage (message_id, idempotency_key, payload_text) FROM STDIN (FORMAT cs
 -- name: spark_copy_binary --
 COPY dpo_stage (message_id, idempotency_key, payload) FROM STDIN (FORMAT BINARY);
 
+-- name: spark_drop_known --
+-- The staged rows whose key is already waiting, running (keyed messages live
+-- in slot -1) or processed (history) go before the insert, so that the insert
+-- of what is left is a plain one.  Two joins, not an OR of two EXISTS (which
+-- runs a subplan per staged row): the planner hashes an empty or small side
+-- and probes the key indexes of a large one.
+DELETE FROM dpo_stage AS st USING {schema}.messages AS m
+ WHERE m.idempotency_key = st.idempotency_key AND m.slot = -1;
+DELETE FROM dpo_stage AS st USING {schema}.history AS h
+ WHERE h.idempotency_key = st.idempotency_key;
+
+-- name: spark_insert_new --
+-- The staged rows left by spark_drop_known become messages.  A plain INSERT:
+-- the unique key index refuses a key that a twin task (speculative execution,
+-- a retried task still running) wrote since, or a key the partition holds
+-- twice; the writer then rolls this statement back and runs spark_insert.
+-- Half the cost of spark_insert per row: no speculative insertion.
+INSERT INTO {schema}.messages
+    (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority, slot)
+SELECT %(queue_name)s, %(actor_name)s, st.message_id,
+       now() + %(delay)s * interval '1 millisecond',
+       coalesce(st.payload, convert_to(st.payload_text, 'UTF8')), st.idempotency_key,
+       %(priority)s::smallint, -1
+FROM dpo_stage AS st;
+
 -- name: spark_insert --
 -- What is new becomes messages: a key already in history (processed) or in
--- the hot table (waiting or running) is skipped.
+-- the hot table (waiting or running) is skipped.  The writer's fallback when
+-- spark_insert_new meets a key written since.
 INSERT INTO {schema}.messages
     (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority, slot)
 SELECT %(queue_name)s, %(actor_name)s, st.message_id,

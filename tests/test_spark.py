@@ -350,38 +350,86 @@ def test_analytics_command_on_an_empty_history(db: Any, database_url: str, tmp_p
     assert analytics.stats.count() == 0 and written["stats.csv"].is_file()
 
 
-def test_spark_builds_the_same_messages_as_python(spark: Any) -> None:
-    import json
+def test_arrow_encodes_batches_byte_for_byte_like_the_row_encoder() -> None:
+    import pyarrow as pa
+    from dramatiq.encoder import PickleEncoder
 
-    from dramatiq_pg_outbox.spark import _encode_rows, _prepare_in_jvm
+    from dramatiq_pg_outbox.spark import _encode_rows
+    from dramatiq_pg_outbox.spark.encoding import _batch_encodable, _encode_batch
 
     rows = [
         (1, 'quote " and \\ backslash', True, 2.5, None, "gold"),
         (-7, "ünïcødé ✓ and\nnewline\ttab", False, -0.125, 3, ""),
         (123456789012, "", None, None, -1, None),
+        (5, "plain ascii", True, float("nan"), 2**31 - 1, "x\u2028y"),
+        (6, "\x7f and \x00", None, 1.0, 0, "'single'"),
     ]
-    df = spark.createDataFrame(
-        rows, "id long, email string, flag boolean, score double, n int, segment string"
-    )
-    plan = _Plan.build(
-        key="id", args=["email", "flag", "score", "n"], kwargs={"segment": "segment", "again": "id"},
-        conninfo="", schema="dramatiq", channel="c", queue_name="q", actor_name="a", batch_id="b-1",
-        options={"max_retries": 1}, delay_ms=0, notify=False, encoder=dramatiq.get_encoder(),
+    schema = pa.schema(
+        [("id", pa.int64()), ("email", pa.string()), ("flag", pa.bool_()), ("score", pa.float64()),
+         ("n", pa.int32()), ("segment", pa.large_string())]
     )  # fmt: skip
-    prepared = _prepare_in_jvm(df.select(*plan.columns), plan, 1234)
-    assert prepared is not None
-    from_spark = sorted(tuple(r) for r in prepared.collect())
-    python_rows = [tuple(r) for r in df.select(*plan.columns).collect()]
-    from_python = sorted((m, k, p.decode()) for m, k, p in _encode_rows(plan, python_rows, 1234))
-    assert [r[:2] for r in from_spark] == [r[:2] for r in from_python]
-    for (_, _, spark_payload), (_, _, python_payload) in zip(from_spark, from_python, strict=True):
-        assert json.loads(spark_payload) == json.loads(python_payload)
-        Message.decode(spark_payload.encode())
-    # Types Spark cannot encode like Dramatiq (decimals, dates) and other encoders take the Python path.
-    decimals = spark.createDataFrame([(1, decimal.Decimal("1.5"))], "id long, d decimal(5,2)")
+    batch = pa.RecordBatch.from_pylist([dict(zip(schema.names, row, strict=True)) for row in rows], schema)
+    for options in ({"max_retries": 1}, {}):
+        plan = _Plan.build(
+            key="id", args=["email", "flag", "score", "n"], kwargs={"segment": "segment", "again": "id"},
+            conninfo="", schema="dramatiq", channel="c", queue_name="q", actor_name="a", batch_id='b-"1',
+            options=options, delay_ms=0, notify=False, encoder=dramatiq.get_encoder(),
+        )  # fmt: skip
+        assert _batch_encodable(plan, batch.schema)
+        encoded = _encode_batch(plan, batch.select(list(plan.columns)), 1234).to_pylist()
+        python_rows = [tuple(d.values()) for d in batch.select(list(plan.columns)).to_pylist()]
+        expected = [
+            {"message_id": m, "idempotency_key": k, "payload": p.decode()}
+            for m, k, p in _encode_rows(plan, python_rows, 1234)
+        ]
+        assert encoded == expected
+        for row in encoded:
+            Message.decode(row["payload"].encode())
+    # Types Arrow cannot encode like Dramatiq (decimals, dates) and other encoders go row by row.
     fields = {k: v for k, v in plan.__dict__.items() if k not in ("columns", "key", "args", "kwargs")}
-    plan_d = _Plan.build(key="id", args=["d"], **fields)
-    assert _prepare_in_jvm(decimals, plan_d, 0) is None
+    decimals = pa.schema([("id", pa.int64()), ("d", pa.decimal128(5, 2))])
+    assert not _batch_encodable(_Plan.build(key="id", args=["d"], **fields), decimals)
+    assert not _batch_encodable(_Plan.build(key="d", args=["id"], **fields), decimals)
+    pickled = {**fields, "encoder": PickleEncoder()}
+    assert not _batch_encodable(_Plan.build(key="id", args=["id"], **pickled), decimals)
+
+
+def test_a_key_twice_in_one_partition_becomes_one_message(
+    actor: Any, broker: PostgresBroker, db: Any
+) -> None:
+    """The plain insert meets the key again and the writer falls back to ON CONFLICT DO NOTHING."""
+    import pyarrow as pa
+
+    from dramatiq_pg_outbox.spark import write_arrow_partition
+
+    plan = _Plan.build(
+        key="customer_id", args=["customer_id"], conninfo=broker.conninfo, schema="dramatiq",
+        channel="dramatiq_pg_outbox.dramatiq", queue_name="notifications", actor_name="notify_customer",
+        batch_id="twice", options={}, delay_ms=0, notify=False, encoder=dramatiq.get_encoder(),
+    )  # fmt: skip
+    batch = pa.RecordBatch.from_pydict({"customer_id": pa.array([1, 2, 1, 3], pa.int64())})
+    assert write_arrow_partition(plan, [batch]) == (4, 3)
+    assert write_arrow_partition(plan, [batch]) == (4, 0)
+    assert count(db) == 3
+
+
+def test_a_null_key_in_an_arrow_batch_names_the_key_column(
+    actor: Any, broker: PostgresBroker, db: Any
+) -> None:
+    import pyarrow as pa
+
+    from dramatiq_pg_outbox.spark import write_arrow_partition
+
+    plan = _Plan.build(
+        key="customer_id", args=["customer_id"], conninfo=broker.conninfo, schema="dramatiq",
+        channel="dramatiq_pg_outbox.dramatiq", queue_name="notifications", actor_name="notify_customer",
+        batch_id="nulls", options={}, delay_ms=0, notify=False, encoder=dramatiq.get_encoder(),
+    )  # fmt: skip
+    good = pa.RecordBatch.from_pydict({"customer_id": pa.array([1, 2], pa.int64())})
+    bad = pa.RecordBatch.from_pydict({"customer_id": pa.array([3, None], pa.int64())})
+    with pytest.raises(EnqueueError, match="'customer_id' \\(the key\\) is null in a row of batch 'nulls'"):
+        write_arrow_partition(plan, [good, bad])
+    assert count(db) == 0
 
 
 def test_concurrent_duplicate_tasks_write_each_message_once(

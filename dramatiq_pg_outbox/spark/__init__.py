@@ -19,20 +19,24 @@ How it writes
 -------------
 The executors write, not the driver: each partition's task (``mapInArrow``)
 runs one transaction on one connection: a ``COPY`` into a temporary table,
-then one ``INSERT ... SELECT ... ON CONFLICT DO NOTHING`` into the messages
-table, then at most one ``NOTIFY`` (delivered at commit).  Rows stream into
+the rows of keys already known dropped from it, one ``INSERT ... SELECT`` of
+the rest into the messages table (``ON CONFLICT DO NOTHING`` only if a twin
+task wrote some of those keys meanwhile), then at most one ``NOTIFY``
+(delivered at commit).  Rows stream into
 ``COPY`` batch by batch, so a partition is never held in memory.
 
-Payloads are built one of two ways, with the same result (same ids, keys
-and decoded messages):
+Each task runs the writer of ``df.write.format("dramatiq")``
+(:func:`~dramatiq_pg_outbox.spark.write.write_arrow_partition`): one code path
+for both, which builds the payloads one of two ways, with the same bytes:
 
-- by Spark expressions, when the encoder is Dramatiq's default JSON encoder,
-  the key is a string or integer column and the arguments are string,
-  boolean, integer or floating point columns: no Python runs per row, and
-  Arrow writes the batches to ``COPY`` as CSV;
-- else in the executors' Python, row by row, with the driver's encoder
-  (custom encoders such as pickle, arrays, structs, ...).  A value the
-  encoder refuses (a ``Decimal`` or a ``date`` with JSON) fails the job.
+- column at a time with Arrow compute, when the encoder is Dramatiq's default
+  JSON encoder, the key is a string or integer column and the arguments are
+  string, boolean, integer or floating point columns: Python runs per row only
+  for the uuid5 id (and for the few strings JSON must escape), and Arrow writes
+  the batches to ``COPY`` as CSV;
+- else row by row, with the driver's encoder (custom encoders such as pickle,
+  arrays, structs, ...).  A value the encoder refuses (a ``Decimal`` or a
+  ``date`` with JSON) fails the job.
 
 Idempotency
 -----------
@@ -85,14 +89,12 @@ from .encoding import (
     NAMESPACE,
     EnqueueError,
     EnqueueResult,
-    _arrow_rows,
     _encode_rows,
     _Plan,
-    _prepare_in_jvm,
     idempotency_key_for,
     message_id_for,
 )
-from .write import write_partition, write_prepared_partition
+from .write import write_arrow_partition, write_partition
 
 __all__ = [
     "NAMESPACE",
@@ -100,7 +102,6 @@ __all__ = [
     "EnqueueResult",
     "_Plan",
     "_encode_rows",
-    "_prepare_in_jvm",
     "cluster_session",
     "enqueue_dataframe",
     "idempotency_key_for",
@@ -109,8 +110,8 @@ __all__ = [
     "local_session",
     "message_id_for",
     "register",
+    "write_arrow_partition",
     "write_partition",
-    "write_prepared_partition",
 ]
 
 
@@ -221,24 +222,17 @@ def enqueue_dataframe(
         if selected.rdd.getNumPartitions() > max_partitions:
             selected = selected.coalesce(max_partitions)
 
-    prepared = _prepare_in_jvm(selected, plan, int(time.time() * 1000))
-    in_jvm = prepared is not None  # the closure below must not capture a DataFrame
-
-    # Arrow carries the rows to the Python workers column by column, much
-    # faster than pickled Row objects; each task returns its counts as one row.
+    # Arrow carries the rows to the Python workers column by column; each task
+    # writes its partition as format("dramatiq")'s writer does and returns its counts.
     def write(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        if not in_jvm:
-            read, enqueued = write_partition(plan, _arrow_rows(batches))
-        else:
-            read, enqueued = write_prepared_partition(plan, batches)
+        read, enqueued = write_arrow_partition(plan, batches)
         yield pa.RecordBatch.from_pydict({"rows": [read], "enqueued": [enqueued]})
 
     started = time.perf_counter()
-    source = selected if prepared is None else prepared
     try:
-        counts = source.mapInArrow(write, "rows long, enqueued long").collect()
+        counts = selected.mapInArrow(write, "rows long, enqueued long").collect()
     except Exception as e:
         # An executor's EnqueueError reaches the driver inside Spark's own
         # exception; raise it as itself, with its message.

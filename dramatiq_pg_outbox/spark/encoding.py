@@ -1,4 +1,4 @@
-"""What a DataFrame row becomes: its message id, idempotency key and encoded payload (JVM or Python)."""
+"""What a DataFrame row becomes: its message id, idempotency key and payload (a batch or a row at a time)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dramatiq.encoder import Encoder
-    from pyspark.sql import DataFrame
 
 
 #: Namespace of the uuid5 message ids of :func:`enqueue_dataframe`.
@@ -101,91 +100,105 @@ class _Plan:
         )
 
 
-_JVM_JSON_TYPES = ("string", "boolean", "tinyint", "smallint", "int", "bigint", "float", "double")
-#: Key types whose Spark string cast equals Python's ``str()``.
-_JVM_KEY_TYPES = ("string", "tinyint", "smallint", "int", "bigint")
+#: What JSON escapes (as ``json.dumps`` with ``ensure_ascii`` writes it): anything but
+#: printable ASCII, the quote and the backslash.  RE2 syntax, for ``pyarrow.compute``.
+_NEEDS_ESCAPE = r"[^\x20\x21\x23-\x5b\x5d-\x7e]"
 
 
-def _prepare_in_jvm(selected: DataFrame, plan: _Plan, now_ms: int) -> DataFrame | None:
-    """(message_id, idempotency_key, payload) computed by Spark itself, or None if it cannot.
+def _batch_encodable(plan: _Plan, schema: Any) -> bool:
+    """Whether :func:`_encode_batch` encodes rows of this Arrow schema (else: row by row).
 
-    The common case (Dramatiq's default JSON encoder, string or integer key,
-    arguments of string, boolean, integer or floating point columns) needs no
-    Python per row: Spark builds the JSON payload and the uuid5 id, and the
-    executor's Python streams Arrow batches into COPY as CSV.  Anything else
-    (another encoder, decimals, dates, nested types) takes the Python path,
-    which refuses what the encoder cannot encode.
+    It does with Dramatiq's own JSON encoder, a string or integer key and arguments of
+    string, boolean, integer or floating point columns (the common case).
     """
-    import json
-
+    import pyarrow as pa
     from dramatiq.encoder import JSONEncoder
-    from pyspark.sql import functions as F
 
-    types = dict(selected.dtypes)
-    columns = plan.columns
-    if type(plan.encoder) is not JSONEncoder or types[columns[plan.key]] not in _JVM_KEY_TYPES:
-        return None
-    values = [*plan.args, *(i for _, i in plan.kwargs)]
-    if any(types[columns[i]] not in _JVM_JSON_TYPES for i in values):
-        return None
+    if type(plan.encoder) is not JSONEncoder:
+        return False
+    types = [schema.field(name).type for name in plan.columns]
+    key_type = types[plan.key]
+    if not (
+        pa.types.is_integer(key_type) or pa.types.is_string(key_type) or pa.types.is_large_string(key_type)
+    ):
+        return False
+    kinds = (pa.types.is_integer, pa.types.is_boolean, pa.types.is_floating, pa.types.is_string,
+             pa.types.is_large_string)  # fmt: skip
+    return all(any(kind(types[i]) for kind in kinds) for i in (*plan.args, *(i for _, i in plan.kwargs)))
 
-    def col(index: int) -> Any:
-        return selected[columns[index]]
 
-    def json_value(column: Any, kind: str = "string") -> Any:
-        if kind in ("tinyint", "smallint", "int", "bigint", "float", "double"):
-            # Numbers as Spark prints them (1.0E10, NaN, Infinity): json.loads reads them all.
-            return F.coalesce(column.cast("string"), F.lit("null"))
-        if kind == "boolean":
-            return F.when(column, F.lit("true")).when(~column, F.lit("false")).otherwise(F.lit("null"))
-        # Strings: to_json escapes them; it takes a struct: {"v":<value>} -> <value>.
-        text = F.to_json(F.struct(column.alias("v")), {"ignoreNullFields": "false"})
-        return text.substr(F.lit(6), F.length(text) - 6)
+def _json_column(column: Any, dumps: Callable[[Any], str]) -> Any:
+    """Each value of an Arrow column as JSON text, byte for byte as ``json.dumps`` writes it.
 
-    def value(index: int) -> Any:
-        return json_value(col(index), types[columns[index]])
+    Integers and booleans by Arrow casts, strings quoted by Arrow where nothing needs an
+    escape (``json.dumps`` only for the values that do), floats by ``json.dumps`` (Arrow
+    prints ``1.0`` as ``1``, which would decode as an integer); nulls as ``null``.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
 
-    ikey = F.concat(F.lit(f"{plan.batch_id}:"), col(plan.key).cast("string"))
-    digest = F.sha1(F.concat(F.unhex(F.lit(NAMESPACE.hex)), F.encode(ikey, "UTF-8")))
-    variant = F.element_at(
-        F.array(*(F.lit(c) for c in "89ab")),
-        (F.conv(F.substring(digest, 17, 1), 16, 10).cast("int").bitwiseAND(3) + 1),
-    )
-    message_id = F.concat(
-        F.substring(digest, 1, 8), F.lit("-"), F.substring(digest, 9, 4), F.lit("-5"),
-        F.substring(digest, 14, 3), F.lit("-"), variant, F.substring(digest, 18, 3), F.lit("-"),
-        F.substring(digest, 21, 12),
-    )  # fmt: skip
-    args_json = F.concat(
-        F.lit("["),
-        F.concat_ws(",", *(value(i) for i in plan.args)) if plan.args else F.lit(""),
-        F.lit("]"),
-    )
-    kwargs_json = F.concat(
-        F.lit("{"),
-        F.concat_ws(
-            ",",
-            *(F.concat(F.lit(json.dumps(name) + ":"), value(i)) for name, i in plan.kwargs),
-        )
-        if plan.kwargs
-        else F.lit(""),
-        F.lit("}"),
-    )
+    kind = column.type
+    if pa.types.is_integer(kind):
+        text = pc.cast(column, pa.string())
+    elif pa.types.is_boolean(kind):
+        text = pc.if_else(column, pa.scalar("true"), pa.scalar("false"))
+    elif pa.types.is_floating(kind):
+        text = pa.array([dumps(value) for value in column.to_pylist()], pa.string())
+    else:
+        column = pc.cast(column, pa.string())
+        text = pc.binary_join_element_wise(pa.scalar('"'), column, pa.scalar('"'), pa.scalar(""))
+        escape = pc.fill_null(pc.match_substring_regex(column, _NEEDS_ESCAPE), False)
+        if pc.any(escape).as_py():
+            escaped = [dumps(value) for value in pc.filter(column, escape).to_pylist()]
+            text = pc.replace_with_mask(text, escape, pa.array(escaped, pa.string()))
+    return pc.fill_null(text, pa.scalar("null"))
+
+
+def _encode_batch(plan: _Plan, batch: Any, now_ms: int) -> Any:
+    """An Arrow batch of rows (``plan.columns``) as a batch of (message_id, idempotency_key, payload).
+
+    Column at a time with ``pyarrow.compute`` where :func:`_batch_encodable` says so; the
+    payloads are byte for byte those of :func:`_encode_rows` (Dramatiq's JSON encoder), the
+    message ids its uuid5 ids (one SHA-1 per row in Python: Arrow has no SHA-1).
+
+    Raises:
+      EnqueueError: A null key, naming the key column and the batch.
+    """
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     dumps = _json_dumps()
-    options = dumps(plan.options)[:-1] + ("," if plan.options else "") + '"idempotency_key":'
-    payload = F.concat(
-        F.lit(f'{{"queue_name":{dumps(plan.queue_name)},"actor_name":{dumps(plan.actor_name)},"args":'),
-        args_json,
-        F.lit(',"kwargs":'),
-        kwargs_json,
-        F.lit(f',"options":{options}'),
-        json_value(ikey),
-        F.lit('},"message_id":"'),
-        message_id,
-        F.lit(f'","message_timestamp":{int(now_ms)}}}'),
+    key = batch.column(plan.key)
+    if key.null_count:
+        raise EnqueueError(
+            f"Column {plan.columns[plan.key]!r} (the key) is null in a row of batch {plan.batch_id!r}; "
+            "every row needs a key"
+        )
+    ikey = pc.binary_join_element_wise(
+        pa.scalar(f"{plan.batch_id}:"), pc.cast(key, pa.string()), pa.scalar("")
     )
-    return selected.select(
-        message_id.alias("message_id"), ikey.alias("idempotency_key"), payload.alias("payload")
+    prefix = hashlib.sha1(NAMESPACE.bytes, usedforsecurity=False)
+    message_id = pa.array([_uuid5(prefix, k) for k in ikey.to_pylist()], pa.string())
+    pieces: list[Any] = [
+        f'{{"queue_name":{dumps(plan.queue_name)},"actor_name":{dumps(plan.actor_name)},"args":['
+    ]
+    for n, i in enumerate(plan.args):
+        pieces += [","] if n else []
+        pieces.append(_json_column(batch.column(i), dumps))
+    pieces.append('],"kwargs":{')
+    for n, (name, i) in enumerate(plan.kwargs):
+        pieces.append(("," if n else "") + dumps(name) + ":")
+        pieces.append(_json_column(batch.column(i), dumps))
+    options = dumps(plan.options)[:-1] + ("," if plan.options else "") + '"idempotency_key":'
+    pieces += [f'}},"options":{options}', _json_column(ikey, dumps), '},"message_id":"', message_id,
+               f'","message_timestamp":{int(now_ms)}}}']  # fmt: skip
+    payload = pc.binary_join_element_wise(
+        *(pa.scalar(piece) if isinstance(piece, str) else piece for piece in pieces), pa.scalar("")
+    )
+    return pa.RecordBatch.from_arrays(
+        [message_id, ikey, payload], ["message_id", "idempotency_key", "payload"]
     )
 
 

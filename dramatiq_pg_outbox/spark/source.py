@@ -16,10 +16,10 @@ Usage (PySpark 4's Python Data Source API; ``pip install 'dramatiq-pg-outbox[spa
         .mode("append")
         .save())
 
-Each partition is written by its executor's Python worker exactly as
-:func:`~dramatiq_pg_outbox.spark.enqueue_dataframe` writes one
-(:func:`~dramatiq_pg_outbox.spark.write.write_partition`: one transaction, a ``COPY``
-into a temporary table, one ``INSERT ... ON CONFLICT DO NOTHING``, one ``NOTIFY``), with
+Each partition is written by its executor's Python worker, by the code that
+:func:`~dramatiq_pg_outbox.spark.enqueue_dataframe` runs too
+(:func:`~dramatiq_pg_outbox.spark.write.write_arrow_partition`: one transaction, a ``COPY``
+into a temporary table, one ``INSERT`` of the keys not yet known, one ``NOTIFY``), with
 the same idempotency key ``"<batch>:<key>"``, the same uuid5 message id and the same
 errors: a re-run with the same ``batch`` adds only what is missing.
 
@@ -63,9 +63,9 @@ from pyspark.sql.datasource import (
 
 from .._runtime.messages import broker_priority
 from ..names import channel_for, validate_queue_name
-from .encoding import _arrow_rows, _Plan
+from .encoding import _Plan
 from .options import given_options
-from .write import write_partition
+from .write import write_arrow_partition
 
 #: The options the data source reads; any other is refused (a typo would otherwise be ignored).
 OPTIONS = ("url", "actor", "batch", "key", "queue", "args", "kwargs", "schema", "delay", "notify", "options")
@@ -111,9 +111,7 @@ class _Writer(DataSourceArrowWriter):
 
 def _write(plan: _Plan, batches: Iterator[Any]) -> Written:
     """One task's Arrow batches, the plan's columns only, written as one transaction."""
-    names = list(plan.columns)
-    rows, enqueued = write_partition(plan, _arrow_rows(batch.select(names) for batch in batches))
-    return Written(rows, enqueued)
+    return Written(*write_arrow_partition(plan, batches))
 
 
 #: The local properties by which Spark's micro-batch execution tells its tasks which

@@ -4,45 +4,52 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import psycopg
 
 from .._queries import queries_for_schema
 from ..names import PARK_AFTER_MS
-
-if TYPE_CHECKING:
-    pass
-from .encoding import EnqueueError, _encode_rows, _Plan
+from .encoding import _arrow_rows, _batch_encodable, _encode_batch, _encode_rows, _Plan
 from .options import connect
 
 
-def write_prepared_partition(plan: _Plan, batches: Iterable[Any]) -> tuple[int, int]:
-    """Write Arrow batches of (message_id, idempotency_key, payload) in one transaction.
+def write_arrow_partition(plan: _Plan, batches: Iterable[Any]) -> tuple[int, int]:
+    """Write one task's Arrow batches (at least ``plan.columns``) in one transaction.
 
-    The batches go to COPY as CSV written by Arrow (no Python per row).
+    The writer of both ``df.write.format("dramatiq")`` and ``enqueue_dataframe``.  In the
+    common case (:func:`~.encoding._batch_encodable`) each batch is encoded column at a time
+    (:func:`~.encoding._encode_batch`) and goes to COPY as CSV written by Arrow, no Python
+    per row but one SHA-1; else row by row (:func:`write_partition`).
+
+    Returns:
+      tuple[int, int]: (rows read, messages enqueued).
+
+    Raises:
+      EnqueueError: A null key or a value the encoder refuses (nothing of the task is written).
     """
     import io
 
     from pyarrow import csv
 
-    iterator = iter(batches)
+    names = list(plan.columns)
+    iterator = (batch.select(names) for batch in batches)
     first = next((b for b in iterator if b.num_rows), None)
     if first is None:
         return 0, 0
+    if not _batch_encodable(plan, first.schema):
+        return write_partition(plan, _arrow_rows(_chain(first, iterator)))
+    now_ms = int(time.time() * 1000)
     options = csv.WriteOptions(include_header=False)
-    key_name = plan.columns[plan.key]
 
     def feed(copy: Any) -> int:
         read = 0
         for batch in _chain(first, iterator):
-            if batch.column(1).null_count:
-                raise EnqueueError(
-                    f"Column {key_name!r} (the key) is null in a row of batch {plan.batch_id!r}; "
-                    "every row needs a key"
-                )
-            buffer = io.BytesIO()
-            csv.write_csv(batch, buffer, options)
-            copy.write(buffer.getvalue())
-            read += batch.num_rows
+            if batch.num_rows:
+                buffer = io.BytesIO()
+                csv.write_csv(_encode_batch(plan, batch, now_ms), buffer, options)
+                copy.write(buffer.getvalue())
+                read += batch.num_rows
         return read
 
     return _write_stage(plan, "spark_copy_text", feed)
@@ -74,23 +81,34 @@ def write_partition(plan: _Plan, rows: Iterable[Any]) -> tuple[int, int]:
 
 
 def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tuple[int, int]:
-    """One transaction: COPY into a temporary table, insert what is new, verify, NOTIFY once."""
+    """One transaction: COPY into a temporary table, insert what is new, verify, NOTIFY once.
+
+    What is new is inserted by a plain INSERT after the staged rows of known keys are
+    dropped (``spark_drop_known``, ``spark_insert_new``); ``INSERT ... ON CONFLICT DO
+    NOTHING`` (``spark_insert``) costs twice as much per row (speculative insertion)
+    and runs only when the plain insert meets a key written since.
+    """
     queries = queries_for_schema(plan.schema)
     with connect(plan.conninfo) as conn:
         with conn.cursor() as cur:
             cur.execute(queries["spark_stage"])
             with cur.copy(queries[copy_query]) as copy:
                 read = feed(copy)
-            cur.execute(
-                queries["spark_insert"],
-                {
-                    "queue_name": plan.queue_name,
-                    "actor_name": plan.actor_name,
-                    "delay": plan.delay_ms,
-                    "priority": plan.priority,
-                    "park_after_ms": PARK_AFTER_MS,
-                },
-            )
+            params = {
+                "queue_name": plan.queue_name,
+                "actor_name": plan.actor_name,
+                "delay": plan.delay_ms,
+                "priority": plan.priority,
+                "park_after_ms": PARK_AFTER_MS,
+            }
+            cur.execute(queries["spark_drop_known"])
+            try:
+                with conn.transaction():
+                    cur.execute(queries["spark_insert_new"], params)
+            except psycopg.errors.UniqueViolation:
+                # A twin task wrote some of these keys since the check, or the
+                # partition holds a key twice: insert what is new, row by row.
+                cur.execute(queries["spark_insert"], params)
             enqueued = cur.rowcount
             if enqueued:
                 cur.execute(queries["spark_drop_twins"])
