@@ -128,21 +128,17 @@ def test_rerunning_the_same_batch_adds_nothing(spark: Any, actor: Any, db: Any) 
     assert other.enqueued == 500 and count(db) == 1000
 
 
+def customer_id_plan(broker: PostgresBroker, batch_id: str, *, notify: bool = False) -> _Plan:
+    """The plan of an executor task that enqueues notify_customer(customer_id) keyed by customer_id."""
+    return _Plan.build(
+        key="customer_id", args=["customer_id"], conninfo=broker.conninfo, schema="dramatiq",
+        channel="dramatiq_pg_outbox.dramatiq", queue_name="notifications", actor_name="notify_customer",
+        batch_id=batch_id, options={}, delay_ms=0, notify=notify, encoder=dramatiq.get_encoder(),
+    )  # fmt: skip
+
+
 def test_a_retried_task_adds_nothing(actor: Any, broker: PostgresBroker, db: Any) -> None:
-    plan = _Plan.build(
-        key="customer_id",
-        args=["customer_id"],
-        conninfo=broker.conninfo,
-        schema="dramatiq",
-        channel="dramatiq_pg_outbox.dramatiq",
-        queue_name="notifications",
-        actor_name="notify_customer",
-        batch_id="retry",
-        options={},
-        delay_ms=0,
-        notify=False,
-        encoder=dramatiq.get_encoder(),
-    )
+    plan = customer_id_plan(broker, "retry")
     rows = [(i,) for i in range(100)]
     assert write_partition(plan, rows) == (100, 100)
     # The same task run again (Spark retried it after its commit): nothing new.
@@ -402,11 +398,7 @@ def test_a_key_twice_in_one_partition_becomes_one_message(
 
     from dramatiq_pg_outbox.spark import write_arrow_partition
 
-    plan = _Plan.build(
-        key="customer_id", args=["customer_id"], conninfo=broker.conninfo, schema="dramatiq",
-        channel="dramatiq_pg_outbox.dramatiq", queue_name="notifications", actor_name="notify_customer",
-        batch_id="twice", options={}, delay_ms=0, notify=False, encoder=dramatiq.get_encoder(),
-    )  # fmt: skip
+    plan = customer_id_plan(broker, "twice")
     batch = pa.RecordBatch.from_pydict({"customer_id": pa.array([1, 2, 1, 3], pa.int64())})
     assert write_arrow_partition(plan, [batch]) == (4, 3)
     assert write_arrow_partition(plan, [batch]) == (4, 0)
@@ -420,11 +412,7 @@ def test_a_null_key_in_an_arrow_batch_names_the_key_column(
 
     from dramatiq_pg_outbox.spark import write_arrow_partition
 
-    plan = _Plan.build(
-        key="customer_id", args=["customer_id"], conninfo=broker.conninfo, schema="dramatiq",
-        channel="dramatiq_pg_outbox.dramatiq", queue_name="notifications", actor_name="notify_customer",
-        batch_id="nulls", options={}, delay_ms=0, notify=False, encoder=dramatiq.get_encoder(),
-    )  # fmt: skip
+    plan = customer_id_plan(broker, "nulls")
     good = pa.RecordBatch.from_pydict({"customer_id": pa.array([1, 2], pa.int64())})
     bad = pa.RecordBatch.from_pydict({"customer_id": pa.array([3, None], pa.int64())})
     with pytest.raises(EnqueueError, match="'customer_id' \\(the key\\) is null in a row of batch 'nulls'"):
@@ -438,11 +426,7 @@ def test_concurrent_duplicate_tasks_write_each_message_once(
     """Speculative execution: two attempts of the same task run at the same time."""
     import threading
 
-    plan = _Plan.build(
-        key="customer_id", args=["customer_id"], conninfo=broker.conninfo, schema="dramatiq",
-        channel="dramatiq_pg_outbox.dramatiq", queue_name="notifications", actor_name="notify_customer",
-        batch_id="speculative", options={}, delay_ms=0, notify=True, encoder=dramatiq.get_encoder(),
-    )  # fmt: skip
+    plan = customer_id_plan(broker, "speculative", notify=True)
     rows = [(i,) for i in range(5_000)]
     results: list[tuple[int, int]] = []
     threads = [threading.Thread(target=lambda: results.append(write_partition(plan, rows))) for _ in range(3)]
