@@ -30,7 +30,7 @@ DELETE FROM dpo_stage AS st USING {schema}.history AS h
 -- the unique key index refuses a key that a twin task (speculative execution,
 -- a retried task still running) wrote since, or a key the partition holds
 -- twice; the writer then rolls this statement back and runs spark_insert.
--- Half the cost of spark_insert per row: no speculative insertion.
+-- About 2/3 of the cost of spark_insert per row: no speculative insertion.
 INSERT INTO {schema}.messages
     (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority, slot)
 SELECT %(queue_name)s, %(actor_name)s, st.message_id,

@@ -127,6 +127,26 @@ def _batch_encodable(plan: _Plan, schema: Any) -> bool:
     return all(any(kind(types[i]) for kind in kinds) for i in (*plan.args, *(i for _, i in plan.kwargs)))
 
 
+def _json_frame(plan: _Plan, dumps: Callable[[Any], str]) -> tuple[str, str]:
+    """The constant parts of a payload, as Dramatiq's JSONEncoder writes the message dict.
+
+    Returns:
+      tuple[str, str]: What comes before the args (``{"queue_name":...,"args":``) and the
+      options object up to the idempotency key's value (``{...,"idempotency_key":``).
+    """
+    head = f'{{"queue_name":{dumps(plan.queue_name)},"actor_name":{dumps(plan.actor_name)},"args":'
+    options = dumps(plan.options)[:-1] + ("," if plan.options else "") + '"idempotency_key":'
+    return head, options
+
+
+def _null_key(plan: _Plan) -> EnqueueError:
+    """The error of a row without a key (its column and the batch are named)."""
+    return EnqueueError(
+        f"Column {plan.columns[plan.key]!r} (the key) is null in a row of batch {plan.batch_id!r}; "
+        "every row needs a key"
+    )
+
+
 def _json_column(column: Any, dumps: Callable[[Any], str]) -> Any:
     """Each value of an Arrow column as JSON text, byte for byte as ``json.dumps`` writes it.
 
@@ -172,18 +192,14 @@ def _encode_batch(plan: _Plan, batch: Any, now_ms: int) -> Any:
     dumps = _json_dumps()
     key = batch.column(plan.key)
     if key.null_count:
-        raise EnqueueError(
-            f"Column {plan.columns[plan.key]!r} (the key) is null in a row of batch {plan.batch_id!r}; "
-            "every row needs a key"
-        )
+        raise _null_key(plan)
     ikey = pc.binary_join_element_wise(
         pa.scalar(f"{plan.batch_id}:"), pc.cast(key, pa.string()), pa.scalar("")
     )
     prefix = hashlib.sha1(NAMESPACE.bytes, usedforsecurity=False)
     message_id = pa.array([_uuid5(prefix, k) for k in ikey.to_pylist()], pa.string())
-    pieces: list[Any] = [
-        f'{{"queue_name":{dumps(plan.queue_name)},"actor_name":{dumps(plan.actor_name)},"args":['
-    ]
+    head, options = _json_frame(plan, dumps)
+    pieces: list[Any] = [head + "["]
     for n, i in enumerate(plan.args):
         pieces += [","] if n else []
         pieces.append(_json_column(batch.column(i), dumps))
@@ -191,7 +207,6 @@ def _encode_batch(plan: _Plan, batch: Any, now_ms: int) -> Any:
     for n, (name, i) in enumerate(plan.kwargs):
         pieces.append(("," if n else "") + dumps(name) + ":")
         pieces.append(_json_column(batch.column(i), dumps))
-    options = dumps(plan.options)[:-1] + ("," if plan.options else "") + '"idempotency_key":'
     pieces += [f'}},"options":{options}', _json_column(ikey, dumps), '},"message_id":"', message_id,
                f'","message_timestamp":{int(now_ms)}}}']  # fmt: skip
     payload = pc.binary_join_element_wise(
@@ -259,15 +274,11 @@ def _encode_rows(plan: _Plan, rows: Iterable[Any], now_ms: int) -> Iterator[tupl
         # Byte for byte what JSONEncoder.encode gives for the message dict,
         # with the constant parts rendered once.
         dumps = _json_dumps()
-        head = f'{{"queue_name":{dumps(plan.queue_name)},"actor_name":{dumps(plan.actor_name)},"args":'
-        options = dumps(plan.options)[:-1] + ("," if plan.options else "") + '"idempotency_key":'
+        head, options = _json_frame(plan, dumps)
     for row in rows:
         key = row[key_at]
         if key is None:
-            raise EnqueueError(
-                f"Column {plan.columns[key_at]!r} (the key) is null in a row of batch {plan.batch_id!r}; "
-                "every row needs a key"
-            )
+            raise _null_key(plan)
         ikey = batch + str(key)
         message_id = _uuid5(prefix, ikey)
         try:

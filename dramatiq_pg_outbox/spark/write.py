@@ -6,8 +6,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import psycopg
-
 from .._queries import queries_for_schema
 from ..names import PARK_AFTER_MS
 from .encoding import _arrow_rows, _batch_encodable, _encode_batch, _encode_rows, _Plan
@@ -85,9 +83,12 @@ def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tu
 
     What is new is inserted by a plain INSERT after the staged rows of known keys are
     dropped (``spark_drop_known``, ``spark_insert_new``); ``INSERT ... ON CONFLICT DO
-    NOTHING`` (``spark_insert``) costs twice as much per row (speculative insertion)
-    and runs only when the plain insert meets a key written since.
+    NOTHING`` (``spark_insert``) costs about 1.5x as much per row (speculative insertion;
+    benchmarks/README.md section 17b) and runs only when the plain insert meets a key
+    written since or one the partition repeats.
     """
+    from psycopg.errors import UniqueViolation
+
     queries = queries_for_schema(plan.schema)
     with connect(plan.conninfo) as conn:
         with conn.cursor() as cur:
@@ -105,9 +106,9 @@ def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tu
             try:
                 with conn.transaction():
                     cur.execute(queries["spark_insert_new"], params)
-            except psycopg.errors.UniqueViolation:
+            except UniqueViolation:
                 # A twin task wrote some of these keys since the check, or the
-                # partition holds a key twice: insert what is new, row by row.
+                # partition holds a key twice: skip each conflicting key instead.
                 cur.execute(queries["spark_insert"], params)
             enqueued = cur.rowcount
             if enqueued:
