@@ -28,12 +28,14 @@ from sqlalchemy.engine import make_url
 from dramatiq_pg_outbox import upgrade
 from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
+from .checker import history_checker
 from .harness import Db, Producer
 from .pinned import pinned_horizon
 from .scenarios import SCENARIOS, Context, Result
 
-#: Scenario 10 (about 30 minutes) runs only when named: ``--scenarios 10``.
-ALL_SCENARIOS = {**SCENARIOS, 10: pinned_horizon}
+#: Scenarios 10 (about 30 minutes) and 11 (``--duration`` seconds per isolation level, three levels)
+#: run only when named: ``--scenarios 10``, ``--scenarios 11 --duration 1800``.
+ALL_SCENARIOS = {**SCENARIOS, 10: pinned_horizon, 11: history_checker}
 
 HEADER = ("scenario", "messages", "lost", "duplicates", "recovery time", "notes")
 
@@ -66,6 +68,10 @@ def main() -> int:
     parser.add_argument("--scenarios", default="1,2,3,4,5,6,7,8,9", help="comma-separated numbers")
     parser.add_argument("--url", help="admin URL of an existing server (scenario 3 is then skipped)")
     parser.add_argument("--markdown", type=Path, help="also write the results table to this file")
+    parser.add_argument(
+        "--duration", type=float, default=600.0, help="scenario 11: seconds of operations per isolation level"
+    )
+    parser.add_argument("--seed", type=int, help="scenario 11: the schedule's seed (default: random)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     chosen = [int(s) for s in args.scenarios.split(",") if s.strip()]
@@ -83,7 +89,10 @@ def main() -> int:
             for number in chosen:
                 db.reset()
                 producer = Producer(url)
-                ctx = Context(url=url, server=pg, logdir=logdir, quick=args.quick, db=db, producer=producer)
+                ctx = Context(
+                    url=url, server=pg, logdir=logdir, quick=args.quick, db=db, producer=producer,
+                    duration=args.duration, seed=args.seed,
+                )  # fmt: skip
                 started = time.monotonic()
                 print(f"--- scenario {number}: {ALL_SCENARIOS[number].__name__}", flush=True)
                 try:

@@ -231,6 +231,7 @@ class Hosts:
 class Report:
     seed: int
     isolation: str
+    duration: float
     seconds: float
     ops: Counter[str]
     faults: Counter[str]
@@ -245,7 +246,9 @@ class Report:
         return (
             f"history-check seed={self.seed} isolation={SHORT[self.isolation]} {self.seconds:.0f}s "
             f"operations={sum(self.ops.values())} ({ops}) messages={self.messages} "
-            f"faults={sum(self.faults.values())} ({faults}) anomalies={anomalies}"
+            f"faults={sum(self.faults.values())} ({faults}) anomalies={anomalies} | again: python -m "
+            f"benchmarks.chaos.checker --seed {self.seed} --isolation {SHORT[self.isolation]} "
+            f"--duration {self.duration:g}"
         )
 
 
@@ -270,6 +273,7 @@ class Run:
         self.rng = random.Random(seed)
         self.errors: list[str] = []
         self.epoch = 0
+        self.big_spark_task = 1_500
 
     # -- clients --------------------------------------------------------------------------------
 
@@ -279,17 +283,8 @@ class Run:
         engine = create_engine("postgresql+psycopg://" + self.url.split("://", 1)[1], pool_pre_ping=True)
         async_engine = create_async_engine("postgresql+psycopg://" + self.url.split("://", 1)[1])
         loop = asyncio.new_event_loop()
-        kinds = [
-            "plain",
-            "keyed",
-            "outbox",
-            "outbox",
-            "outbox_async",
-            "many",
-            "pipeline",
-            "callback",
-            "group",
-        ]
+        kinds = ["plain", "keyed", "outbox", "outbox", "outbox_async", "django"]
+        kinds += ["many", "pipeline", "callback", "group"]
         if index == 0:
             kinds += ["spark"]
         n = 0
@@ -306,14 +301,11 @@ class Run:
                         getattr(self, f"_op_{kind}")(engine, broker, actors, token, rng)
                     with self.record.lock:
                         self.record.ops[kind] += 1
-                except Exception as e:  # an op whose outcome is recorded as unknown already
+                except Exception as e:  # its outcome is recorded (rolled back or unknown)
                     with self.record.lock:
                         self.record.ops[f"{kind}_error"] += 1
-                    if (
-                        not isinstance(e, (psycopg.OperationalError, OSError))
-                        and "connection" not in str(e).lower()
-                    ):
-                        self.errors.append(f"{kind} {token}: {type(e).__name__}: {e}")
+                    if not _expected_error(e):
+                        self.errors.append(f"{kind} {token}: {type(e).__name__}: {str(e)[:300]}")
                 time.sleep(rng.uniform(0, 0.02))
         finally:
             loop.run_until_complete(async_engine.dispose())
@@ -406,8 +398,11 @@ class Run:
         commit = rng.random() < 0.8
         hold = rng.random() < 0.1
         after: list[Sent] = []
-        with Session(engine) as session:
-            with outbox(session, broker):
+        kept: list[Sent] = []
+        dropped: list[Sent] = []
+        committing = False
+        try:
+            with Session(engine) as session, outbox(session, broker):
                 session.execute(text("INSERT INTO chk_orders (token) VALUES (:t)"), {"t": token})
                 kept, dropped, _ = self._outbox_body(broker, actors, token, rng, session)
                 if commit and rng.random() < 0.3:
@@ -424,21 +419,17 @@ class Run:
                     event.listen(session, "after_commit", on_commit, once=True)
                 if hold:  # across two turns of the ring
                     time.sleep(2.2 * WORKER_SETTINGS["rotate_interval"] / 1000)
-                try:
-                    if commit:
-                        session.commit()
-                    else:
-                        session.rollback()
-                except Exception as e:
-                    certain = isinstance(
-                        e, psycopg.errors.SerializationFailure
-                    ) or "could not serialize" in str(e)
-                    for s in kept:
-                        s.outcome = "rolled_back" if certain else "unknown"
-                    self.record.add(*kept, *dropped, *after)
-                    for s in dropped:
-                        s.outcome = "rolled_back"
-                    raise
+                committing = commit
+                session.commit() if commit else session.rollback()
+        except Exception as e:
+            # Before the COMMIT, or a COMMIT refused by a serialization failure: rolled back.
+            certain = not committing or _serialization_failure(e)
+            for s in kept:
+                s.outcome = "rolled_back" if certain else "unknown"
+            for s in dropped:
+                s.outcome = "rolled_back"
+            self.record.add(*kept, *dropped, *after)
+            raise
         for s in kept:
             s.outcome = "committed" if commit else "rolled_back"
         for s in dropped:
@@ -455,22 +446,62 @@ class Run:
         mode, _ = self._mode(rng)
         sent, message = self._send(actors, token, "main", mode, "outbox_async")
         sent.business = True
-        async with AsyncSession(engine) as session:
-            try:
+        committing = False
+        try:
+            async with AsyncSession(engine) as session:
                 async with outbox(session, broker):
                     await session.execute(text("INSERT INTO chk_orders (token) VALUES (:t)"), {"t": token})
                     broker.enqueue(message)
-                if commit:
-                    await session.commit()
-                else:
-                    await session.rollback()
-            except Exception as e:
-                certain = "could not serialize" in str(e)
-                sent.outcome = "rolled_back" if certain or not commit else "unknown"
-                self.record.add(sent)
-                raise
+                committing = commit
+                await (session.commit() if commit else session.rollback())
+        except Exception as e:
+            certain = not committing or _serialization_failure(e)
+            sent.outcome = "rolled_back" if certain else "unknown"
+            self.record.add(sent)
+            raise
         sent.outcome = "committed" if commit else "rolled_back"
         self.record.add(sent)
+
+    def _op_django(
+        self, engine: Any, broker: PostgresBroker, actors: dict[str, Any], token: str, rng: random.Random
+    ) -> None:
+        """A send inside Django's ``transaction.atomic()`` with ``dramatiq_pg_outbox.django.outbox``."""
+        from django.db import connections, transaction
+
+        from dramatiq_pg_outbox.django import outbox as django_outbox
+
+        alias = _django_database(self.url)
+        commit = rng.random() < 0.8
+        mode, _ = self._mode(rng)
+        sent, message = self._send(actors, token, "main", mode, "django")
+        sent.business = True
+        nested_sent, nested = self._send(actors, token, "nested", "ok", "django")
+        nested_kept = rng.random() < 0.5
+        try:
+            with transaction.atomic(using=alias), django_outbox(using=alias, broker=broker):
+                with connections[alias].cursor() as cursor:
+                    cursor.execute("INSERT INTO chk_orders (token) VALUES (%s)", [token])
+                broker.enqueue(message)
+                try:
+                    with transaction.atomic(using=alias):
+                        broker.enqueue(nested)
+                        if not nested_kept:
+                            raise _RollBack
+                except _RollBack:
+                    pass
+                if not commit:
+                    transaction.set_rollback(True, using=alias)
+        except Exception as e:
+            certain = _serialization_failure(e)
+            sent.outcome = nested_sent.outcome = "rolled_back" if certain else "unknown"
+            if not nested_kept:
+                nested_sent.outcome = "rolled_back"
+            self.record.add(sent, nested_sent)
+            connections[alias].close()
+            raise
+        sent.outcome = "committed" if commit else "rolled_back"
+        nested_sent.outcome = "committed" if commit and nested_kept else "rolled_back"
+        self.record.add(sent, nested_sent)
 
     def _op_pipeline(
         self, engine: Any, broker: PostgresBroker, actors: dict[str, Any], token: str, rng: random.Random
@@ -534,7 +565,8 @@ class Run:
             queue_name=checker_app.QUEUE, actor_name="spark_rec", batch_id=token, options={}, delay_ms=0,
             notify=True, encoder=dramatiq.get_encoder(),
         )  # fmt: skip
-        size = rng.randint(3, 30) if rng.random() < 0.7 else rng.randint(300, 1500)
+        big = self.big_spark_task
+        size = rng.randint(3, 30) if rng.random() < 0.7 else rng.randint(big // 5, big)
         rows = [(f"s{token}-{i}",) for i in range(size)]
         offset = rng.uniform(0, 0.03)
         outcomes: list[str] = []
@@ -671,8 +703,53 @@ class Run:
             anomalies["client_error"] += len(self.errors)
             examples["client_error"] = self.errors[:5]
         faults = Counter(k for _, k, _ in self.record.faults if not k.endswith("_end"))
-        return Report(self.seed, self.isolation, time.monotonic() - started, self.record.ops, faults,
-                      anomalies, examples, messages)  # fmt: skip
+        seconds = time.monotonic() - started
+        return Report(self.seed, self.isolation, self.duration, seconds, self.record.ops, faults, anomalies,
+                      examples, messages)  # fmt: skip
+
+
+def _serialization_failure(e: BaseException) -> bool:
+    return isinstance(e, psycopg.errors.SerializationFailure) or "could not serialize" in str(e)
+
+
+def _expected_error(e: BaseException) -> bool:
+    """What a fault makes a client see: a lost connection, a restart, a serialization failure."""
+    text = str(e).lower()
+    return (
+        isinstance(e, (psycopg.OperationalError, OSError, TimeoutError))
+        or _serialization_failure(e)
+        or any(w in text for w in ("connection", "shutting down", "terminating", "timeout", "deadlock"))
+    )
+
+
+class _RollBack(Exception):
+    """Raised inside a nested ``atomic()`` to roll its savepoint back."""
+
+
+_django_lock = threading.Lock()
+
+
+def _django_database(url: str) -> str:
+    """The Django database alias of ``url``, configured on first use (Django set up once per process)."""
+    import django
+    from django.conf import settings
+    from django.db import connections
+
+    parts = make_url(url)
+    alias = f"check_{parts.database}"
+    with _django_lock:
+        config = {
+            "ENGINE": "django.db.backends.postgresql", "NAME": parts.database, "USER": parts.username,
+            "PASSWORD": parts.password or "", "HOST": parts.host, "PORT": parts.port,
+        }  # fmt: skip
+        if not settings.configured:
+            # Django wants a default database: the first run's (the checker names each run's alias).
+            settings.configure(DATABASES={"default": dict(config)}, USE_TZ=True, INSTALLED_APPS=[])
+            django.setup()
+        if alias not in connections.settings:
+            configured = connections.configure_settings({"default": dict(config), alias: config})
+            connections.settings[alias] = configured[alias]
+    return alias
 
 
 def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -907,21 +984,59 @@ def database(server: ThrowawayPostgres, isolation: str) -> Iterator[str]:
 
 
 def run_levels(
-    seed: int, duration: float, levels: tuple[str, ...] = LEVELS, logdir: Path | None = None
+    seed: int,
+    duration: float,
+    levels: tuple[str, ...] = LEVELS,
+    logdir: Path | None = None,
+    big_spark_task: int = 1_500,
 ) -> list[Report]:
-    """One run per isolation level on one throwaway server (restarted by the runs); one report each."""
+    """One run per isolation level (each with ``seed``) on one throwaway server, which the runs
+    restart; prints and returns one report per run.
+
+    Parameters:
+      seed(int): The schedule's seed.
+      duration(float): Seconds of operations per level (then the drain, up to 90 s).
+      big_spark_task(int): Rows of the largest Spark writer task (the short run of the tests
+        uses fewer, to drain sooner).
+    """
     logdir = logdir or Path(tempfile.mkdtemp(prefix="history-check-"))
     reports = []
+    # fsync off: a restart of the server is not a crash of the machine, and the runs are I/O bound.
     with ThrowawayPostgres({"max_connections": 300, "fsync": "off"}) as server:
-        for i, level in enumerate(levels):
+        for level in levels:
             with database(server, level) as name:
-                report = Run(server, name, seed + i, level, duration, logdir).run()
+                run = Run(server, name, seed, level, duration, logdir)
+                run.big_spark_task = big_spark_task
+                report = run.run()
             print(report.line(), flush=True)
             for kind, items in report.examples.items():
                 for item in items:
                     print(f"    {kind}: {item}", flush=True)
             reports.append(report)
     return reports
+
+
+def history_checker(ctx: Any) -> Any:
+    """Chaos scenario 11: the checker, ``ctx.duration`` seconds under each isolation default.
+
+    Runs on a throwaway server of its own (it restarts PostgreSQL), whatever ``--url`` says.
+    """
+    from .scenarios import Result
+
+    seed = ctx.seed if ctx.seed is not None else random.randrange(2**31)
+    reports = run_levels(seed, ctx.duration, logdir=ctx.logdir)
+    anomalies = sum((r.anomalies for r in reports), Counter())
+    notes = "; ".join(
+        f"{SHORT[r.isolation]}: {sum(r.ops.values())} operations, {sum(r.faults.values())} faults, "
+        f"anomalies {dict(r.anomalies) or 0}"
+        for r in reports
+    )
+    lost = anomalies["lost"] + anomalies["outbox_mismatch"]
+    doubled = anomalies["duplicate"] + anomalies["key_twice"] + anomalies["stored_twice"]
+    return Result(
+        "history_checker", sum(r.messages for r in reports), lost, doubled, "-",
+        f"seed {seed}, {ctx.duration:g} s per level; {notes}", not anomalies,
+    )  # fmt: skip
 
 
 def main() -> int:
@@ -936,6 +1051,7 @@ def main() -> int:
                         help="RC, RR or SER (repeatable; default: all three)")  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.CRITICAL)
+    logging.getLogger().setLevel(logging.CRITICAL)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     levels = tuple(level for level in LEVELS if not args.isolation or SHORT[level] in args.isolation)
     reports = run_levels(seed, args.duration, levels)

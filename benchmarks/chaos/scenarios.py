@@ -58,6 +58,10 @@ class Context:
     quick: bool
     db: Db
     producer: Producer
+    #: Seconds of operations per isolation level of scenario 11 (``--duration``).
+    duration: float = 600.0
+    #: Scenario 11's seed (``--seed``; None: random).
+    seed: int | None = None
 
     def n(self, full: int, quick: int = 3_000) -> int:
         return quick if self.quick else full
