@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import os
@@ -658,7 +659,7 @@ class Run:
                 try:
                     reclaimer.run_once()
                 except Exception as e:
-                    if "serializ" not in str(e) and not isinstance(e, psycopg.OperationalError):
+                    if not _expected_error(e):
                         self.errors.append(f"second reclaimer: {type(e).__name__}: {e}")
         finally:
             broker.close()
@@ -922,12 +923,21 @@ def check(url: str, record: Record, drained: bool) -> tuple[Counter[str], dict[s
         if outcome == "committed" and not spark_runs.get(key):
             bad("lost", f"spark key {key}: written, never ran")
 
-    # 5. Results: every completed rec message stored its result.
-    if results is not None:
-        for s in record.sent:
-            if s.message_id in completed and s.step != "callback":
-                pass  # results are keyed by the backend's own key: counted, not matched
+    # 5. Results (written with the ack): every completed rec message stored its result.
+    for h in history:
+        if h[5] == "rec" and h[2] == "completed":
+            message = Message.decode(bytes(h[6]))
+            if message.options.get("retries", 0) == 0 and message.args[2] == "retry":
+                continue  # the first delivery of a retry message failed (archived completed, with its error)
+            if _result_key(message) not in results:
+                bad("result_missing", f"{message.args[0]}/{message.args[1]} {message.message_id}")
     return anomalies, dict(examples), len(history)
+
+
+def _result_key(message: Message[Any]) -> str:
+    """The results backend's key of a message (Dramatiq's: md5 of namespace, queue, actor, message id)."""
+    key = f"dramatiq-results:{message.queue_name}:{message.actor_name}:{message.message_id}"
+    return hashlib.md5(key.encode()).hexdigest()  # Dramatiq's key, not a secret
 
 
 def _done(hist_by_mid: dict[str, list[tuple[Any, ...]]], s: Sent) -> bool:
