@@ -596,7 +596,23 @@ FROM {schema}.reclaim_messages(%(rotate_ms)s::bigint, %(park_after_ms)s::bigint,
 SELECT count(*) FROM {schema}.messages WHERE queue_name = ANY(%(queue_names)s::text[]);
 
 -- name: purge --
-DELETE FROM {schema}.messages WHERE queue_name = ANY(%(queue_names)s::text[]);
+-- broker.flush: deletes every stored row of the queues, or those of them whose id
+-- is in %(ids)s (NULL: all).  Returns the ids the statement's snapshot saw but did
+-- not delete: rows changed under it, e.g. moved to another partition by
+-- reclaim_messages() (DELETE ... RETURNING into INSERT with the same id: a DELETE
+-- that waited on the row finds it deleted and does not see the new one); the
+-- broker runs it again for those, with a new snapshot.
+WITH seen AS (
+    SELECT id FROM {schema}.messages
+    WHERE queue_name = ANY(%(queue_names)s::text[])
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+), purged AS (
+    DELETE FROM {schema}.messages
+    WHERE queue_name = ANY(%(queue_names)s::text[])
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+    RETURNING id
+)
+SELECT ARRAY(SELECT id FROM seen EXCEPT SELECT id FROM purged);
 
 -- name: schema_revision --
 SELECT to_regclass(%(table)s) IS NOT NULL, obj_description(to_regclass(%(table)s), 'pg_class');

@@ -24,6 +24,7 @@ from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL, Engine, make_url
 
 from .._binding import current_binding
+from .._queries import CHANGED_ROWS_ROUNDS
 from .._runtime import StoredMessage, _Runtime
 from ..errors import describe_rejection, libpq_detail
 from ..names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
@@ -420,7 +421,15 @@ class PostgresBroker(Broker):
     def flush(self, queue_name: str) -> None:
         """Drop every stored message of a queue and its delay queue (history is kept)."""
         queue_name = q_name(validate_queue_name(queue_name))
-        self.runtime.execute("purge", {"queue_names": [queue_name, dq_name(queue_name), xq_name(queue_name)]})
+        params: dict[str, Any] = {
+            "queue_names": [queue_name, dq_name(queue_name), xq_name(queue_name)],
+            "ids": None,
+        }
+        for _ in range(CHANGED_ROWS_ROUNDS):
+            # Again for the rows the statement saw but did not delete (moved by the reclaimer).
+            params["ids"] = self.runtime.execute("purge", params)[0][0]
+            if not params["ids"]:
+                return
 
     def flush_all(self) -> None:
         """Drop every stored message of every declared queue."""
