@@ -854,6 +854,24 @@ ON CONFLICT (key) DO UPDATE
     WHERE CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END + excluded.value >= %(minimum)s::bigint
 RETURNING r.expires_at > now();
 
+-- name: group_barrier_count_down --
+-- A group member's count-down of its completion barrier (rate_limits.JoinedGroupCallbacks),
+-- run in the transaction of the member's ack: Dramatiq's Barrier.wait, i.e.
+-- rate_limit_decr with an amount of 1 and a minimum of 1.  Returns true when the
+-- barrier opens (this member is the last: the value is 1, or the key is missing or
+-- expired), and the ack then writes the group's callbacks.  The row lock of the
+-- upsert orders the count-downs of concurrent acks; each sees the value committed
+-- before it.
+WITH counted AS (
+    INSERT INTO {schema}.rate_limits AS r (key, value, expires_at)
+    VALUES (%(key)s, -1, '-infinity')
+    ON CONFLICT (key) DO UPDATE
+        SET value = r.value - 1, expires_at = now() + %(ttl)s::bigint * interval '1 millisecond'
+        WHERE r.expires_at > now() AND r.value - 1 >= 1
+    RETURNING r.expires_at > now() AS counted
+)
+SELECT NOT coalesce((SELECT counted FROM counted), false);
+
 -- name: rate_limit_incr_and_sum --
 -- Adds %(amount)s to the key unless the key's new value, or %(amount)s plus the
 -- sum of the live %(keys)s, would exceed %(maximum)s (a window limiter: the key
