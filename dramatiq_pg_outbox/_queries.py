@@ -31,6 +31,10 @@ from .names import quote_ident
 
 _HEADER = re.compile(r"^-- (name|fragment): ([a-z_]+) --$", re.MULTILINE)
 
+#: Most runs of a statement that runs again for the rows changed under it (a purge, a cancel:
+#: a row the reclaimer moved between partitions while the statement waited on it).
+CHANGED_ROWS_ROUNDS = 10
+
 #: The broker's SQL files, relative to the package: one namespace.
 SQL_FILES = ("queries.sql", "admin.sql", "relay.sql", "spark.sql", "spark_backlog.sql")
 #: The dashboard's SQL file, relative to the package: a namespace of its own.

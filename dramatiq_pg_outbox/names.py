@@ -17,9 +17,9 @@ DEFAULT_SCHEMA = "dramatiq"
 #: a delayed row in the ring would keep its partition from being emptied until it is due.
 PARK_AFTER_MS = 30_000
 
-_IDENTIFIER = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]{0,62}$")
+_IDENTIFIER = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]{0,62}")
 #: Dramatiq's queue-name rule.
-_QUEUE_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
+_QUEUE_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
 #: Longest queue name accepted (NOTIFY payloads and index entries stay small), in characters.
 MAX_QUEUE_NAME = 200
 
@@ -36,7 +36,7 @@ def validate_schema_name(schema: str) -> str:
     Returns:
       str: The name, unchanged.
     """
-    if not isinstance(schema, str) or not _IDENTIFIER.match(schema):
+    if not isinstance(schema, str) or not _IDENTIFIER.fullmatch(schema):
         raise ValueError(
             f"Invalid schema name {schema!r}: use letters, digits and underscores, "
             "starting with a letter or underscore, at most 63 characters."
@@ -121,7 +121,7 @@ def validate_queue_name(queue_name: str) -> str:
     """
     if (
         not isinstance(queue_name, str)
-        or not _QUEUE_NAME.match(queue_name)
+        or not _QUEUE_NAME.fullmatch(queue_name)
         or len(queue_name) > MAX_QUEUE_NAME
     ):
         raise ValueError(

@@ -35,7 +35,7 @@ from .names import quote_ident
 
 #: Days ahead that :func:`create_partitions` makes by default (today included as day 0).
 DEFAULT_DAYS_AHEAD = 7
-_DAY_PARTITION = re.compile(r"^history_p(\d{8})$")
+_DAY_PARTITION = re.compile(r"history_p(\d{8})")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def day_partitions(conn: psycopg.Connection[Any], schema: str) -> list[Partition
     rows = conn.execute(queries["day_partitions"], {"table": f"{quote_ident(schema)}.history"}).fetchall()
     found = []
     for (name,) in rows:
-        match = _DAY_PARTITION.match(name)
+        match = _DAY_PARTITION.fullmatch(name)
         if match:
             found.append(Partition(name, dt.datetime.strptime(match.group(1), "%Y%m%d").date()))
     return sorted(found, key=lambda p: p.day)

@@ -596,7 +596,23 @@ FROM {schema}.reclaim_messages(%(rotate_ms)s::bigint, %(park_after_ms)s::bigint,
 SELECT count(*) FROM {schema}.messages WHERE queue_name = ANY(%(queue_names)s::text[]);
 
 -- name: purge --
-DELETE FROM {schema}.messages WHERE queue_name = ANY(%(queue_names)s::text[]);
+-- broker.flush: deletes every stored row of the queues, or those of them whose id
+-- is in %(ids)s (NULL: all).  Returns the ids the statement's snapshot saw but did
+-- not delete: rows changed under it, e.g. moved to another partition by
+-- reclaim_messages() (DELETE ... RETURNING into INSERT with the same id: a DELETE
+-- that waited on the row finds it deleted and does not see the new one); the
+-- broker runs it again for those, with a new snapshot.
+WITH seen AS (
+    SELECT id FROM {schema}.messages
+    WHERE queue_name = ANY(%(queue_names)s::text[])
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+), purged AS (
+    DELETE FROM {schema}.messages
+    WHERE queue_name = ANY(%(queue_names)s::text[])
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+    RETURNING id
+)
+SELECT ARRAY(SELECT id FROM seen EXCEPT SELECT id FROM purged);
 
 -- name: schema_revision --
 SELECT to_regclass(%(table)s) IS NOT NULL, obj_description(to_regclass(%(table)s), 'pg_class');
@@ -837,6 +853,24 @@ ON CONFLICT (key) DO UPDATE
         expires_at = now() + %(ttl)s::bigint * interval '1 millisecond'
     WHERE CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END + excluded.value >= %(minimum)s::bigint
 RETURNING r.expires_at > now();
+
+-- name: group_barrier_count_down --
+-- A group member's count-down of its completion barrier (rate_limits.JoinedGroupCallbacks),
+-- run in the transaction of the member's ack: Dramatiq's Barrier.wait, i.e.
+-- rate_limit_decr with an amount of 1 and a minimum of 1.  Returns true when the
+-- barrier opens (this member is the last: the value is 1, or the key is missing or
+-- expired), and the ack then writes the group's callbacks.  The row lock of the
+-- upsert orders the count-downs of concurrent acks; each sees the value committed
+-- before it.
+WITH counted AS (
+    INSERT INTO {schema}.rate_limits AS r (key, value, expires_at)
+    VALUES (%(key)s, -1, '-infinity')
+    ON CONFLICT (key) DO UPDATE
+        SET value = r.value - 1, expires_at = now() + %(ttl)s::bigint * interval '1 millisecond'
+        WHERE r.expires_at > now() AND r.value - 1 >= 1
+    RETURNING r.expires_at > now() AS counted
+)
+SELECT NOT coalesce((SELECT counted FROM counted), false);
 
 -- name: rate_limit_incr_and_sum --
 -- Adds %(amount)s to the key unless the key's new value, or %(amount)s plus the

@@ -17,6 +17,8 @@ Usage::
         ...
 
     broker.add_middleware(GroupCallbacks(backend))     # group(...).add_completion_callback
+    # On a broker of the backend's database that adds JoinedGroupCallbacks: a member's
+    # count-down and the callbacks are written with its ack (exactly once).
 
 How it works
 ------------
@@ -50,12 +52,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from dramatiq import Message
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.middleware import GroupCallbacks
 from dramatiq.rate_limits.backend import RateLimiterBackend
 from sqlalchemy.engine import URL, Engine
 
 from ._runtime import Every
 from ._runtime.listener import KeyedWaiters
-from .broker import PostgresBroker, broker_for_backend
+from .broker import PostgresBroker, broker_for_backend, deciding
 from .names import rate_limits_channel
 from .options import check_positive_ints
 
@@ -179,6 +184,18 @@ class PostgresBackend(RateLimiterBackend):
         self.broker.runtime.execute("rate_limit_notify", params)
         self._start_cleaner()
 
+    # -- group completion callbacks ------------------------------------------------------
+    def joined_group_callbacks(self, middleware: GroupCallbacks, broker: Broker) -> GroupCallbacks:
+        """The form of Dramatiq's ``GroupCallbacks`` on this backend that ``broker`` adds.
+
+        Called by :meth:`PostgresBroker.add_middleware`.  On a broker of this backend's
+        database: a :class:`JoinedGroupCallbacks` with the same barrier TTL;
+        elsewhere ``middleware`` itself.
+        """
+        if not isinstance(broker, PostgresBroker) or broker.conninfo != self.broker.conninfo:
+            return middleware
+        return JoinedGroupCallbacks(self, barrier_ttl=middleware.barrier_ttl)
+
     # -- maintenance -------------------------------------------------------------------
     def delete_expired(self) -> int:
         """Delete expired keys and events (many processes may run it at once); how many rows went."""
@@ -236,4 +253,58 @@ class PostgresBackend(RateLimiterBackend):
                 self._cleaner.start()
 
 
-__all__ = ["PostgresBackend"]
+class JoinedGroupCallbacks(GroupCallbacks):
+    """Dramatiq's ``GroupCallbacks`` whose count-down and callbacks are written with the member's ack.
+
+    What :meth:`PostgresBroker.add_middleware` adds for ``GroupCallbacks(backend)`` when
+    ``backend`` is a :class:`PostgresBackend` of the broker's database.  Dramatiq's
+    middleware counts the group's barrier down at once (``Barrier.wait(block=False)``)
+    and enqueues the completion callbacks when it opens; a member whose ack is then
+    lost (its worker killed, its lease taken over) runs again and counts down twice,
+    and the callbacks run twice.  Here, after a member succeeds, the count-down
+    (``group_barrier_count_down`` in queries.sql, Dramatiq's barrier: decrement with
+    a minimum of 1, open when the last party arrives) and the callbacks are one
+    follow-up of its ack: the flusher runs the count-down in the ack's transaction,
+    for an ack whose fence held, and writes the callbacks there if it opened the
+    barrier.  Either all of it commits or none of it does.
+
+    Messages of other brokers, and hooks run outside a delivery's outcome, get
+    Dramatiq's behaviour.
+
+    Parameters:
+      rate_limiter_backend(PostgresBackend): The backend of the barriers.
+      barrier_ttl(int): Lifetime of a group's barrier, in milliseconds.  Default 86,400,000 (a day).
+    """
+
+    def __init__(self, rate_limiter_backend: PostgresBackend, *, barrier_ttl: int = 86_400_000) -> None:
+        super().__init__(rate_limiter_backend, barrier_ttl=barrier_ttl)
+        self.backend = rate_limiter_backend
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any | None = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        finishing = deciding()
+        # ConsumerHost is the broker seen from the consumer: a PostgresBroker.
+        host: object = None if finishing is None else finishing.consumer.broker
+        if finishing is None or message is not finishing or host is not broker:
+            # Not a delivery's outcome of this broker: Dramatiq's count-down, at once.
+            dramatiq_hook = super().after_process_message
+            dramatiq_hook(broker, message, result=result, exception=exception)  # type: ignore[no-untyped-call]
+            return
+        group_key = message.options.get("group_completion_uuid")
+        callbacks = message.options.get("group_completion_callbacks")
+        if exception is not None or not group_key or not callbacks:
+            return
+        queries = self.backend.broker.runtime.queries
+        params = {"key": group_key, "ttl": self.barrier_ttl}
+        with finishing.sending_if(queries["group_barrier_count_down"], params):
+            for callback in callbacks:
+                broker.enqueue(Message(**callback))
+
+
+__all__ = ["JoinedGroupCallbacks", "PostgresBackend"]

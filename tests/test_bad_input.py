@@ -10,9 +10,11 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
+from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
 
-@pytest.mark.parametrize("name", ["", "1abc", "has space", "semi;colon", "quote'", "é", "a" * 300])
+# "abc\n": ``$`` matches before a final newline, so the rule is checked with ``fullmatch``.
+@pytest.mark.parametrize("name", ["", "1abc", "has space", "semi;colon", "quote'", "é", "a" * 300, "abc\n"])
 def test_invalid_queue_names_are_rejected_before_any_sql(name: str) -> None:
     # An unreachable URL proves no connection is attempted.
     broker = PostgresBroker(url="postgresql://nobody@127.0.0.1:1/none")
@@ -22,12 +24,19 @@ def test_invalid_queue_names_are_rejected_before_any_sql(name: str) -> None:
         broker.consume(name)
 
 
-@pytest.mark.parametrize("schema", ["", "1x", 'x"; DROP TABLE y; --', "a-b", "a.b", "x" * 64])
+@pytest.mark.parametrize("schema", ["", "1x", 'x"; DROP TABLE y; --', "a-b", "a.b", "x" * 64, "dramatiq\n"])
 def test_invalid_schema_names_are_rejected_before_any_sql(schema: str) -> None:
     with pytest.raises(ValueError, match="Invalid schema name"):
         PostgresBroker(url="postgresql://nobody@127.0.0.1:1/none", schema=schema)
     with pytest.raises(ValueError, match="Invalid schema name"):
         upgrade("postgresql://nobody@127.0.0.1:1/none", schema=schema)
+
+
+@pytest.mark.parametrize("name", ["fsync\n", "1fsync", "fsync = off\nlisten_addresses"])
+def test_a_throwaway_server_refuses_a_bad_setting_name_before_starting(name: str) -> None:
+    # A newline would start a second line of postgresql.conf.
+    with pytest.raises(ValueError, match="invalid setting name"):
+        ThrowawayPostgres({name: "off"})
 
 
 def test_a_message_with_an_invalid_queue_name_is_not_enqueued(broker: PostgresBroker, db: Any) -> None:

@@ -475,6 +475,16 @@ def test_cancel_turns_a_waiting_message_into_a_dead_letter_that_can_be_retried(
     )
 
 
+def test_a_queue_name_with_a_trailing_newline_is_not_a_queue(db: Any, serve_dashboard: Serve) -> None:
+    # Given a dashboard ("shipping\n" passes a ``^...$`` rule checked with ``match``)
+    server = serve_dashboard()
+    with httpx.Client(base_url=server.url) as browser:
+        # When the page of a queue and of that queue with a final newline are asked for
+        # Then only the first is a queue
+        assert browser.get("/queues/shipping").status_code == 200
+        assert browser.get("/queues/shipping%0A").status_code == 404
+
+
 def test_a_page_says_503_when_the_database_does_not_answer(serve_dashboard: Serve) -> None:
     # Given a dashboard whose database is on a port where nothing listens
     url = f"postgresql://postgres:secret@127.0.0.1:{_free_port()}/nowhere"

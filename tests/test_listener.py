@@ -10,6 +10,7 @@ from dramatiq import Message
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.results import Results
 
+from dramatiq_pg_outbox._runtime.listener import subscribe
 from dramatiq_pg_outbox.relay import Relay
 from dramatiq_pg_outbox.results import PostgresBackend
 from tests.helpers import LISTENERS, count, wait_for
@@ -67,3 +68,26 @@ def test_one_listen_connection_serves_consumers_result_waiters_and_the_relay(
     # And once every subscriber is gone, the connection is closed
     broker.close()
     wait_for(lambda: count(db, LISTENERS) == 0, SOON, "the LISTEN connection to close")
+
+
+def test_a_channel_subscribed_to_on_a_busy_listener_hears_a_notification_sent_as_subscribe_returns(
+    make_broker: Any, db: Any
+) -> None:
+    # Given a process whose LISTEN connection already serves a channel
+    broker = make_broker()
+    first = subscribe(broker.conninfo, "dpo_test_first", lambda payload: None, lambda: None)
+    second = None
+    try:
+        wait_for(first.connected.is_set, SOON, "the first channel to be listened to")
+        # When a second channel is subscribed to and a notification is sent on it at once
+        heard: list[str] = []
+        second = subscribe(broker.conninfo, "dpo_test_second", heard.append, lambda: None)
+        db.execute("SELECT pg_notify('dpo_test_second', 'sent')")
+        # Then it is heard: the LISTEN was in force when subscribe() returned (it used to run at
+        # the listener's next 0.5 s tick, and a notification sent before it was never delivered)
+        wait_for(lambda: heard == ["sent"], SOON, "the notification on the new channel")
+        assert second.connected.is_set()
+    finally:
+        if second is not None:
+            second.close()
+        first.close()

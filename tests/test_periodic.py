@@ -225,6 +225,7 @@ def test_a_long_outage_of_a_one_second_schedule_is_one_message_not_a_burst() -> 
         ({"every": 1000, "missed": "all"}, "missed must be 'once' or 'skip'"),
         ({"every": 1000, "grace": -1}, "grace must be"),
         ({"every": 1000, "name": "has space"}, "Invalid schedule name"),
+        ({"every": 1000, "name": "nightly\n"}, "Invalid schedule name"),
         ({"every": 1000, "tick_kwarg": "tick", "kwargs": {"tick": 1}}, "also in kwargs"),
         ({"every": 1000, "options": {"idempotency_key": "k"}}, "may not set idempotency_key"),
     ],

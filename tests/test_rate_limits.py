@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import dramatiq
+import psycopg
 import pytest
 from dramatiq import group
-from dramatiq.middleware import GroupCallbacks
+from dramatiq.middleware import CurrentMessage, GroupCallbacks
 from dramatiq.rate_limits import (
     Barrier,
     BucketRateLimiter,
@@ -20,6 +21,7 @@ from dramatiq.rate_limits import (
     WindowRateLimiter,
 )
 
+from dramatiq_pg_outbox._runtime.listener import subscribe
 from dramatiq_pg_outbox.rate_limits import PostgresBackend
 from tests.helpers import count, wait_for
 
@@ -222,6 +224,45 @@ def test_a_barrier_blocks_its_parties_until_the_last_one_arrives(backend: Postgr
     assert len(times) == 2 and abs(times[0] - times[1]) <= 0.25
 
 
+def test_a_barrier_on_a_fresh_key_wakes_its_parties_together_when_the_listener_serves_another_channel(
+    make_broker: Any, db: Any
+) -> None:
+    # Given a process whose LISTEN connection already serves other channels: the second is
+    # subscribed to here so that the listener has just looked at its subscriptions (where it
+    # used to LISTEN to a new channel only every 0.5 s; now it does at once)
+    db.execute("TRUNCATE dramatiq.rate_limits, dramatiq.rate_limit_events")
+    broker = make_broker()
+    other = subscribe(broker.conninfo, "dpo_test_other", lambda payload: None, lambda: None)
+    looked = threading.Event()
+    another = subscribe(broker.conninfo, "dpo_test_another", lambda payload: None, looked.set)
+    backend = PostgresBackend(broker=broker, cleanup_interval=None)
+    try:
+        assert looked.wait(SOON)
+        barrier = Barrier(backend, "fresh", ttl=30_000)
+        assert barrier.create(parties=2)
+        woke: dict[str, float] = {}
+
+        def party(name: str) -> None:
+            assert barrier.wait(timeout=10_000)
+            woke[name] = time.monotonic()
+
+        # When the first party waits (the backend's channel is new to the listener) and the
+        # second arrives 100 ms later
+        first = threading.Thread(target=party, args=("first",))
+        first.start()
+        time.sleep(0.1)
+        party("second")
+        first.join(SOON)
+        # Then the first wakes on the second's notification, not at the listener's next tick:
+        # a structural bound (the tick is 500 ms; the parties woke about 400 ms apart)
+        assert set(woke) == {"first", "second"}
+        assert abs(woke["first"] - woke["second"]) < 0.1
+    finally:
+        backend.close()
+        another.close()
+        other.close()
+
+
 def test_a_barrier_wait_times_out(backend: PostgresBackend) -> None:
     barrier = Barrier(backend, "alone", ttl=30_000)
     assert barrier.create(parties=2)
@@ -260,6 +301,65 @@ def test_group_completion_callbacks_run_once_on_this_backend(
         assert sorted(done) == [0, 1, 2, 3, 4]
         time.sleep(0.5)
         assert finished == ["once"]
+    finally:
+        backend.close()
+
+
+def test_a_group_member_whose_ack_is_lost_runs_again_and_the_completion_callback_still_runs_once(
+    make_broker: Any, start_worker: Any, db: Any, database_url: str
+) -> None:
+    # Given Dramatiq's GroupCallbacks on this backend, and a group of three whose first member's
+    # first delivery loses its ack: its row is released while it runs (as the rescuer releases
+    # the row of a worker judged dead, or of a lease past max_lease), so that delivery's outcome
+    # is stale, dropped with its follow-ups, and the member runs again
+    db.execute("TRUNCATE dramatiq.rate_limits, dramatiq.rate_limit_events")
+    broker = make_broker()
+    broker.add_middleware(CurrentMessage())
+    backend = PostgresBackend(broker=broker, cleanup_interval=None)
+    broker.add_middleware(GroupCallbacks(backend))
+    runs: list[int] = []
+    finished: list[int] = []
+    first: list[str] = []
+
+    def first_member_acked() -> bool:
+        return bool(count(db, "SELECT count(*) FROM dramatiq.history WHERE message_id = %s", (first[0],)))
+
+    @dramatiq.actor(broker=broker)
+    def part(i: int) -> None:
+        if i > 0:
+            # The other members end after both runs of the first (so that, counted at once, its
+            # two count-downs would open the barrier before the last member)
+            wait_for(first_member_acked, SOON, "the first member's second delivery to be acked")
+        elif 0 not in runs:
+            current = CurrentMessage.get_current_message()
+            assert current is not None
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                conn.execute(
+                    "UPDATE dramatiq.messages SET state = 'pending', lease = NULL, owner = NULL, "
+                    "acquired_at = NULL WHERE message_id = %s AND state = 'processing'",
+                    (current.message_id,),
+                )
+        runs.append(i)
+
+    @dramatiq.actor(broker=broker)
+    def all_done() -> None:
+        finished.append(len(runs))
+
+    start_worker(broker)
+    try:
+        # When the group runs
+        members = [part.message(i) for i in range(3)]
+        first.append(members[0].message_id)
+        parts = group(members)
+        parts.add_completion_callback(all_done.message())
+        parts.run()
+        wait_for(lambda: sorted(runs) == [0, 0, 1, 2] and finished, SOON, "the group and its callback")
+        broker.join(all_done.queue_name, timeout=SOON * 1000)
+        # Then the member ran twice, and the callback once, after every member: the count-down
+        # of the lost delivery was not kept (it is written with the ack, or not at all)
+        assert len(finished) == 1 and finished[0] >= 3, finished
+        time.sleep(0.5)
+        assert len(finished) == 1
     finally:
         backend.close()
 

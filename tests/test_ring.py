@@ -7,6 +7,8 @@ partitions back from the catalog.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Any
 
 import dramatiq
@@ -14,6 +16,11 @@ import psycopg
 import pytest
 
 from dramatiq_pg_outbox._runtime.reclaimer import ReclaimResult, _Reclaimer
+from dramatiq_pg_outbox.dashboard.store import Store
+from tests.helpers import count, wait_for
+
+#: Generous bound for things that take milliseconds, in seconds (a loaded 2-core machine).
+SOON = 15
 
 
 def partition_of(db: Any, message_id: str) -> str:
@@ -169,3 +176,112 @@ def test_the_pools_prepared_statements_run_generic_plans(make_broker: Any) -> No
         assert conn.execute("SHOW plan_cache_mode").fetchone() == ("force_generic_plan",)
     with pooled.runtime.connection() as conn:
         assert conn.execute("SHOW plan_cache_mode").fetchone() == ("auto",)
+
+
+# -- operator actions against a move in progress ---------------------------------------------
+def _dashboard(database_url: str, broker: Any, action: str, row_id: int) -> Any:
+    async def run() -> Any:
+        store = Store(database_url, "dramatiq", broker.channel)
+        await store.open()
+        try:
+            if action == "cancel":
+                return await store.cancel_message(row_id, "by the operator")
+            if action == "run_now":
+                return await store.run_now(row_id)
+            return await store.purge_queue("default")
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("action", "delay", "expected"),
+    [
+        ("cancel", None, "default"),  # the dashboard's cancel: the row's queue
+        ("run_now", 20_000, "default"),  # the dashboard's "run now" of a delayed row
+        ("purge", None, 2),  # the dashboard's purge: the moved row and the one left in place
+        ("flush", None, None),  # broker.flush (Dramatiq's API)
+    ],
+)
+def test_an_operator_action_that_waited_on_a_row_the_reclaimer_moved_finds_it_where_it_went(
+    reclaimer: Any, db: Any, database_url: str, action: str, delay: int | None, expected: Any
+) -> None:
+    # Given a row handed back (pending again) in a partition older than the previous one, after
+    # the turn that made it so (a turn locks its new partition, which would make the action
+    # wait before it takes its snapshot); delayed by 20 s for "run now" (still within the ring);
+    # and a message in the previous partition
+    broker, noop, pass_ = reclaimer
+    db.execute("TRUNCATE dramatiq.messages")
+    left = noop.message(1)
+    broker.enqueue(left, delay=delay)
+    old = partition_of(db, left.message_id)
+    (row_id,) = db.execute("SELECT id FROM dramatiq.messages").fetchone()
+    rotate(pass_, db)
+    broker.enqueue(noop.message(2))
+    db.execute(
+        "UPDATE dramatiq.messages SET state = 'processing', lease = gen_random_uuid(), acquired_at = now() "
+        "WHERE id = %s",
+        (row_id,),
+    )
+    assert rotate(pass_, db).moved == 0  # a processing row finishes where it is
+    db.execute(
+        "UPDATE dramatiq.messages SET state = 'pending', lease = NULL, acquired_at = NULL WHERE id = %s",
+        (row_id,),
+    )
+    outcome: list[Any] = []
+    with (
+        psycopg.connect(database_url, autocommit=True) as holder,
+        psycopg.connect(database_url, autocommit=True) as mover,
+    ):
+        # And a reclaimer that moved it (DELETE ... RETURNING into INSERT, same id) in a
+        # transaction still open; the old partition is held (as the waiting action itself holds
+        # it when the reclaimer gets there), so the move is not followed by a TRUNCATE, whose
+        # lock would make the action wait before it takes its snapshot
+        holder.execute("BEGIN")
+        holder.execute(f"SELECT 1 FROM {old} LIMIT 1")
+        mover.execute("BEGIN")
+        moved = mover.execute(
+            "SELECT moved, truncated FROM dramatiq.reclaim_messages(1000, 30000, 8, %s, 1000)",
+            (broker.channel,),
+        ).fetchone()
+        assert moved == (1, 0)
+
+        # When the operator's action runs and waits on the row the reclaimer deleted
+        def act() -> None:
+            if action == "flush":
+                outcome.append(broker.flush("default"))
+            else:
+                outcome.append(_dashboard(database_url, broker, action, row_id))
+
+        acting = threading.Thread(target=act)
+        acting.start()
+        wait_for(
+            lambda: (
+                count(
+                    db,
+                    "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                    (mover.info.backend_pid,),
+                )
+                == 1
+            ),
+            SOON,
+            "the action to wait on the reclaimer's transaction",
+        )
+        # And the reclaimer commits
+        mover.execute("COMMIT")
+        acting.join(SOON)
+        holder.execute("ROLLBACK")
+    # Then the action found the row where it was moved: done, not "gone" while it still waits
+    assert outcome == [expected]
+    left_rows = db.execute(
+        "SELECT id, next_attempt_at <= now() FROM dramatiq.messages WHERE id = %s", (row_id,)
+    ).fetchall()
+    if action == "run_now":
+        assert left_rows == [(row_id, True)]
+    else:
+        assert left_rows == []
+    if action == "cancel":
+        assert db.execute("SELECT error_type FROM dramatiq.history WHERE id = %s", (row_id,)).fetchall() == [
+            ("Canceled",)
+        ]

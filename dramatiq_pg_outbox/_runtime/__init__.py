@@ -22,6 +22,7 @@ from __future__ import annotations
 from .host import Runtime, RuntimeHost, Wakeable
 from .maintenance import RescueResult, _Maintenance
 from .messages import (
+    Conditional,
     EnqueueResult,
     Outcome,
     StoredMessage,
@@ -36,6 +37,7 @@ from .process import _Runtime
 from .service import Every, Service
 
 __all__ = [
+    "Conditional",
     "EnqueueResult",
     "Every",
     "Outcome",

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .host import Runtime
-from .messages import Outcome, StoredMessage, enqueue_result, enqueue_statement, fence_params
+from .messages import Conditional, Outcome, StoredMessage, enqueue_result, enqueue_statement, fence_params
 from .service import Service
 
 
@@ -70,16 +70,26 @@ class _Flusher(Service):
         error: str | None = None,
         messages: list[StoredMessage] | None = None,
         statements: list[tuple[str, dict[str, Any]]] | None = None,
+        conditional: list[Conditional] | None = None,
     ) -> None:
         """Buffer the end of a delivery (``kind``: ``ack``, ``ack_with_error``, ``nack``).
 
-        With follow-ups (``messages``, ``statements``) it is written with them in
-        one transaction (see :class:`Outcome`); without, with the other decisions
-        of its kind in one statement.
+        With follow-ups (``messages``, ``statements``, ``conditional``) it is written
+        with them in one transaction (see :class:`Outcome`); without, with the other
+        decisions of its kind in one statement.
         """
-        if messages or statements:
+        if messages or statements or conditional:
             self.outcomes.append(
-                Outcome(row_id, lease, kind, error_type, error, messages or [], statements or [])
+                Outcome(
+                    row_id,
+                    lease,
+                    kind,
+                    error_type,
+                    error,
+                    messages or [],
+                    statements or [],
+                    conditional or [],
+                )
             )
             self._signal(len(self.outcomes))
         elif kind == "ack":
@@ -296,6 +306,11 @@ class _Flusher(Service):
                     archived.update(int(row[0]) for row in conn.execute(query, params).fetchall())
             written = [o for o in outcomes if o.row_id in archived]
             messages = [m for o in written for m in o.messages]
+            # Messages on a condition (a group's barrier count-down), in key order: two
+            # transactions that count down the same barriers lock their rows in one order.
+            for c in sorted((c for o in written for c in o.conditional), key=lambda c: str(c.params)):
+                if conn.execute(c.query, c.params).fetchone() == (True,):
+                    messages.extend(c.messages)
             stored: list[StoredMessage] = []
             if messages:
                 options = broker.options

@@ -6,11 +6,19 @@ relay (the broker's channel) of one process share one connection per database
 A notification only wakes its subscribers early; correctness never depends on
 it.  After every (re)connection each subscriber's ``on_connect`` runs once its
 channel is listened to: whatever was sent meanwhile was not heard, so it polls.
+
+A new subscription wakes the listener's thread at once (a byte on a socket pair
+that it waits on beside the connection), and :func:`subscribe` returns once its
+LISTEN is in force, not at the listener's next tick: a notification sent after
+``subscribe()`` returned is heard (a barrier's second party, sent a few
+milliseconds after the first party subscribed, was heard up to 0.5 s late).
 """
 
 from __future__ import annotations
 
 import os
+import select
+import socket
 import threading
 from collections.abc import Callable
 
@@ -23,6 +31,8 @@ from .service import Service
 LISTEN_TICK_S = 0.5
 #: Longest wait after a failed connection, in seconds (the first is 0.2 s).
 RECONNECT_MAX_S = LISTEN_TICK_S
+#: Longest time :func:`subscribe` waits for its LISTEN while the listener connects, in seconds.
+SUBSCRIBE_WAIT_S = 2.0
 
 
 class Subscription:
@@ -66,6 +76,11 @@ class _Listener(Service):
         #: Channels the connection listens to right now.
         self.listening: set[str] = set()
         self._lock = threading.Lock()
+        # Written to by nudge(), waited on beside the connection: a new subscription or a
+        # stop ends the wait at once instead of at the next tick.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
 
     def snapshot(self) -> list[Subscription]:
         with self._lock:
@@ -87,21 +102,14 @@ class _Listener(Service):
         delivered = 0
         try:
             while not self.stopping:
-                for sub in self.snapshot():
-                    if sub.channel not in self.listening:
-                        conn.execute(with_identifiers(raw_queries()["listen"], channel=sub.channel))
-                        with self._lock:
-                            self.listening.add(sub.channel)
-                    if not sub.connected.is_set():
-                        sub.connected.set()
-                        # Anything sent before this LISTEN was not heard: look now.
-                        sub.on_connect()
-                for note in conn.notifies(timeout=self.interval):
-                    for sub in self.snapshot():
-                        if sub.channel == note.channel and sub.connected.is_set():
-                            sub.received += 1
-                            delivered += 1
-                            sub.on_notify(note.payload)
+                self._listen_new(conn)
+                # The backlog first: notifications that came in with a LISTEN's reply.
+                for note in conn.notifies(timeout=0):
+                    delivered += self._deliver(note)
+                wake = self._wake_r.fileno()
+                readable, _, _ = select.select([conn.fileno(), wake], [], [], self.interval)
+                if wake in readable:
+                    self._drain_wake()
         finally:
             with self._lock:
                 self.listening.clear()
@@ -109,6 +117,59 @@ class _Listener(Service):
                 sub.connected.clear()
             conn.close()
         return delivered
+
+    def _listen_new(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
+        """LISTEN to the channels of new subscriptions, mark them in force, then call their ``on_connect``."""
+        fresh = []
+        for sub in self.snapshot():
+            if sub.channel not in self.listening:
+                conn.execute(with_identifiers(raw_queries()["listen"], channel=sub.channel))
+                with self._lock:
+                    self.listening.add(sub.channel)
+        # Every LISTEN first, then the callbacks: a subscriber's on_connect may wait on a lock
+        # held by a thread that waits, in subscribe(), for another subscription to be in force.
+        for sub in self.snapshot():
+            if not sub.connected.is_set():
+                sub.connected.set()
+                fresh.append(sub)
+        for sub in fresh:
+            # Anything sent before this LISTEN was not heard: look now.
+            sub.on_connect()
+
+    def _deliver(self, note: psycopg.Notify) -> int:
+        delivered = 0
+        for sub in self.snapshot():
+            if sub.channel == note.channel and sub.connected.is_set():
+                sub.received += 1
+                delivered += 1
+                sub.on_notify(note.payload)
+        return delivered
+
+    def nudge(self) -> None:
+        """End the listener's current wait at once (a new subscription, a stop)."""
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # full (a wake-up is pending anyway) or closed (the listener has ended)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass  # nothing left (BlockingIOError)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self.nudge()
+        super().stop(timeout)
+
+    def _run(self) -> None:
+        try:
+            super()._run()
+        finally:
+            self._wake_r.close()
+            self._wake_w.close()
 
     def next_delay(self) -> float:
         return 0.0
@@ -134,6 +195,10 @@ def subscribe(
       on_connect(Callable[[], None]): Called once the LISTEN is in force, after each
         (re)connection (notifications sent before it were missed).
 
+    Returns once the LISTEN is in force (``Subscription.connected`` set), or, while the
+    listener cannot connect, at once or after at most :data:`SUBSCRIBE_WAIT_S` seconds;
+    ``on_connect`` then runs when it is in force.
+
     Returns:
       Subscription: Close it to stop receiving.
     """
@@ -150,8 +215,13 @@ def subscribe(
             if ready:
                 sub.connected.set()
         listener.start()
+        if not ready:
+            listener.nudge()
     if ready:
         on_connect()
+    elif listener.failures == 0 and threading.current_thread() is not listener._thread:
+        # The listener LISTENs at once; while its connection is down it is not waited for.
+        sub.connected.wait(SUBSCRIBE_WAIT_S)
     return sub
 
 

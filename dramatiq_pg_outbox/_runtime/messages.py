@@ -32,6 +32,21 @@ def format_error(exc: BaseException | None) -> tuple[str, str]:
 
 
 @dataclass
+class Conditional:
+    """Messages that an outcome writes only if ``query``, run first in its transaction, returns true.
+
+    A group's completion callbacks (``rate_limits``): ``query`` counts the barrier down
+    and says whether it opened, so the count-down and the callbacks commit with the
+    member's ack, or neither does.
+    """
+
+    query: str
+    params: dict[str, Any]
+    #: Written with the outcome's other messages when ``query`` returned true.
+    messages: list[StoredMessage] = field(default_factory=list)
+
+
+@dataclass
 class Outcome:
     """The end of one delivery and what its middleware sent or stored meanwhile.
 
@@ -52,6 +67,8 @@ class Outcome:
     messages: list[StoredMessage] = field(default_factory=list)
     #: Other writes of that phase, (statement, parameters): results of PostgresBackend.
     statements: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    #: Messages written only if their statement returns true (group completion callbacks).
+    conditional: list[Conditional] = field(default_factory=list)
 
     def fence(self) -> tuple[int, uuid.UUID, str | None, str | None]:
         """(row id, lease, error type, error), the item form of the plain decision buffers."""

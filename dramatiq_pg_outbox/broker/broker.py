@@ -19,11 +19,12 @@ from dramatiq import Message
 from dramatiq.broker import Broker, Consumer, MessageProxy
 from dramatiq.common import dq_name, q_name, xq_name
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
-from dramatiq.middleware import Middleware
+from dramatiq.middleware import GroupCallbacks, Middleware
 from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL, Engine, make_url
 
 from .._binding import current_binding
+from .._queries import CHANGED_ROWS_ROUNDS
 from .._runtime import StoredMessage, _Runtime
 from ..errors import describe_rejection, libpq_detail
 from ..names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
@@ -328,13 +329,36 @@ class PostgresBroker(Broker):
             if finishing is not None:
                 # A follow-up: written with the ack or nack (see emit_after); after_enqueue
                 # runs once that transaction has committed.
-                finishing.follow_ups.extend(stored)
+                finishing.sending_to.extend(stored)
             elif binding is not None:
                 binding.add(self, stored)
             else:
                 for item in self.runtime.enqueue(stored, notify=self.options.notify != "off"):
                     self.emit_after("enqueue", item.message, item.delay or None)
         return prepared
+
+    def add_middleware(
+        self,
+        middleware: Middleware,
+        *,
+        before: type[Middleware] | None = None,
+        after: type[Middleware] | None = None,
+    ) -> None:
+        """Add a middleware (Dramatiq's ``Broker.add_middleware``).
+
+        Dramatiq's ``GroupCallbacks`` on a :class:`~dramatiq_pg_outbox.rate_limits.PostgresBackend`
+        of this broker's database is added in the form that writes a member's
+        barrier count-down and the group's completion callbacks with the member's
+        ack, in one transaction (exactly once: see docs/guarantees.md).
+
+        Raises:
+          ValueError: When ``before`` or ``after`` names a middleware not added yet.
+        """
+        backend = getattr(middleware, "rate_limiter_backend", None)
+        joined = getattr(backend, "joined_group_callbacks", None)
+        if type(middleware) is GroupCallbacks and joined is not None:
+            middleware = joined(middleware, self)
+        super().add_middleware(middleware, before=before, after=after)
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         # Dramatiq's worker calls emit_before("ack"/"nack"), then Consumer.ack/nack, then
@@ -420,7 +444,15 @@ class PostgresBroker(Broker):
     def flush(self, queue_name: str) -> None:
         """Drop every stored message of a queue and its delay queue (history is kept)."""
         queue_name = q_name(validate_queue_name(queue_name))
-        self.runtime.execute("purge", {"queue_names": [queue_name, dq_name(queue_name), xq_name(queue_name)]})
+        params: dict[str, Any] = {
+            "queue_names": [queue_name, dq_name(queue_name), xq_name(queue_name)],
+            "ids": None,
+        }
+        for _ in range(CHANGED_ROWS_ROUNDS):
+            # Again for the rows the statement saw but did not delete (moved by the reclaimer).
+            params["ids"] = self.runtime.execute("purge", params)[0][0]
+            if not params["ids"]:
+                return
 
     def flush_all(self) -> None:
         """Drop every stored message of every declared queue."""

@@ -9,13 +9,14 @@ whose follow-ups this thread collects.  The consumer sees its broker through
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from dramatiq import Message
@@ -23,7 +24,7 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import DecodeError
 from dramatiq.logging import get_logger
 
-from .._runtime import RuntimeHost, StoredMessage, _Runtime, format_error
+from .._runtime import Conditional, RuntimeHost, StoredMessage, _Runtime, format_error
 from .._runtime.watermark import Watermark
 
 
@@ -121,10 +122,29 @@ class _PostgresMessage(MessageProxy):
         self.follow_ups: list[StoredMessage] = []
         #: Other writes of that phase (results), as (statement, parameters).
         self.statements: list[tuple[str, dict[str, Any]]] = []
+        #: Messages of that phase written only if a statement returns true (see :meth:`sending_if`).
+        self.conditional: list[Conditional] = []
+        #: Where the broker puts what is sent now: ``follow_ups``, or a conditional's messages.
+        self.sending_to: list[StoredMessage] = self.follow_ups
         #: Set by emit_before("ack"/"nack"): the decision waits for emit_after.
         self.deferred = False
         #: The decision taken by ack or nack: (kind, error type, error).
         self.outcome: tuple[str, str | None, str | None] | None = None
+
+    @contextlib.contextmanager
+    def sending_if(self, query: str, params: dict[str, Any]) -> Iterator[None]:
+        """While open, this broker's sends in the outcome's hooks are written only if ``query`` returns true.
+
+        ``query`` runs in the transaction of the outcome, after its fenced archive
+        (see :class:`~dramatiq_pg_outbox._runtime.Conditional`).
+        """
+        conditional = Conditional(query, params)
+        self.conditional.append(conditional)
+        self.sending_to = conditional.messages
+        try:
+            yield
+        finally:
+            self.sending_to = self.follow_ups
 
 
 class _PostgresConsumer(Consumer):
@@ -448,9 +468,12 @@ class _PostgresConsumer(Consumer):
     def submit(self, message: _PostgresMessage) -> None:
         """Hand a decided message, with its follow-ups, to the flusher."""
         assert message.outcome is not None
-        follow_ups, statements = message.follow_ups, message.statements
-        message.follow_ups, message.statements = [], []
-        self.runtime.flusher.finish(message.row_id, message.lease, *message.outcome, follow_ups, statements)
+        follow_ups, statements, conditional = message.follow_ups, message.statements, message.conditional
+        message.follow_ups, message.statements, message.conditional = [], [], []
+        message.sending_to = message.follow_ups
+        self.runtime.flusher.finish(
+            message.row_id, message.lease, *message.outcome, follow_ups, statements, conditional
+        )
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Hand unstarted messages back at once, without charging them an attempt."""

@@ -96,7 +96,7 @@ WINDOWS: dict[str, tuple[dt.timedelta, dt.timedelta, str]] = {
 #: Actors drawn in the per-actor charts (most deliveries first).
 MAX_ACTORS = 8
 
-_QUEUE_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
+_QUEUE_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
 
 
 def broker_channel(url: str, schema: str) -> str:
@@ -204,7 +204,7 @@ def _query(**params: Any) -> str:
 
 def _queue_name(request: Request) -> str:
     name = str(request.path_params["queue_name"])
-    if not _QUEUE_NAME.match(name):
+    if not _QUEUE_NAME.fullmatch(name):
         raise HTTPException(404, "No such queue.")
     return name
 

@@ -93,13 +93,23 @@ SELECT w.id, w.running FROM {schema}.workers AS w WHERE {worker_alive};
 
 -- name: run_now --
 -- "Run now" of a delayed message: due at once, and its queue's workers woken.
--- A row that is due already, claimed or gone is not touched (no row back).
-WITH moved AS (
+-- A row that is due already, claimed or gone is not touched.  One row: the
+-- queue (NULL when not touched) and whether the statement's snapshot saw the row
+-- delayed: seen and not touched means it changed under the statement (claimed, or
+-- moved to another partition by reclaim_messages(), which deletes and re-inserts it
+-- with its id, so an UPDATE that waited on it finds it deleted); Store runs the
+-- statement again, with a new snapshot.
+WITH seen AS (
+    SELECT id FROM {schema}.messages
+    WHERE id = %(id)s AND state = 'pending' AND next_attempt_at > now()
+), moved AS (
     UPDATE {schema}.messages SET next_attempt_at = now()
     WHERE id = %(id)s AND state = 'pending' AND next_attempt_at > now()
     RETURNING queue_name
 )
-SELECT queue_name, pg_notify(%(channel)s, queue_name) FROM moved;
+SELECT w.queue_name, s.seen
+FROM (SELECT EXISTS (SELECT 1 FROM seen) AS seen) AS s
+LEFT JOIN (SELECT queue_name, pg_notify(%(channel)s, queue_name) FROM moved) AS w ON true;
 
 -- name: discard_failed --
 -- Deletes dead letters for good, by ids or by the failed page's filters (the
@@ -180,32 +190,48 @@ FROM {schema}.history
 WHERE id = %(id)s AND state = 'failed';
 
 -- name: purge_queue --
--- Deletes the waiting rows (due and delayed) of one queue.  Rows being
--- processed are left to finish; their acks archive them as usual.
-WITH purged AS (
+-- Deletes the waiting rows (due and delayed) of one queue, or those of them whose
+-- id is in %(ids)s (NULL: all).  Rows being processed are left to finish; their
+-- acks archive them as usual.  Returns how many, and the ids the statement's
+-- snapshot saw waiting but did not delete: rows changed under it (claimed, or
+-- moved by reclaim_messages() as in run_now); Store runs it again for those.
+WITH seen AS (
+    SELECT id FROM {schema}.messages
+    WHERE queue_name = %(queue_name)s AND state = 'pending'
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+), purged AS (
     DELETE FROM {schema}.messages
     WHERE queue_name = %(queue_name)s AND state = 'pending'
-    RETURNING 1
+      AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+    RETURNING id
 )
-SELECT count(*) FROM purged;
+SELECT (SELECT count(*) FROM purged), ARRAY(SELECT id FROM seen EXCEPT SELECT id FROM purged);
 
 -- name: cancel_message --
 -- Cancels a waiting message: it moves to history as a dead letter with the
 -- error type Canceled (so the cancel is on record and can be undone with a
 -- retry), in one statement.  A row that a worker claimed meanwhile is not
--- touched.
-WITH canceled AS (
+-- touched.  One row: the queue (NULL when not canceled) and whether the
+-- statement's snapshot saw the row waiting (seen and not canceled: changed under
+-- it, as in run_now; Store runs it again).
+WITH seen AS (
+    SELECT id FROM {schema}.messages WHERE id = %(id)s AND state = 'pending'
+), canceled AS (
     DELETE FROM {schema}.messages
     WHERE id = %(id)s AND state = 'pending'
     RETURNING *
+), archived AS (
+    INSERT INTO {schema}.history
+        (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
+         error_type, error, payload, idempotency_key, priority)
+    SELECT id, queue_name, actor_name, message_id, 'failed', attempts, enqueued_at, NULL,
+           'Canceled', %(reason)s::text, payload, idempotency_key, priority
+    FROM canceled
+    RETURNING queue_name
 )
-INSERT INTO {schema}.history
-    (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
-     error_type, error, payload, idempotency_key, priority)
-SELECT id, queue_name, actor_name, message_id, 'failed', attempts, enqueued_at, NULL,
-       'Canceled', %(reason)s::text, payload, idempotency_key, priority
-FROM canceled
-RETURNING id, queue_name;
+SELECT a.queue_name, s.seen
+FROM (SELECT EXISTS (SELECT 1 FROM seen) AS seen) AS s
+LEFT JOIN archived AS a ON true;
 
 -- name: message_stats --
 -- Throughput and latency per actor and time bucket (message_stats() of

@@ -21,7 +21,7 @@ from dramatiq.common import dq_name, q_name
 from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
-from .._queries import DASHBOARD_SQL, file_queries
+from .._queries import CHANGED_ROWS_ROUNDS, DASHBOARD_SQL, file_queries
 from .._queries import queries_for_schema as all_queries_for_schema
 from ..options import BrokerOptions
 from ..urls import libpq_url
@@ -424,14 +424,32 @@ class Store:
             return bool(await cur.fetchall())
 
     async def purge_queue(self, queue_name: str) -> int:
-        """Delete the waiting rows of a queue; returns how many."""
-        rows = await self._tuples("purge_queue", {"queue_name": queue_name})
-        return int(rows[0][0])
+        """Delete the waiting rows of a queue; returns how many.
+
+        Runs again for the rows its statement saw waiting but did not delete: a row that
+        the reclaimer moved to another partition meanwhile is deleted where it went.
+        """
+        params: dict[str, Any] = {"queue_name": queue_name, "ids": None}
+        purged = 0
+        for _ in range(CHANGED_ROWS_ROUNDS):
+            rows = await self._tuples("purge_queue", params)
+            purged += int(rows[0][0])
+            params["ids"] = rows[0][1]
+            if not params["ids"]:
+                break
+        return purged
 
     async def run_now(self, row_id: int) -> str | None:
-        """Make a delayed row due now and wake its workers; its queue, or None if it was not delayed."""
-        rows = await self._tuples("run_now", {"id": row_id, "channel": self.channel})
-        return str(rows[0][0]) if rows else None
+        """Make a delayed row due now and wake its workers; its queue, or None if it was not delayed.
+
+        Runs again while its statement saw the row delayed but did not update it (moved by
+        the reclaimer, see :meth:`purge_queue`).
+        """
+        for _ in range(CHANGED_ROWS_ROUNDS):
+            ((queue_name, seen),) = await self._tuples("run_now", {"id": row_id, "channel": self.channel})
+            if queue_name is not None or not seen:
+                return None if queue_name is None else str(queue_name)
+        return None
 
     async def discard_failed(self, ids: Sequence[int] | None, where: FailedFilter) -> dict[str, int]:
         """Delete dead letters (by ``ids``, or by ``where`` when None); the count per queue."""
@@ -450,6 +468,15 @@ class Store:
         return bool(await self._tuples("set_schedule_enabled", {"name": name, "enabled": enabled}))
 
     async def cancel_message(self, row_id: int, reason: str) -> str | None:
-        """Move a waiting row to history as a ``Canceled`` dead letter; its queue, or None if not waiting."""
-        rows = await self._copying(self.queries["cancel_message"], {"id": row_id, "reason": reason})
-        return str(rows[0][1]) if rows else None
+        """Move a waiting row to history as a ``Canceled`` dead letter; its queue, or None if not waiting.
+
+        Runs again while its statement saw the row waiting but did not cancel it (moved by
+        the reclaimer, see :meth:`purge_queue`).
+        """
+        for _ in range(CHANGED_ROWS_ROUNDS):
+            ((queue_name, seen),) = await self._copying(
+                self.queries["cancel_message"], {"id": row_id, "reason": reason}
+            )
+            if queue_name is not None or not seen:
+                return None if queue_name is None else str(queue_name)
+        return None

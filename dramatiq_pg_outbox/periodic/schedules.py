@@ -47,7 +47,7 @@ DEFAULT_IDLE_TIMEOUT = 10_000
 KEY_PREFIX = "periodic"
 
 #: Schedule names: letters, digits and ``_ . : -`` (they go into idempotency keys).
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 #: Attribute of an actor's function that holds the schedules of ``@periodic``.
 _ATTRIBUTE = "_dramatiq_pg_outbox_schedules"
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
@@ -166,7 +166,7 @@ class Schedule:
             raise ValueError(f"missed must be 'once' or 'skip', not {self.missed!r}")
         if not isinstance(self.grace, int) or isinstance(self.grace, bool) or self.grace < 0:
             raise ValueError(f"grace must be a whole number of milliseconds >= 0, not {self.grace!r}")
-        if self.name is not None and (not isinstance(self.name, str) or not _NAME.match(self.name)):
+        if self.name is not None and (not isinstance(self.name, str) or not _NAME.fullmatch(self.name)):
             raise ValueError(f"Invalid schedule name {self.name!r}: use 1 to 200 letters, digits and _ . : -")
         if not isinstance(self.args, tuple):
             object.__setattr__(self, "args", tuple(self.args))

@@ -30,7 +30,7 @@ _PROGRAMS = ("initdb", "pg_ctl", "postgres")
 #: Accepted ``pg_ctl stop`` modes.
 _STOP_MODES = frozenset({"smart", "fast", "immediate"})
 
-_SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+_SETTING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 #: Seconds allowed for the server to start or stop.
 _TIMEOUT = 30.0

@@ -91,7 +91,7 @@ class ThrowawayPostgres:
     ) -> None:
         self.settings: dict[str, SettingValue] = dict(settings or {})
         for name, value in self.settings.items():
-            if not _SETTING_NAME.match(name):
+            if not _SETTING_NAME.fullmatch(name):
                 raise ValueError(f"invalid setting name: {name!r}")
             _conf_value(value)
 
