@@ -180,14 +180,14 @@ def main(argv: list[str] | None = None) -> int:
             plain.append(timed(lambda: jdbc_append(df))[0])
             truncate("plain_messages")
             plain_messages.append(timed(lambda: jdbc_append(message_rows(df, "plain"), "plain_messages"))[0])
-            truncate("dramatiq.messages")
+            truncate("dramatiq.messages, dramatiq.idempotency_keys")
             seconds, result = timed(lambda i=i: enqueue(df, f"bench-{i}"))
             assert result.enqueued == args.rows, result
             ours.append(seconds)
             seconds, again = timed(lambda i=i: enqueue(df, f"bench-{i}"))
             assert again.enqueued == 0 and again.skipped == args.rows, again
             rerun.append(seconds)
-            truncate("dramatiq.messages")
+            truncate("dramatiq.messages, dramatiq.idempotency_keys")
             seconds, result = timed(lambda i=i: enqueue(df, f"bench-py-{i}", PythonJSONEncoder()))
             assert result.enqueued == args.rows, result
             python_path.append(seconds)

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def truncate() -> None:
             with psycopg.connect(plan.conninfo, autocommit=True) as conn:
-                conn.execute("TRUNCATE dramatiq.messages")
+                conn.execute("TRUNCATE dramatiq.messages, dramatiq.idempotency_keys")
                 conn.execute("VACUUM ANALYZE dramatiq.messages")
 
         def whole() -> None:

@@ -132,10 +132,10 @@ def batch(spark: Any, url: str, rows: int, partitions: int, runs: int) -> dict[s
     for i in range(runs):
         fresh("plain_customers")
         cases["jdbc append"].append(timed(lambda: append(df)))
-        fresh("dramatiq.messages")
+        fresh("dramatiq.messages, dramatiq.idempotency_keys")
         cases['format("dramatiq")'].append(timed(lambda i=i: source(df, f"source-{i}")))
         assert execute(url, "SELECT count(*) FROM dramatiq.messages") == rows
-        fresh("dramatiq.messages")
+        fresh("dramatiq.messages, dramatiq.idempotency_keys")
         cases["enqueue_dataframe"].append(timed(lambda i=i: function(df, f"function-{i}")))
         assert execute(url, "SELECT count(*) FROM dramatiq.messages") == rows
         fresh("indexed_messages")
@@ -144,7 +144,7 @@ def batch(spark: Any, url: str, rows: int, partitions: int, runs: int) -> dict[s
         print(f"  batch round {i + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in cases.items()),
               flush=True)  # fmt: skip
     assert execute(url, "SELECT count(*) FROM plain_customers") == rows
-    fresh("dramatiq.messages")
+    fresh("dramatiq.messages, dramatiq.idempotency_keys")
     df.unpersist()
     return cases
 
@@ -192,7 +192,7 @@ def stream(spark: Any, url: str, rate: int, seconds: float, watch: bool) -> dict
     """
     from pyspark.sql import functions as F
 
-    execute(url, "TRUNCATE dramatiq.messages")
+    execute(url, "TRUNCATE dramatiq.messages, dramatiq.idempotency_keys")
     if watch:
         source = spark.readStream.format("rate").option("rowsPerSecond", rate)
     else:

@@ -84,6 +84,25 @@ DELETE FROM {schema}.{partition} WHERE finished_at < %(cutoff)s;
 -- The rows of one partition of history that finished before the cutoff (prune --dry-run).
 SELECT count(*) FROM {schema}.{partition} WHERE finished_at < %(cutoff)s;
 
+-- name: prune_idempotency_keys --
+-- After prune removed the old history rows: frees the idempotency keys
+-- (idempotency_keys, migration 0014) that no row of messages or history holds
+-- any more, in one snapshot (a message moves between the two tables in one
+-- transaction, so a key that has a row is seen in one of them).  Also frees
+-- the keys of messages purged from their queue or of dead letters discarded
+-- since the last prune.  A send of a freed key is stored again.
+DELETE FROM {schema}.idempotency_keys AS k
+ WHERE NOT EXISTS (SELECT 1 FROM {schema}.messages AS m WHERE m.idempotency_key = k.idempotency_key)
+   AND NOT EXISTS (SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = k.idempotency_key);
+
+-- name: count_idempotency_keys_before --
+-- The keys prune would free (--dry-run): those of no live message and of no
+-- history row that finished at or after the cutoff.
+SELECT count(*) FROM {schema}.idempotency_keys AS k
+ WHERE NOT EXISTS (SELECT 1 FROM {schema}.messages AS m WHERE m.idempotency_key = k.idempotency_key)
+   AND NOT EXISTS (SELECT 1 FROM {schema}.history AS h
+                    WHERE h.idempotency_key = k.idempotency_key AND h.finished_at >= %(cutoff)s);
+
 -- name: metrics_gauges --
 -- Every Prometheus gauge in one statement: (kind, queue_name, state, value) rows
 -- (kinds: messages, oldest, dead, workers, paused, dead_total: dead letters so far).

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 VERSION_TABLE = "dramatiq_pg_outbox_version"
 #: Schema used when none is configured.
 #: Revision number of the newest migration; the broker requires it.
-SCHEMA_REVISION = 13
+SCHEMA_REVISION = 14
 #: Key of the advisory lock that serialises concurrent upgrades.
 MIGRATION_LOCK_KEY = 7_261_533_180_214_001
 #: Environment variable naming the schema for alembic runs.

@@ -56,12 +56,15 @@ class PruneResult:
         estimate: counting them would cost what dropping saves).
       deleted(int): Rows deleted one by one (the partition at the cutoff, the default one).
       kept(list[Partition]): Old partitions that could not be locked in time (left for next run).
+      freed_keys(int): Idempotency keys freed: no row of messages or history holds them any more
+        (a dry run counts those of no live message and no history row kept by the cutoff).
     """
 
     dropped: list[Partition] = field(default_factory=list)
     dropped_rows: int = 0
     deleted: int = 0
     kept: list[Partition] = field(default_factory=list)
+    freed_keys: int = 0
 
 
 def day_partitions(conn: psycopg.Connection[Any], schema: str) -> list[Partition]:
@@ -106,7 +109,12 @@ def prune(
     attempts: int = 3,
     dry_run: bool = False,
 ) -> PruneResult:
-    """Remove the history rows that finished more than ``older_than`` ago.
+    """Remove the history rows that finished more than ``older_than`` ago, then free their keys.
+
+    Last, in a statement of its own, the idempotency keys that no row of ``messages`` or
+    ``history`` holds any more are deleted from ``idempotency_keys``: a send with one of
+    them is stored again (docs/guarantees.md, "Idempotency keys").  A key whose history row
+    is in a partition kept for the next run stays taken.
 
     Parameters:
       conn: An autocommit connection of the table's owner (dropping a partition needs it).
@@ -173,6 +181,11 @@ def prune(
             delete = with_identifiers(queries["delete_history_before"], partition=name)
             cur = conn.execute(delete, {"cutoff": cutoff})
             result.deleted += cur.rowcount
+    if dry_run:
+        row = conn.execute(queries["count_idempotency_keys_before"], {"cutoff": cutoff}).fetchone()
+        result.freed_keys = int(row[0]) if row else 0
+    else:
+        result.freed_keys = conn.execute(queries["prune_idempotency_keys"]).rowcount
     return result
 
 

@@ -107,26 +107,50 @@ SELECT (extract(epoch FROM coalesce(
 -- notification is delivered at commit, never before; Postgres folds identical
 -- notifications of one transaction, so there is one per queue at most.  The
 -- payload is the queue name only (NOTIFY payloads are limited to 8000 bytes).
--- Idempotency: a row whose key (NULL for none) is already in the hot table
--- (unique partial index, ON CONFLICT DO NOTHING, also within this batch) or
--- in history (the message was processed) is skipped.  Rows without a key
--- never conflict.
+-- Idempotency: of the messages with one key, only the first of the batch may
+-- be stored, and only if this statement inserts the key's row in
+-- idempotency_keys (migration 0014), which it does ON CONFLICT DO NOTHING.
+-- That row is the key's one arbiter: written with the key's first message and
+-- never deleted while the message is in messages or history (the ack moves the
+-- message and leaves the row alone), so a later send meets it whenever it
+-- runs.  Under READ COMMITTED a send that meets a row another transaction is
+-- inserting waits for it and skips the key if it commits; under REPEATABLE
+-- READ and SERIALIZABLE it fails with a serialization error when that row
+-- committed after its snapshot: never both stored.  The keys are inserted in
+-- key order, so two batches of the same keys never deadlock.  The history
+-- check and the ON CONFLICT on messages refuse the keys an older version of
+-- the package stored without a row (during a rolling upgrade): a key that has
+-- a row is never stored twice without them.  Rows without a key never conflict.
 -- Partitions (migration 0013): keyed rows and rows due more than
 -- %(park_after_ms)s after now go to messages_vacuumed (slot -1), where the
 -- key's unique index on (idempotency_key, slot) holds across the table (no
 -- ring partition may hold a key); the others to the ring's current partition.
-WITH inserted AS (
+-- The insert keeps the order of the arrays (ORDER BY n): ids follow the sends.
+WITH batch AS (
+    SELECT t.*, row_number() OVER (PARTITION BY t.k ORDER BY t.n) = 1 AS first
+    FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
+                %(delays)s::bigint[], %(payloads)s::bytea[], %(idempotency_keys)s::text[],
+                %(priorities)s::smallint[]) WITH ORDINALITY
+        AS t(q, a, m, d, p, k, pr, n)
+),
+claimed AS (
+    INSERT INTO {schema}.idempotency_keys (idempotency_key)
+    SELECT b.k FROM batch AS b
+    WHERE b.k IS NOT NULL AND b.first
+      AND NOT EXISTS (SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = b.k)
+    ORDER BY b.k
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING idempotency_key
+),
+inserted AS (
     INSERT INTO {schema}.messages
         (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority, slot)
     SELECT q, a, m, now() + d * interval '1 millisecond', p, k, pr,
            CASE WHEN k IS NOT NULL OR d > %(park_after_ms)s::bigint THEN -1
                 ELSE (SELECT {schema}.message_slot()) END
-    FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
-                %(delays)s::bigint[], %(payloads)s::bytea[], %(idempotency_keys)s::text[],
-                %(priorities)s::smallint[])
-        AS t(q, a, m, d, p, k, pr)
-    WHERE k IS NULL
-       OR NOT EXISTS (SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = t.k)
+    FROM batch AS t
+    WHERE k IS NULL OR (t.first AND k IN (SELECT idempotency_key FROM claimed))
+    ORDER BY n
     ON CONFLICT (idempotency_key, slot) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, message_id, queue_name, next_attempt_at, idempotency_key, priority
 ),

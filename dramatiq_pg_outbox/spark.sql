@@ -15,22 +15,31 @@ COPY dpo_stage (message_id, idempotency_key, payload_text) FROM STDIN (FORMAT cs
 COPY dpo_stage (message_id, idempotency_key, payload) FROM STDIN (FORMAT BINARY);
 
 -- name: spark_drop_known --
--- The staged rows whose key is already waiting, running (keyed messages live
--- in slot -1) or processed (history) go before the insert, so that the insert
--- of what is left is a plain one.  Two joins, not an OR of two EXISTS (which
+-- The staged rows whose key is already taken (its row in idempotency_keys,
+-- migration 0014: the message is waiting, running or in history) go before
+-- the insert, so that the insert of what is left is a plain one.  The join with
+-- history refuses the keys an older version of the package stored without a
+-- row (during a rolling upgrade).  Two joins, not an OR of two EXISTS (which
 -- runs a subplan per staged row): the planner hashes an empty or small side
 -- and probes the key indexes of a large one.
-DELETE FROM dpo_stage AS st USING {schema}.messages AS m
- WHERE m.idempotency_key = st.idempotency_key AND m.slot = -1;
+DELETE FROM dpo_stage AS st USING {schema}.idempotency_keys AS k
+ WHERE k.idempotency_key = st.idempotency_key;
 DELETE FROM dpo_stage AS st USING {schema}.history AS h
  WHERE h.idempotency_key = st.idempotency_key;
 
 -- name: spark_insert_new --
--- The staged rows left by spark_drop_known become messages.  A plain INSERT:
--- the unique key index refuses a key that a twin task (speculative execution,
--- a retried task still running) wrote since, or a key the partition holds
--- twice; the writer then rolls this statement back and runs spark_insert.
--- About 2/3 of the cost of spark_insert per row: no speculative insertion.
+-- The staged rows left by spark_drop_known become messages, each key claimed
+-- by a plain INSERT of its row in idempotency_keys in the same statement.  The
+-- primary key refuses a key that a twin task (speculative execution, a retried
+-- task still running) claimed since, or a key the partition holds twice; the
+-- writer then rolls this statement back and runs spark_insert.  If it
+-- succeeds, this task claimed every staged key: none can be anyone else's.
+-- About 2/3 of the cost of an ON CONFLICT insert per row (no speculative
+-- insertion).
+WITH claimed AS (
+    INSERT INTO {schema}.idempotency_keys (idempotency_key)
+    SELECT idempotency_key FROM dpo_stage
+)
 INSERT INTO {schema}.messages
     (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority, slot)
 SELECT %(queue_name)s, %(actor_name)s, st.message_id,
@@ -40,34 +49,36 @@ SELECT %(queue_name)s, %(actor_name)s, st.message_id,
 FROM dpo_stage AS st;
 
 -- name: spark_insert --
--- What is new becomes messages: a key already in history (processed) or in
--- the hot table (waiting or running) is skipped.  The writer's fallback when
--- spark_insert_new meets a key written since.
+-- The writer's fallback when spark_insert_new meets a key claimed since: each
+-- staged key is claimed ON CONFLICT DO NOTHING (as enqueue does; in key order,
+-- so twin tasks never deadlock), and only the keys this statement claimed
+-- become messages, the first staged row of a key the partition repeats.  A
+-- twin that claimed a key and whose message was archived since is refused by
+-- the key's row, which the archive leaves alone (no twin check is needed).
+-- Under REPEATABLE READ or SERIALIZABLE a key claimed after the task's snapshot
+-- is a serialization error: the task fails, and Spark's retry skips the key.
+WITH staged AS (
+    SELECT st.*, row_number() OVER (PARTITION BY st.idempotency_key ORDER BY st.ctid) = 1 AS first
+    FROM dpo_stage AS st
+),
+claimed AS (
+    INSERT INTO {schema}.idempotency_keys (idempotency_key)
+    SELECT s.idempotency_key FROM staged AS s
+    WHERE s.first
+      AND NOT EXISTS (SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = s.idempotency_key)
+    ORDER BY s.idempotency_key
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING idempotency_key
+)
 INSERT INTO {schema}.messages
     (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority, slot)
-SELECT %(queue_name)s, %(actor_name)s, st.message_id,
+SELECT %(queue_name)s, %(actor_name)s, s.message_id,
        now() + %(delay)s * interval '1 millisecond',
-       coalesce(st.payload, convert_to(st.payload_text, 'UTF8')), st.idempotency_key,
-       %(priority)s::smallint,
-       CASE WHEN st.idempotency_key IS NOT NULL OR %(delay)s > %(park_after_ms)s::bigint THEN -1
-            ELSE (SELECT {schema}.message_slot()) END
-FROM dpo_stage AS st
-WHERE NOT EXISTS (
-    SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = st.idempotency_key
-)
+       coalesce(s.payload, convert_to(s.payload_text, 'UTF8')), s.idempotency_key,
+       %(priority)s::smallint, -1
+FROM staged AS s JOIN claimed AS c ON c.idempotency_key = s.idempotency_key
+WHERE s.first
 ON CONFLICT (idempotency_key, slot) WHERE idempotency_key IS NOT NULL DO NOTHING;
-
--- name: spark_drop_twins --
--- A twin whose archiving committed while spark_insert ran is not in that
--- statement's snapshot of history; this statement's newer snapshot sees it,
--- and the row this transaction wrote for it goes.
-DELETE FROM {schema}.messages AS m
-USING dpo_stage AS st
-WHERE m.idempotency_key = st.idempotency_key
-  AND m.xmin = pg_current_xact_id()::xid
-  AND EXISTS (
-    SELECT 1 FROM {schema}.history AS h WHERE h.idempotency_key = st.idempotency_key
-  );
 
 -- name: backlog_id_range --
 -- The id range of the live messages: Spark splits its read by it.

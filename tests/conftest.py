@@ -119,7 +119,8 @@ def db(database_url: str) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection to the test database, with the broker's tables emptied."""
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(
-            "TRUNCATE dramatiq.messages, dramatiq.history, dramatiq.workers, dramatiq.dead_letter_counts;"
+            "TRUNCATE dramatiq.messages, dramatiq.history, dramatiq.workers, dramatiq.dead_letter_counts,"
+            " dramatiq.idempotency_keys;"
             "CREATE TABLE IF NOT EXISTS received (key text PRIMARY KEY, n int NOT NULL, pids int[] NOT NULL);"
             "CREATE TABLE IF NOT EXISTS started (key text, pid int, at timestamptz DEFAULT now());"
             "TRUNCATE received, started;"

@@ -619,7 +619,8 @@ def test_retry_failed_and_prune_report_counts(
     broker.join("default", timeout=20_000)
     db.execute("UPDATE dramatiq.history SET finished_at = now() - interval '2 days'")
     assert run(capsys, "prune", "--url", database_url, "--older-than", "36h") == [
-        "dropped 0 day partition(s) of about 0 row(s), deleted 1 history row(s) older than 1d12h"
+        "dropped 0 day partition(s) of about 0 row(s), deleted 1 history row(s) older than 1d12h, "
+        "freed 0 idempotency key(s)"
     ]
 
 

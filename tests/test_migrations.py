@@ -170,3 +170,55 @@ def test_the_wheel_ships_the_migrations_and_the_sql(tmp_path: Path) -> None:
     assert "dramatiq_pg_outbox/_alembic/versions/0001_initial.py" in names
     assert "dramatiq_pg_outbox/queries.sql" in names
     assert "dramatiq_pg_outbox/py.typed" in names
+
+
+def test_the_upgrade_to_0014_backfills_the_keys_and_the_downgrade_drops_them(database_url: str) -> None:
+    # Given a schema at revision 0013 with keyed messages waiting and processed (one key in both:
+    # stored twice before the keys table)
+    drop_schema(database_url, "keys_jobs")
+    upgrade(database_url, schema="keys_jobs", revision="0013")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO keys_jobs.messages (queue_name, actor_name, message_id, payload, idempotency_key,"
+            " slot, enqueued_at) VALUES ('q', 'a', 'm1', '', 'waiting', -1, now()),"
+            " ('q', 'a', 'm2', '', 'twice', -1, now()), ('q', 'a', 'm3', '', NULL, 0, now())"
+        )
+        conn.execute(
+            "INSERT INTO keys_jobs.history (id, queue_name, actor_name, message_id, state, attempts,"
+            " enqueued_at, payload, idempotency_key) VALUES"
+            " (100, 'q', 'a', 'm4', 'completed', 1, '2026-01-02', '', 'done'),"
+            " (101, 'q', 'a', 'm5', 'completed', 1, '2026-01-01', '', 'twice'),"
+            " (102, 'q', 'a', 'm6', 'failed', 1, now(), '', NULL)"
+        )
+    try:
+        # When it is upgraded to head
+        upgrade(database_url, schema="keys_jobs")
+        # Then every stored key has its row, dated by its first enqueue
+        with psycopg.connect(database_url) as conn:
+            rows = conn.execute(
+                "SELECT idempotency_key, created_at::date::text FROM keys_jobs.idempotency_keys ORDER BY 1"
+            ).fetchall()
+        assert [key for key, _ in rows] == ["done", "twice", "waiting"]
+        assert dict(rows)["done"] == "2026-01-02" and dict(rows)["twice"] == "2026-01-01"
+        # And a send of a backfilled key is refused
+        broker = PostgresBroker(url=database_url, schema="keys_jobs")
+
+        @dramatiq.actor(broker=broker, queue_name="q")
+        def a() -> None:
+            pass
+
+        for key in ("done", "twice", "waiting"):
+            a.send_with_options(idempotency_key=key)
+        broker.close()
+        with psycopg.connect(database_url) as conn:
+            assert conn.execute("SELECT count(*) FROM keys_jobs.messages").fetchone() == (3,)
+        # And the downgrade drops the table and records revision 13
+        downgrade(database_url, schema="keys_jobs", revision="0013")
+        assert "idempotency_keys" not in tables(database_url, "keys_jobs")
+        with psycopg.connect(database_url) as conn:
+            comment = conn.execute(
+                "SELECT obj_description('keys_jobs.messages'::regclass, 'pg_class')"
+            ).fetchone()
+        assert comment == ("dramatiq-pg-outbox schema revision 13",)
+    finally:
+        drop_schema(database_url, "keys_jobs")

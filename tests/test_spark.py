@@ -438,6 +438,61 @@ def test_concurrent_duplicate_tasks_write_each_message_once(
     assert count(db) == 5_000
 
 
+def test_a_twin_task_whose_messages_were_archived_meanwhile_adds_nothing(
+    actor: Any, broker: PostgresBroker, db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31, defect 4: a task checks its keys, then a twin task commits them and a worker
+    archives them, then the task inserts.  Before the keys table the plain insert met no key
+    (archived rows leave the unique index), and the twin check, comparing xmin with the
+    transaction's id while the rows were written in a savepoint, never fired: every key ended
+    archived and pending again."""
+    import psycopg
+
+    from dramatiq_pg_outbox._queries import queries_for_schema
+    from dramatiq_pg_outbox._runtime import fence_params
+    from dramatiq_pg_outbox.spark import write as spark_write
+
+    queries = queries_for_schema("dramatiq")
+    plan = customer_id_plan(broker, "twins")
+    rows = [(i,) for i in range(200)]
+    twin: list[tuple[int, int]] = []
+    paused: list[bool] = []
+
+    def between_the_check_and_the_insert() -> None:
+        # The twin task commits the same keys, and a worker claims and acks every message.
+        twin.append(write_partition(plan, rows))
+        claimed = db.execute(
+            "UPDATE dramatiq.messages SET state = 'processing', attempts = 1, lease = gen_random_uuid(), "
+            "acquired_at = now() WHERE idempotency_key LIKE 'twins:%%' RETURNING id, lease"
+        ).fetchall()
+        assert db.execute(queries["ack"], fence_params(claimed)).rowcount == 200
+
+    class PausingCursor(psycopg.Cursor[Any]):
+        """Runs the interleaving once, right after this task's spark_drop_known."""
+
+        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            result = super().execute(query, params, **kwargs)
+            if query == queries["spark_drop_known"] and not paused:
+                paused.append(True)
+                between_the_check_and_the_insert()
+            return result
+
+    real_connect = spark_write.connect
+
+    def connect(conninfo: str) -> Any:
+        conn = real_connect(conninfo)
+        conn.cursor_factory = PausingCursor
+        return conn
+
+    monkeypatch.setattr(spark_write, "connect", connect)
+    # When the task writes its partition around the twin and the archive
+    assert write_partition(plan, rows) == (200, 0)
+    # Then the twin enqueued every key, this task none, and each key is stored once: in history
+    assert twin == [(200, 200)]
+    assert count(db) == 0
+    assert count(db, "SELECT count(*) FROM dramatiq.history WHERE idempotency_key LIKE 'twins:%'") == 200
+
+
 def test_a_custom_encoder_takes_the_python_path(spark: Any, actor: Any, db: Any) -> None:
     from dramatiq.encoder import PickleEncoder
 

@@ -90,7 +90,7 @@ class Db:
     def reset(self) -> None:
         self.rows(TABLES)
         self.rows(
-            "TRUNCATE dramatiq.messages, dramatiq.history, dramatiq.workers, "
+            "TRUNCATE dramatiq.messages, dramatiq.history, dramatiq.workers, dramatiq.idempotency_keys, "
             "chaos_received, chaos_started, chaos_orders, chaos_attempts"
         )
 

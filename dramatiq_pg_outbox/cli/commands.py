@@ -428,7 +428,8 @@ def _prune(args: argparse.Namespace) -> int:
     deleted = "would delete" if args.dry_run else "deleted"
     print(
         f"{would} {len(result.dropped)} day partition(s){days} of about {result.dropped_rows} row(s), "
-        f"{deleted} {result.deleted} history row(s) older than {age}"
+        f"{deleted} {result.deleted} history row(s) older than {age}, "
+        f"{'would free' if args.dry_run else 'freed'} {result.freed_keys} idempotency key(s)"
         + (" (dry run: nothing changed)" if args.dry_run else "")
     )
     if result.kept:

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._queries import queries_for_schema
-from ..names import PARK_AFTER_MS
 from .encoding import _arrow_rows, _batch_encodable, _encode_batch, _encode_rows, _Plan
 from .options import connect
 
@@ -79,13 +78,15 @@ def write_partition(plan: _Plan, rows: Iterable[Any]) -> tuple[int, int]:
 
 
 def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tuple[int, int]:
-    """One transaction: COPY into a temporary table, insert what is new, verify, NOTIFY once.
+    """One transaction: COPY into a temporary table, insert what is new, NOTIFY once.
 
     What is new is inserted by a plain INSERT after the staged rows of known keys are
     dropped (``spark_drop_known``, ``spark_insert_new``); ``INSERT ... ON CONFLICT DO
     NOTHING`` (``spark_insert``) costs about 1.5x as much per row (speculative insertion;
     benchmarks/README.md section 17b) and runs only when the plain insert meets a key
-    written since or one the partition repeats.
+    claimed since or one the partition repeats.  Each statement claims its keys in
+    ``idempotency_keys`` (migration 0014), whose rows the archive leaves alone: a twin
+    task's key is refused whether its message waits, runs or was archived meanwhile.
     """
     from psycopg.errors import UniqueViolation
 
@@ -100,20 +101,16 @@ def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tu
                 "actor_name": plan.actor_name,
                 "delay": plan.delay_ms,
                 "priority": plan.priority,
-                "park_after_ms": PARK_AFTER_MS,
             }
             cur.execute(queries["spark_drop_known"])
             try:
                 with conn.transaction():
                     cur.execute(queries["spark_insert_new"], params)
             except UniqueViolation:
-                # A twin task wrote some of these keys since the check, or the
-                # partition holds a key twice: skip each conflicting key instead.
+                # A twin task claimed some of these keys since the check, or the
+                # partition holds a key twice: skip each key claimed elsewhere instead.
                 cur.execute(queries["spark_insert"], params)
             enqueued = cur.rowcount
-            if enqueued:
-                cur.execute(queries["spark_drop_twins"])
-                enqueued -= cur.rowcount
             if enqueued and plan.notify and plan.delay_ms == 0:
                 cur.execute(queries["notify"], {"channel": plan.channel, "queue_names": [plan.queue_name]})
     return read, enqueued
