@@ -279,22 +279,24 @@ class _Flusher(Service):
     def _write_outcomes(self, outcomes: list[Outcome]) -> list[Outcome]:
         """Write decisions and their follow-ups in one transaction; the outcomes whose fence held.
 
-        The fenced ack/archive statements return the ids they archived; only
-        those rows' follow-ups are written.  A stale decision (its message was
-        released and will run again) takes its follow-ups with it, so they are
-        written once, by the delivery that is acked.  ``after_enqueue`` runs for
+        The fenced ack/archive statements return the (id, lease) of each row they
+        archived; only those deliveries' follow-ups are written.  A stale decision
+        (its message was released and will run again, or already runs under a new
+        lease) takes its follow-ups with it, even when the current delivery of the
+        same row is in the same batch, so they are written once, by the delivery
+        that is acked.  ``after_enqueue`` runs for
         the stored follow-ups once the transaction has committed.
         """
         runtime = self.runtime
         broker = runtime.broker
         with runtime.connection() as conn, conn.transaction():
-            archived: set[int] = set()
+            archived: set[tuple[int, uuid.UUID]] = set()
             for kind in ("ack", "ack_with_error", "nack"):
                 group = [o.fence() for o in outcomes if o.kind == kind]
                 if group:
                     query, params = self._statement(kind, group)
-                    archived.update(int(row[0]) for row in conn.execute(query, params).fetchall())
-            written = [o for o in outcomes if o.row_id in archived]
+                    archived.update((int(i), lease) for i, lease in conn.execute(query, params).fetchall())
+            written = [o for o in outcomes if (o.row_id, o.lease) in archived]
             messages = [m for o in written for m in o.messages]
             stored: list[StoredMessage] = []
             if messages:
