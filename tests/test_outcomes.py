@@ -174,3 +174,126 @@ def test_a_pipeline_step_whose_lease_expired_runs_its_next_step_once(
     assert runs.count("step_two(2)") == 1, runs
     assert _pending(db, queue) == []
     assert [actor for actor, _, _ in _history(db, queue)] == ["step_one", "step_two"]
+
+
+# -- a follow-up that can never be written ---------------------------------------------------------
+
+#: A retry delay beyond PostgreSQL's range: now() + 10**16 ms (317,000 years) overflows the interval.
+NEVER = 10**16
+
+
+def _failed(db: Any, queue: str) -> list[tuple[str, str, str]]:
+    rows = db.execute(
+        "SELECT actor_name, error_type, error FROM dramatiq.history"
+        " WHERE queue_name = %s AND state = 'failed'",
+        (queue,),
+    ).fetchall()
+    return [(str(actor), str(error_type), str(error)) for actor, error_type, error in rows]
+
+
+def test_an_outcome_whose_follow_up_can_never_be_written_is_quarantined_and_its_batch_flows(
+    make_broker: Any, db: Any
+) -> None:
+    # Given two claimed messages whose outcomes reach one flush batch: the first with a
+    # follow-up the database refuses for good (a delay out of its range), the second with
+    # a good one
+    broker: PostgresBroker = make_broker(**MANUAL)
+    queue = _queue()
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task(n: int) -> None:
+        pass
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def follow_up(delivery: str) -> None:
+        pass
+
+    task.send(1)
+    task.send(2)
+    consumer = broker.consume(queue, prefetch=2, timeout=1_000)
+    poisoned, healthy = next(consumer), next(consumer)
+    assert poisoned is not None and healthy is not None
+    flusher = broker.runtime.flusher
+    never = StoredMessage.of(follow_up.message("never"), NEVER)
+    flusher.finish(poisoned.row_id, poisoned.lease, "ack", messages=[never])
+    flusher.finish(healthy.row_id, healthy.lease, "ack", messages=[StoredMessage.of(follow_up.message("ok"))])
+    # When the batch is flushed
+    done = flusher.flush_once()
+    # Then the healthy outcome and its follow-up are written, the poisoned message is in
+    # history as failed with an error naming the follow-up, and none of its follow-ups is stored
+    assert (done["acked"], done["nacked"], done["stale"]) == (1, 1, 0)
+    assert flusher.pending() == 0
+    assert _follow_up_args(db, queue) == [("ok",)]
+    [(actor, error_type, error)] = _failed(db, queue)
+    assert (actor, error_type) == ("task", "FollowUpNotWritable")
+    assert never.message.message_id in error and "follow_up" in error and "out of range" in error
+    assert sorted(_history(db, queue)) == [
+        ("task", "completed", None),
+        ("task", "failed", "FollowUpNotWritable"),
+    ]
+    assert broker.runtime.inflight == {}
+    consumer.close()
+
+
+def test_a_retry_that_can_never_be_written_holds_back_no_other_message(
+    make_broker: Any, db: Any, start_worker: Any
+) -> None:
+    # Given a worker whose first message raises Retry with a delay beyond PostgreSQL's range,
+    # then a pipeline and a plain message
+    broker: PostgresBroker = make_broker()
+    queue = _queue()
+    runs: list[str] = []
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=5)
+    def poisoned() -> None:
+        runs.append("poisoned")
+        raise dramatiq.Retry(delay=NEVER)
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def step_one(x: int) -> int:
+        runs.append("step_one")
+        return x + 1
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def step_two(x: int) -> None:
+        runs.append(f"step_two({x})")
+
+    poisoned.send()
+    (step_one.message(1) | step_two.message()).run()
+    start_worker(broker, worker_threads=1)
+    # When it runs them: then the pipeline's next step runs and nothing is left pending
+    wait_for(lambda: "step_two(2)" in runs and not _pending(db, queue), 30, "the pipeline finished")
+    # And the poisoned message ran once and is in history as failed, with the error naming its retry
+    assert runs.count("poisoned") == 1
+    [(actor, error_type, error)] = _failed(db, queue)
+    assert (actor, error_type) == ("poisoned", "FollowUpNotWritable")
+    assert "poisoned" in error and "out of range" in error
+    assert sorted(_history(db, queue)) == [
+        ("poisoned", "failed", "FollowUpNotWritable"),
+        ("step_one", "completed", None),
+        ("step_two", "completed", None),
+    ]
+
+
+def test_an_error_text_with_a_nul_byte_is_stored(make_broker: Any, db: Any, start_worker: Any) -> None:
+    # Given an actor whose exception's text holds a NUL byte, which PostgreSQL's text refuses
+    broker: PostgresBroker = make_broker()
+    queue = _queue()
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def nul() -> None:
+        raise ValueError("before\x00after")
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def plain() -> None:
+        pass
+
+    nul.send()
+    plain.send()
+    # When a worker runs it (a dead letter, no follow-up) and another message
+    start_worker(broker, worker_threads=1)
+    # Then both are archived, the error with the NUL byte escaped
+    wait_for(lambda: len(_history(db, queue)) == 2, 30, "both messages archived")
+    [(actor, error_type, error)] = _failed(db, queue)
+    assert (actor, error_type) == ("nul", "ValueError")
+    assert "before\\x00after" in error
