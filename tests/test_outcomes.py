@@ -169,8 +169,8 @@ def test_a_pipeline_step_whose_lease_expired_runs_its_next_step_once(
     wait_for(lambda: "step_two(2)" in runs and not _pending(db, queue), 30, "the pipeline finished")
     # (a second step_two would have been stored in the same transaction as the first: once
     # nothing of the queue is left, it has run too)
-    # Then step_one ran twice (its lease expired) but step_two exactly once
-    assert runs.count("step_one") == 2
+    # Then step_one ran twice or more (its lease expired) but step_two exactly once
+    assert runs.count("step_one") >= 2
     assert runs.count("step_two(2)") == 1, runs
     assert _pending(db, queue) == []
     assert [actor for actor, _, _ in _history(db, queue)] == ["step_one", "step_two"]
