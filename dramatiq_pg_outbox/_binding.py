@@ -31,6 +31,14 @@ class Binding(Protocol):
     def add(self, broker: Any, items: list[StoredMessage]) -> None:
         """Buffer encoded messages in the bound transaction."""
 
+    def joinable(self) -> bool:
+        """Whether a message sent now can join the bound transaction.
+
+        False once that transaction has ended in the database (committed or rolled
+        back) while its end is still being reported: a send from a listener of its
+        commit or rollback.  Such a send goes through the broker's pool.
+        """
+
 
 #: The bindings active in this context (thread or asyncio task), innermost last.
 _bindings: ContextVar[tuple[Binding, ...]] = ContextVar("dramatiq_pg_outbox_bindings", default=())
@@ -38,6 +46,10 @@ _bindings: ContextVar[tuple[Binding, ...]] = ContextVar("dramatiq_pg_outbox_bind
 
 def current_binding(broker: Any) -> Binding | None:
     """The innermost binding in this context that applies to ``broker``, if any.
+
+    None also when that binding's transaction can no longer take the message
+    (``joinable()`` is false: a send from a listener of its commit or rollback):
+    the broker then writes it through its pool, as outside ``outbox()``.
 
     Raises:
       OutboxError: If that binding's block has ended: this context was copied
@@ -55,7 +67,7 @@ def current_binding(broker: Any) -> Binding | None:
                     "which copied the binding. Send inside the block so the message joins that "
                     "transaction, or wrap the send in `with outside_outbox():` to send it on its own."
                 )
-            return binding
+            return binding if binding.joinable() else None
     return None
 
 

@@ -134,6 +134,10 @@ class DjangoOutbox:
         self.ended = False
         self._token: Token[tuple[Binding, ...]] | None = None
 
+    def joinable(self) -> bool:
+        """True: every send inside the block is written through the Django connection (see :meth:`add`)."""
+        return True
+
     def add(self, broker: PostgresBroker, items: list[StoredMessage]) -> None:
         """Write encoded messages through the Django connection, in its transaction (called by ``send()``).
 

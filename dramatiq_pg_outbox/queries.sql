@@ -413,9 +413,10 @@ WHERE %(queue_name)s = ANY (w.queues)
 -- rows; while the MVCC horizon is pinned that index holds an entry for every
 -- row claimed since, and the ack took seconds (docs/chaos.md, scenario 10).
 -- Without it the only index for m.id = a.id is the primary key.
--- Returns the ids archived: the flusher writes a message's follow-ups (retry,
--- next pipeline step, callbacks, result) in the same transaction, for these
--- ids only.
+-- Returns the (id, lease) of each row archived: the flusher writes a message's
+-- follow-ups (retry, next pipeline step, callbacks, result) in the same
+-- transaction, for the deliveries of these leases only (a stale delivery of the
+-- same row in the same batch has another lease, and its follow-ups are dropped).
 -- The ids come from the DELETE, not from "INSERT ... RETURNING", which would need
 -- SELECT on history (docs/security.md grants the worker role INSERT only); a
 -- data-modifying CTE runs to completion whether or not its rows are read.
@@ -432,12 +433,13 @@ archived AS (
            idempotency_key, priority
     FROM done
 )
-SELECT id FROM done;
+SELECT id, lease FROM done;
 
 -- name: archive --
 -- Moves messages to history in state %(state)s with their error: failed for a
 -- dead letter (nack), completed for an acked delivery whose actor raised
 -- (Retries enqueued its retry).  Fenced like ack (by lease alone, see ack).
+-- Returns the (id, lease) of each row archived, as ack does.
 WITH failed AS (
     DELETE FROM {schema}.messages AS m
     WHERE m.id = ANY(%(ids)s::bigint[]) AND {fenced}
@@ -462,7 +464,7 @@ counted AS (
     SELECT queue_name, pg_backend_pid() %% 16, count(*) FROM failed WHERE %(state)s = 'failed' GROUP BY queue_name
     ON CONFLICT (queue_name, shard) DO UPDATE SET n = c.n + excluded.n
 )
-SELECT id FROM failed;
+SELECT id, lease FROM failed;
 
 -- name: requeue --
 -- Hands claimed but unstarted messages back at once, without charging them

@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from dramatiq_pg_outbox import PostgresBroker, SchemaNotReady, outbox, upgrade
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
+from dramatiq_pg_outbox.outbox.hooks import _install_engine_listeners
 
 KINDS = ["Session", "AsyncSession", "Connection", "AsyncConnection"]
 
@@ -718,3 +719,84 @@ def test_outbox_on_a_database_that_was_never_migrated_raises_schema_not_ready(
         assert password not in error
         assert f"Run: dramatiq-pg-outbox migrate --url '{masked}' --schema dramatiq" in error
         assert "<DATABASE_URL>" not in error
+
+
+# -- a send from a listener of the transaction's end ----------------------------------------------
+
+#: (listener, how the transaction ends) per bind kind.  A Session's after_* events fire once the
+#: database transaction has ended; a Connection's commit and rollback events fire just before
+#: COMMIT / ROLLBACK is sent.  "savepoint": a savepoint rolls back, then the transaction commits.
+END_HOOKS = {
+    "Session": [
+        ("after_commit", "commit"),
+        ("after_transaction_end", "commit"),
+        ("after_rollback", "rollback"),
+        ("after_soft_rollback", "rollback"),
+        ("after_transaction_end", "rollback"),
+        ("after_rollback", "savepoint"),
+        ("after_soft_rollback", "savepoint"),
+    ],
+    "Connection": [("commit", "commit"), ("rollback", "rollback"), ("rollback_savepoint", "savepoint")],
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "order", "hook", "ending"),
+    [
+        (kind, order, hook, ending)
+        for kind in KINDS
+        for order in ("before", "after")
+        for hook, ending in END_HOOKS["Session" if "Session" in kind else "Connection"]
+    ],
+)
+def test_a_send_from_a_listener_of_the_transactions_end_is_stored_once(
+    kind: str, order: str, hook: str, ending: str, database_url: str, make_broker: Any, shapes_db: Any
+) -> None:
+    # Given a broker whose middleware records after_enqueue, and an application listener of the
+    # end of the transaction (run before or after the outbox's own listeners) that sends a message
+    recorder = RecordEnqueues()
+    broker = make_broker()
+    broker.add_middleware(recorder)
+    actor = dramatiq.actor(lambda tag: None, broker=broker, actor_name="shape")
+    prefix = uuid.uuid4().hex[:8] + "-"
+    sent: list[str] = []
+
+    def listener(*args: Any) -> None:
+        if not sent:
+            sent.append(hook)
+            actor.send(prefix + "from-listener")
+
+    async def body(binds: Binds) -> None:
+        async with binds.open() as bind:
+            if "Session" in kind:
+                # The outbox listens on the Session class: a listener inserted there runs before
+                # its own, one on the session (the AsyncSession's sync_session) after them.
+                session = bind.sync_session if isinstance(bind, AsyncSession) else bind
+                target: Any = Session if order == "before" else session
+                event.listen(target, hook, listener, insert=order == "before")
+            else:
+                # The outbox listens on each engine from its first send there: this one is new.
+                target = binds.engine.sync_engine if isinstance(binds.engine, AsyncEngine) else binds.engine
+                if order == "after":
+                    _install_engine_listeners(target)
+                event.listen(target, hook, listener)
+            try:
+                # When a transaction inside outbox() sends a message and ends
+                async with binds.outbox(bind):
+                    actor.send(prefix + "in-transaction")
+                    await maybe(bind.execute(text("SELECT 1")))
+                    if ending == "savepoint":
+                        savepoint = await maybe(bind.begin_nested())
+                        await maybe(bind.execute(text("SELECT 1")))
+                        await maybe(savepoint.rollback())
+                    await maybe(bind.rollback() if ending == "rollback" else bind.commit())
+            finally:
+                event.remove(target, hook, listener)
+
+    Binds.run(kind, database_url, body)
+    # Then the listener's message is stored (and the transaction's own, if it committed), and
+    # after_enqueue ran for each once
+    assert sent == [hook]
+    expected = [prefix + "in-transaction"] * (ending != "rollback") + [prefix + "from-listener"]
+    assert stored_tags(shapes_db, prefix) == expected
+    assert sorted(recorder.after) == sorted(expected)

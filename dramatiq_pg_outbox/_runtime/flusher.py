@@ -3,7 +3,9 @@
 Worker threads append to lock-free deques; every ``flush_interval`` ms (or at
 ``flush_batch_size``) each kind is written with one set-based statement, fenced
 by the lease.  A failed write keeps its batch and is retried with backoff; the
-final flush runs on stop.  River's batch completer is the model.
+final flush runs on stop.  River's batch completer is the model.  An outcome
+whose follow-ups the database refuses for good is quarantined alone (see
+:data:`UNWRITABLE`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,31 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
+
 from .host import Runtime
-from .messages import Conditional, Outcome, StoredMessage, enqueue_result, enqueue_statement, fence_params
+from .messages import (
+    Conditional,
+    Outcome,
+    StoredMessage,
+    clip_error,
+    enqueue_result,
+    enqueue_statement,
+    fence_params,
+)
 from .service import Service
+
+#: Errors that writing the same values again can never fix: SQLSTATE class 22 (data
+#: exception: a value out of range, such as a retry delay beyond PostgreSQL's interval)
+#: and class 23 (integrity constraint violation), and psycopg's own refusals of a value
+#: (a NUL character in a text).  When a batch of outcomes fails with one of these, its
+#: outcomes are written one at a time, and one that fails alone is quarantined (see
+#: ``_Flusher._quarantine``).  Any other error (a lost connection, a missing grant, a
+#: schema not migrated yet) keeps the batch for a retry, as it may pass.
+UNWRITABLE = (psycopg.DataError, psycopg.IntegrityError)
+
+#: The ``error_type`` in history of a message quarantined because its follow-ups can never be written.
+FOLLOW_UP_NOT_WRITABLE = "FollowUpNotWritable"
 
 
 class _Flusher(Service):
@@ -47,6 +71,9 @@ class _Flusher(Service):
         self.stats = {"acked": 0, "nacked": 0, "requeued": 0, "stale": 0}
         self._urgent = threading.Event()
         self._flush_lock = threading.Lock()
+        #: How many outcomes at the head of ``outcomes`` are written one at a time: those of a
+        #: batch that failed with an :data:`UNWRITABLE` error, to find the one to quarantine.
+        self._suspects = 0
 
     # Called from worker threads: lock-free appends, then a cheap signal.
     def ack(self, row_id: int, lease: uuid.UUID) -> None:
@@ -216,21 +243,54 @@ class _Flusher(Service):
                 for queue_name in woken:
                     self.runtime.wake(queue_name)
         while self.outcomes:
-            outcomes = [self.outcomes.popleft() for _ in range(min(len(self.outcomes), batch))]
+            size = 1 if self._suspects else batch
+            outcomes = [self.outcomes.popleft() for _ in range(min(len(self.outcomes), size))]
+            quarantined = dropped = 0
             try:
                 finished = self._write_outcomes(outcomes)
+            except UNWRITABLE as e:
+                if len(outcomes) > 1:
+                    # Some outcome of the batch can never be written: find it, one at a time.
+                    self.outcomes.extendleft(reversed(outcomes))
+                    self._suspects = len(outcomes)
+                    self.logger.warning(
+                        "A batch of %d decisions with follow-ups was refused (%s: %s); writing them "
+                        "one at a time",
+                        len(outcomes),
+                        type(e).__name__,
+                        e,
+                    )
+                    continue
+                finished = []
+                try:
+                    quarantined = self._quarantine(outcomes[0], e)
+                except UNWRITABLE as again:
+                    # Not even its dead letter can be written: let it go.  No longer tracked, the
+                    # message is released by the orphan check and delivered again.
+                    dropped = 1
+                    self.logger.error(
+                        "Message %d could not be quarantined (%s: %s); it will be delivered again",
+                        outcomes[0].row_id,
+                        type(again).__name__,
+                        again,
+                    )
+                except Exception:
+                    self.outcomes.appendleft(outcomes[0])
+                    raise
             except Exception:
                 self.outcomes.extendleft(reversed(outcomes))
                 raise
+            self._suspects = max(0, self._suspects - len(outcomes))
             self.runtime.untrack([o.fence() for o in outcomes])
             done["acked"] += sum(o.kind != "nack" for o in finished)
-            done["nacked"] += sum(o.kind == "nack" for o in finished)
-            if len(outcomes) > len(finished):
-                done["stale"] += len(outcomes) - len(finished)
+            done["nacked"] += sum(o.kind == "nack" for o in finished) + quarantined
+            stale = len(outcomes) - len(finished) - quarantined - dropped
+            if stale:
+                done["stale"] += stale
                 self.logger.warning(
                     "%d stale decision(s) with follow-ups ignored, follow-ups included: their lease "
                     "expired and the message was released (it will be, or was, delivered again)",
-                    len(outcomes) - len(finished),
+                    stale,
                 )
         if self.notifications:
             queues = sorted({self.notifications.popleft() for _ in range(len(self.notifications))})
@@ -289,22 +349,24 @@ class _Flusher(Service):
     def _write_outcomes(self, outcomes: list[Outcome]) -> list[Outcome]:
         """Write decisions and their follow-ups in one transaction; the outcomes whose fence held.
 
-        The fenced ack/archive statements return the ids they archived; only
-        those rows' follow-ups are written.  A stale decision (its message was
-        released and will run again) takes its follow-ups with it, so they are
-        written once, by the delivery that is acked.  ``after_enqueue`` runs for
+        The fenced ack/archive statements return the (id, lease) of each row they
+        archived; only those deliveries' follow-ups are written.  A stale decision
+        (its message was released and will run again, or already runs under a new
+        lease) takes its follow-ups with it, even when the current delivery of the
+        same row is in the same batch, so they are written once, by the delivery
+        that is acked.  ``after_enqueue`` runs for
         the stored follow-ups once the transaction has committed.
         """
         runtime = self.runtime
         broker = runtime.broker
         with runtime.connection() as conn, conn.transaction():
-            archived: set[int] = set()
+            archived: set[tuple[int, uuid.UUID]] = set()
             for kind in ("ack", "ack_with_error", "nack"):
                 group = [o.fence() for o in outcomes if o.kind == kind]
                 if group:
                     query, params = self._statement(kind, group)
-                    archived.update(int(row[0]) for row in conn.execute(query, params).fetchall())
-            written = [o for o in outcomes if o.row_id in archived]
+                    archived.update((int(i), lease) for i, lease in conn.execute(query, params).fetchall())
+            written = [o for o in outcomes if (o.row_id, o.lease) in archived]
             messages = [m for o in written for m in o.messages]
             # Messages on a condition (a group's barrier count-down), in key order: two
             # transactions that count down the same barriers lock their rows in one order.
@@ -330,6 +392,74 @@ class _Flusher(Service):
         for item in stored:
             broker.emit_after("enqueue", item.message, item.delay or None)
         return written
+
+    def _quarantine(self, outcome: Outcome, error: Exception) -> int:
+        """Archive the message of ``outcome`` as failed, none of its follow-ups written.
+
+        Called when writing ``outcome`` alone failed with an :data:`UNWRITABLE`
+        error: it would fail again at every retry and hold back every later
+        outcome of the process.  Its message goes to history as failed, with
+        ``error_type`` :data:`FOLLOW_UP_NOT_WRITABLE` and an error naming the
+        follow-ups the database refuses (each is tried alone in a savepoint that
+        is rolled back) and the delivery's own outcome.
+
+        Returns:
+          int: 1 if the message was archived, 0 if its lease was stale.
+
+        Raises:
+          Exception: What the database raised; the caller keeps the outcome.
+        """
+        with self.runtime.connection() as conn, conn.transaction():
+            refused = []
+            writes = self._follow_up_writes(outcome)
+            for what, query, params in writes:
+                try:
+                    with conn.transaction():
+                        conn.execute(query, params)
+                        raise psycopg.Rollback()
+                except UNWRITABLE as e:
+                    refused.append(f"{what}: {type(e).__name__}: {e}")
+            if not refused:  # refused together only
+                refused = [what for what, _, _ in writes] + [f"together: {type(error).__name__}: {error}"]
+            own = {"ack": "completed", "ack_with_error": "completed after an error", "nack": "failed"}
+            text = (
+                "This delivery's follow-ups can never be written, so none of them was: "
+                + "; ".join(refused)
+                + f". The delivery itself {own.get(outcome.kind, outcome.kind)}"
+                + (f" ({outcome.error_type}):\n{outcome.error}" if outcome.error else ".")
+            )
+            query, params = self._statement(
+                "nack", [(outcome.row_id, outcome.lease, FOLLOW_UP_NOT_WRITABLE, clip_error(text))]
+            )
+            archived = len(conn.execute(query, params).fetchall())
+        if archived:
+            self.logger.error(
+                "Message %d quarantined as failed (%s), none of its follow-ups written: %s",
+                outcome.row_id,
+                FOLLOW_UP_NOT_WRITABLE,
+                "; ".join(refused),
+            )
+        return archived
+
+    def _follow_up_writes(self, outcome: Outcome) -> list[tuple[str, str, dict[str, Any]]]:
+        """(description, SQL, parameters) of each follow-up of ``outcome`` written alone."""
+        options = self.runtime.broker.options
+        writes = []
+        for item in outcome.messages:
+            name, params = enqueue_statement(
+                [item], self.runtime.channel, options.notify != "off", options.max_fetch_interval
+            )
+            message = item.message
+            what = (
+                f"message {message.message_id} to actor {message.actor_name!r} "
+                f"(queue {message.queue_name!r}, delay {item.delay} ms, "
+                f"retries {message.options.get('retries', 0)})"
+            )
+            writes.append((what, self.runtime.queries[name], params))
+        for query, params in outcome.statements:
+            key = params.get("message_key")
+            writes.append((f"the result {key!r}" if key is not None else "a write", query, params))
+        return writes
 
     def stop(self, timeout: float = 10.0) -> None:
         """Final flush (retried until ``timeout`` seconds), then stop the thread."""

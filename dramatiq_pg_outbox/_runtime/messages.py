@@ -22,13 +22,28 @@ MAX_PRIORITY = 255
 
 
 def format_error(exc: BaseException | None) -> tuple[str, str]:
-    """(type name, traceback text clipped to ``MAX_ERROR_CHARS``) of a failed message's exception."""
+    """(type name, traceback text clipped to ``MAX_ERROR_CHARS``) of a failed message's exception.
+
+    A NUL character, which PostgreSQL's ``text`` refuses (the archive would fail
+    for good and hold back every later decision), is stored as ``\\x00``.
+    """
     if exc is None:
         return "Unknown", "the message failed without an exception (for example, it was skipped)"
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return storable_text(type(exc).__name__), clip_error(text)
+
+
+def storable_text(text: str) -> str:
+    """``text`` with each NUL character written ``\\x00``: PostgreSQL's ``text`` cannot hold it."""
+    return text.replace("\x00", "\\x00")
+
+
+def clip_error(text: str) -> str:
+    """An error text made storable (see :func:`storable_text`) and clipped to ``MAX_ERROR_CHARS``."""
+    text = storable_text(text)
     if len(text) > MAX_ERROR_CHARS:
         text = text[: MAX_ERROR_CHARS // 2] + "\n[...]\n" + text[-MAX_ERROR_CHARS // 2 :]
-    return type(exc).__name__, text
+    return text
 
 
 @dataclass

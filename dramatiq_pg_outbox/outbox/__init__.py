@@ -52,6 +52,15 @@ that commits, once the database has acknowledged the ``COMMIT``:
   the broker overrides ``after_enqueue``, nothing is registered: a commit
   pays one dictionary lookup.
 
+A send from a listener of the end of the bound transaction cannot join it once
+the database has committed or rolled it back (a Session's ``after_commit``,
+``after_rollback``, ``after_soft_rollback``, ``after_transaction_end``) or is
+about to roll it back (a Connection's ``rollback`` event): it is written
+through the broker's pool, as outside ``outbox()``, whatever the order of the
+listeners.  A Connection's ``commit`` event fires before ``COMMIT``: a send
+there joins the transaction.  A send from a ``rollback_savepoint`` listener, or
+a Session's ``after_rollback`` of a savepoint, joins the enclosing scope.
+
 Not covered: a ``Session`` that joined a transaction it does not commit
 (``Session(bind=connection)`` on a connection already in a transaction) runs
 ``after_enqueue`` at ``session.commit()``, before that transaction commits.
@@ -99,7 +108,13 @@ from ..broker import PostgresBroker
 from ..errors import OutboxError
 
 #: What :func:`outbox` binds to.
-from .hooks import _connection_add, _install_session_listeners, _session_add
+from .hooks import (
+    _connection_add,
+    _connection_joinable,
+    _install_session_listeners,
+    _session_add,
+    _session_joinable,
+)
 
 Bind = Session | Connection | AsyncSession | AsyncConnection
 
@@ -158,6 +173,24 @@ class Outbox:
             if conn is None:
                 raise OutboxError("This AsyncConnection is not started: `async with engine.connect()`.")
             _connection_add(conn, broker, items)
+
+    def joinable(self) -> bool:
+        """Whether a message sent now joins the bound transaction (else it goes through the pool).
+
+        False from a listener of the end of the bound transaction once the database
+        has committed or rolled it back (a Session's ``after_commit``,
+        ``after_rollback``, ``after_soft_rollback``, ``after_transaction_end``), or
+        while a Connection's ``rollback`` event runs (before ``ROLLBACK``, which would
+        drop the message).  A Connection's ``commit`` event runs before ``COMMIT``:
+        a message sent there joins the transaction.
+        """
+        bind = self.bind
+        if isinstance(bind, AsyncSession):
+            return _session_joinable(bind.sync_session)
+        if isinstance(bind, Session):
+            return _session_joinable(bind)
+        conn = bind.sync_connection if isinstance(bind, AsyncConnection) else bind
+        return conn is None or _connection_joinable(conn)
 
     def _push(self) -> None:
         _install_session_listeners()

@@ -7,15 +7,18 @@ once the database commit is done; a rollback (of a savepoint too) drops them.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Dialect, Engine, Transaction
 from sqlalchemy.exc import UnboundExecutionError
 from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.orm.session import SessionTransactionState
 from sqlalchemy.pool import PoolProxiedConnection
 
 from .._binding import outside_outbox as outside_outbox
@@ -63,6 +66,75 @@ def _install_session_listeners() -> None:
             _session_listeners_installed = True
 
 
+# -- the end of a transaction -------------------------------------------------------
+#
+# A send from a listener of the end of the bound transaction cannot join it: the database
+# has committed or rolled it back (a Session's after_* events), or is about to roll it back
+# (a Connection's rollback event).  Outbox.joinable() says so, and the broker writes the
+# message through its pool, as outside outbox().  Whatever the order of the listeners:
+# the state of the transaction tells, not a mark left by one of the outbox's own listeners.
+
+#: States of a root SessionTransaction whose database transaction is over.
+_ENDED = (SessionTransactionState.COMMITTED, SessionTransactionState.DEACTIVE, SessionTransactionState.CLOSED)
+
+
+def _code(method: Any) -> CodeType:
+    """The code object of ``method``, under SQLAlchemy's state-checking decorator if any."""
+    return getattr(method, "__wrapped__", method).__code__  # type: ignore[no-any-return]
+
+
+#: The methods in which a root SessionTransaction, already detached from its Session, reports
+#: its end (after_transaction_end in close(), after_soft_rollback in rollback()).
+_SESSION_ENDS = frozenset(_code(m) for m in (SessionTransaction.close, SessionTransaction.rollback))
+#: The method that runs a Connection's rollback listeners, then sends ROLLBACK.
+_CONNECTION_ROLLBACK = _code(Connection._rollback_impl)
+#: The method that runs a Connection's rollback_savepoint listeners, then sends ROLLBACK TO SAVEPOINT.
+_CONNECTION_ROLLBACK_TO = _code(Connection._rollback_to_savepoint_impl)
+
+
+def _session_joinable(session: Session) -> bool:
+    """Whether a message sent now can join ``session``'s transaction (see ``Outbox.joinable``)."""
+    root = session.get_transaction()
+    if root is not None:
+        # COMMITTED: in after_commit.  DEACTIVE: rolled back in the database (after_rollback,
+        # or a failed flush waiting for rollback()).  A savepoint's end leaves the root ACTIVE.
+        return root._state not in _ENDED
+    # No transaction: an idle session (the send begins one), or a root transaction that has
+    # just ended and is reporting it: find its close() or rollback() on the stack.
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _SESSION_ENDS:
+            transaction = frame.f_locals.get("self")
+            if (
+                isinstance(transaction, SessionTransaction)
+                and transaction.parent is None
+                and getattr(transaction, "session", None) is session
+            ):
+                return False
+        frame = frame.f_back  # type: ignore[assignment]
+    return True
+
+
+def _connection_joinable(conn: Connection) -> bool:
+    """Whether a message sent now can join ``conn``'s transaction: not from its rollback listeners."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CONNECTION_ROLLBACK and frame.f_locals.get("self") is conn:
+            return False
+        frame = frame.f_back  # type: ignore[assignment]
+    return True
+
+
+def _rolling_back_to(conn: Connection) -> str | None:
+    """The savepoint of ``conn`` whose rollback_savepoint listeners are running now, if any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CONNECTION_ROLLBACK_TO and frame.f_locals.get("self") is conn:
+            return str(frame.f_locals.get("name"))
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 def _session_add(session: Session, broker: PostgresBroker, items: list[StoredMessage]) -> None:
     try:
         session.get_bind()  # no I/O: the default bind, where the messages are written at commit
@@ -73,7 +145,12 @@ def _session_add(session: Session, broker: PostgresBroker, items: list[StoredMes
             "Session(bind=engine, binds={...}), or bind outbox() to a Connection of that database"
         ) from None
     root = session.get_transaction() or session.begin()
-    scope = session.get_nested_transaction() or root
+    scope = session.get_nested_transaction()
+    while scope is not None and not scope.is_active:
+        # A savepoint rolled back in the database, reporting it (after_rollback): the message
+        # belongs to the enclosing scope.
+        scope = scope.parent
+    scope = scope or root
     buffer = _session_buffers.get(root)
     if buffer is None:
         buffer = _session_buffers[root] = _SessionBuffer()
@@ -172,14 +249,25 @@ class _ConnectionBuffer:
     items: list[tuple[PostgresBroker, StoredMessage]] = field(default_factory=list)
     #: Written at savepoint begins; their after-commit steps wait for the commit.
     written: list[_Written] = field(default_factory=list)
+    #: Set once the buffer was written before COMMIT: a message sent from a later commit
+    #: listener is written at once.
+    committing: bool = False
+    #: Sent from a rollback_savepoint listener, with that savepoint's name: they belong to the
+    #: enclosing scope, so that savepoint's rollback keeps them (whatever the listeners' order).
+    late: list[tuple[str, PostgresBroker, StoredMessage]] = field(default_factory=list)
 
     def reset(self, root: Transaction | None = None) -> None:
         self.root = root
         self.items = []
         self.written = []
+        self.committing = False
+        self.late = []
 
     def write(self, conn: Connection) -> None:
         """Write the buffered messages through ``conn`` (kept for a retry if that fails)."""
+        if self.late:
+            self.items[:0] = [(broker, item) for _, broker, item in self.late]
+            self.late = []
         if not self.items:
             return
         # Rows written inside a savepoint may still be rolled back with it: keep their ids.
@@ -287,7 +375,14 @@ def _connection_add(conn: Connection, broker: PostgresBroker, items: list[Stored
         buffer = _connection_buffers[conn] = _ConnectionBuffer()
     if buffer.root is not root:
         buffer.reset(root)
+    savepoint = _rolling_back_to(conn)
+    if savepoint is not None:
+        buffer.late.extend((savepoint, broker, item) for item in items)
+        return
     buffer.items.extend((broker, item) for item in items)
+    if buffer.committing:
+        # Sent from a commit listener that runs after the outbox's: COMMIT is not sent yet.
+        _connection_commit(conn)
 
 
 def _current_buffer(conn: Connection) -> _ConnectionBuffer | None:
@@ -311,6 +406,8 @@ def _connection_rollback_savepoint(conn: Connection, name: str, context: Any) ->
     buffer = _current_buffer(conn)
     if buffer is not None:
         buffer.items = []  # all sent inside the savepoint being rolled back (the invariant)
+        # Sent from a listener of this rollback: kept.  Of an earlier one: inside this savepoint too.
+        buffer.late = [entry for entry in buffer.late if entry[0] == name]
 
 
 def _connection_rollback(conn: Connection) -> None:
@@ -344,8 +441,8 @@ def _connection_commit(conn: Connection) -> None:
     announced: list[_Written] = []
     try:
         buffer.write(conn)
-        written = buffer.written
-        buffer.reset()
+        written, buffer.written = buffer.written, []
+        buffer.committing = True
         for w in written:
             announce = _wants_after_enqueue(w.broker)
             after_commit_notify = w.notify_after_commit
