@@ -18,6 +18,7 @@ from sqlalchemy.engine import Connection
 
 from alembic import context
 from dramatiq_pg_outbox.migrations import (
+    ISOLATION_LEVEL,
     MIGRATION_LOCK_KEY,
     VERSION_TABLE,
     create_schema_sql,
@@ -62,7 +63,7 @@ def run_online() -> None:
         _run(connection)
         return
     url = normalize_sqlalchemy_url(config.get_main_option("sqlalchemy.url") or "")
-    engine = create_engine(url, poolclass=pool.NullPool)
+    engine = create_engine(url, poolclass=pool.NullPool, isolation_level=ISOLATION_LEVEL)
     with engine.begin() as conn:
         _run(conn)
     engine.dispose()

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from dramatiq.middleware import Middleware
 
+from ._isolation import connect
 from ._queries import queries_for_schema
 from .urls import libpq_url
 
@@ -162,7 +163,7 @@ class DatabaseCollector:
         self.statements += 1
         try:
             if self._conn is None or self._conn.closed:
-                self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+                self._conn = connect(self.url, autocommit=True, connect_timeout=10)
             rows = self._conn.execute(self._sql, {"heartbeat_timeout_ms": self.heartbeat_timeout}).fetchall()
         except psycopg.Error as e:
             self.last_error = " ".join(str(e).split())

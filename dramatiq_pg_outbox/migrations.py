@@ -40,7 +40,11 @@ if TYPE_CHECKING:
 VERSION_TABLE = "dramatiq_pg_outbox_version"
 #: Schema used when none is configured.
 #: Revision number of the newest migration; the broker requires it.
-SCHEMA_REVISION = 14
+SCHEMA_REVISION = 15
+#: Isolation level of the migrations' own connections (``upgrade(url)``, ``migrate``): the revisions'
+#: statements were written for it, whatever the database's default (docs/guarantees.md, "Isolation
+#: levels").  psycopg begins each transaction with it, which holds behind PgBouncer too.
+ISOLATION_LEVEL = "READ COMMITTED"
 #: Key of the advisory lock that serialises concurrent upgrades.
 MIGRATION_LOCK_KEY = 7_261_533_180_214_001
 #: Environment variable naming the schema for alembic runs.
@@ -204,8 +208,10 @@ def upgrade(
 
     Parameters:
       connection_or_url(str|URL|Engine|Connection): Where to migrate.  With a
-        ``Connection`` the migration runs in that connection's transaction and
-        the caller commits.
+        ``Connection`` the migration runs in that connection's transaction, at its
+        isolation level (give it READ COMMITTED: revisions that copy a table miss
+        rows committed after a REPEATABLE READ snapshot), and the caller commits;
+        a URL or an ``Engine`` runs at READ COMMITTED.
       schema(str): The schema holding the tables; created if missing.  Default ``dramatiq``.
       revision(str): Target alembic revision.  Default ``head``.
 
@@ -240,10 +246,13 @@ def _run_alembic(
         run(cfg, revision)
         return
     if isinstance(connection_or_url, Engine):
-        with connection_or_url.begin() as conn:
+        # READ COMMITTED whatever the engine's level: each revision's statements were written for it.
+        with connection_or_url.execution_options(isolation_level=ISOLATION_LEVEL).begin() as conn:
             _run_alembic(run, conn, schema, revision)
         return
-    engine = create_engine(normalize_sqlalchemy_url(connection_or_url), poolclass=pool.NullPool)
+    engine = create_engine(
+        normalize_sqlalchemy_url(connection_or_url), poolclass=pool.NullPool, isolation_level=ISOLATION_LEVEL
+    )
     try:
         with engine.begin() as conn:
             _run_alembic(run, conn, schema, revision)

@@ -232,6 +232,26 @@ SELECT NULL, NULL, NULL, id, message_id FROM inserted WHERE %(return_ids)s::bool
 -- The values are NOTIFY payloads: "<queue>" or "<queue>@<due>" (see enqueue).
 SELECT pg_notify(%(channel)s, q) FROM unnest(%(queue_names)s::text[]) AS q;
 
+-- name: pin_read_committed --
+-- Run once on each new autocommit connection of the package (_isolation.py): on a
+-- direct connection (the backend's pid is the one the server announced at connect),
+-- makes READ COMMITTED the session's default, which then holds for every statement
+-- of the session; through a pooler that runs the client's transactions on shared
+-- server connections (PgBouncer's transaction pooling: the announced pid is its
+-- own), sets nothing and returns no row: each statement then says its level.
+SELECT set_config('default_transaction_isolation', 'read committed', false)
+WHERE pg_backend_pid() = %(backend_pid)s::integer;
+
+-- name: begin_read_committed --
+-- Opens the transaction of a statement run alone on an autocommit connection
+-- whose session default could not be set (pin_read_committed), sent as one query
+-- with the statement and commit (_isolation.py): every statement of the package is
+-- written for READ COMMITTED, whatever the session's default.
+BEGIN ISOLATION LEVEL READ COMMITTED;
+
+-- name: commit --
+COMMIT;
+
 -- name: listen --
 -- Subscribes a connection to a broker's or results' channel ({channel}: names.channel_for).
 LISTEN {channel};

@@ -96,10 +96,11 @@ def _read_ranges(
     arrow_schema = _arrow_schema(columns)
 
     def read(batches: Iterator[Any]) -> Iterator[Any]:
-        import psycopg
         import pyarrow as pa
 
-        with psycopg.connect(conninfo, application_name="dramatiq-pg-outbox-analytics") as conn:
+        from ._isolation import connect
+
+        with connect(conninfo, application_name="dramatiq-pg-outbox-analytics") as conn:
             for batch in batches:
                 for start, stop in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
                     with conn.cursor(name="dpo_analytics") as cur:
@@ -127,9 +128,9 @@ def _arrow_schema(ddl: str) -> Any:
 
 
 def _bounds(conninfo: str, query: str, params: dict[str, Any]) -> Any:
-    import psycopg
+    from ._isolation import connect
 
-    with psycopg.connect(conninfo) as conn:
+    with connect(conninfo) as conn:
         row = conn.execute(query, params).fetchone()
     return None if row is None or row[0] is None else (int(row[0]), int(row[1]))
 

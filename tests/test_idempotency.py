@@ -199,7 +199,7 @@ def race_the_archive(
         else:
             params.update(state="failed", error_types=["RuntimeError"], errors=["boom"])
             archived = ack.execute(QUERIES["archive"], params).fetchall()
-        assert archived == [(row_id,)]
+        assert archived == [(row_id, lease)]
         pid = sender.info.backend_pid
         result: list[list[str]] = []
         errors: list[BaseException] = []

@@ -21,11 +21,14 @@ import select
 import socket
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import psycopg
-
+from .._isolation import connect
 from .._queries import raw_queries, with_identifiers
 from .service import Service
+
+if TYPE_CHECKING:
+    import psycopg
 
 #: Seconds a listener waits for notifications before it looks at new subscriptions.
 LISTEN_TICK_S = 0.5
@@ -75,6 +78,9 @@ class _Listener(Service):
         self.subscriptions: list[Subscription] = []
         #: Channels the connection listens to right now.
         self.listening: set[str] = set()
+        #: The LISTEN connection while it is open (its statements run at READ COMMITTED, as every
+        #: connection of the package: ``_isolation``).
+        self.connection: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
         # Written to by nudge(), waited on beside the connection: a new subscription or a
         # stop ends the wait at once instead of at the next tick.
@@ -96,7 +102,7 @@ class _Listener(Service):
 
     def run_once(self) -> int:
         """Connect, LISTEN, deliver until stopped or disconnected; the notifications delivered."""
-        conn = psycopg.connect(
+        conn = self.connection = connect(
             self.conninfo, autocommit=True, application_name=f"dramatiq-pg-outbox:{os.getpid()}:listen"
         )
         delivered = 0
@@ -115,6 +121,7 @@ class _Listener(Service):
                 self.listening.clear()
             for sub in self.snapshot():
                 sub.connected.clear()
+            self.connection = None
             conn.close()
         return delivered
 

@@ -22,6 +22,7 @@ import psycopg
 from dramatiq.logging import get_logger
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from .._isolation import read_committed
 from .._queries import queries_for_schema
 from ..errors import ConnectionRejected, describe_rejection, translate_errors
 from ..migrations import check_schema
@@ -48,7 +49,8 @@ class _PoolConnection(psycopg.Connection[Any]):
 
     psycopg_pool retries failed connection attempts in the background and
     only logs them; a caller waiting for a connection would learn nothing
-    before ``pool_timeout``.
+    before ``pool_timeout``.  Each runs its statements at READ COMMITTED,
+    whatever the defaults (``_isolation.read_committed``).
     """
 
     @classmethod
@@ -61,6 +63,7 @@ class _PoolConnection(psycopg.Connection[Any]):
                 _rejected[conninfo] = reason
             raise
         _rejected.pop(conninfo, None)
+        read_committed(conn)
         return conn
 
 

@@ -24,6 +24,7 @@ from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL, Engine, make_url
 
 from .._binding import current_binding
+from .._isolation import connect
 from .._queries import CHANGED_ROWS_ROUNDS
 from .._runtime import StoredMessage, _Runtime
 from ..errors import describe_rejection, libpq_detail
@@ -427,7 +428,7 @@ class PostgresBroker(Broker):
         if not conninfo_to_dict(self.conninfo).get("connect_timeout"):
             kwargs["connect_timeout"] = 10
         try:
-            psycopg.connect(self.conninfo, **kwargs).close()
+            connect(self.conninfo, **kwargs).close()
         except psycopg.OperationalError as e:
             reason = describe_rejection(e, self.conninfo)
             if reason is None:

@@ -19,6 +19,7 @@ import psycopg
 from dramatiq.common import q_name
 from psycopg.conninfo import conninfo_to_dict
 
+from .._isolation import connect
 from .._queries import queries_for_schema
 from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, login_name, rejection_reason
 from ..migrations import check_schema
@@ -319,8 +320,8 @@ def _connect(db: _Database) -> psycopg.Connection[Any]:
     """
     try:
         if db.params.get("connect_timeout"):  # the URL's own, checked by libpq
-            return psycopg.connect(db.conninfo, autocommit=True)
-        return psycopg.connect(db.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT)
+            return connect(db.conninfo, autocommit=True)
+        return connect(db.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT)
     except psycopg.OperationalError as e:
         raise _connection_error(e, db) from e
 

@@ -21,6 +21,7 @@ from dramatiq.common import dq_name, q_name
 from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
+from .._isolation import read_committed_async
 from .._queries import CHANGED_ROWS_ROUNDS, DASHBOARD_SQL, file_queries
 from .._queries import queries_for_schema as all_queries_for_schema
 from ..options import BrokerOptions
@@ -279,6 +280,7 @@ class Store:
             open=False,
             kwargs={"autocommit": True, "application_name": "dramatiq-pg-outbox dashboard"},
             check=AsyncConnectionPool.check_connection,
+            configure=read_committed_async,
             timeout=timeout,
         )
 

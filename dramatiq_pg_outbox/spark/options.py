@@ -56,6 +56,6 @@ def connect(conninfo: str) -> Any:
     Raises:
       psycopg.OperationalError: If the server cannot be reached.
     """
-    import psycopg
+    from .._isolation import connect as connect_read_committed
 
-    return psycopg.connect(conninfo, application_name="dramatiq-pg-outbox-spark")
+    return connect_read_committed(conninfo, application_name="dramatiq-pg-outbox-spark")
