@@ -306,7 +306,8 @@ class Run:
                     with self.record.lock:
                         self.record.ops[f"{kind}_error"] += 1
                     if not _expected_error(e):
-                        self.errors.append(f"{kind} {token}: {type(e).__name__}: {str(e)[:300]}")
+                        detail = " ".join(str(e).split("[SQL:")[0].split())
+                        self.errors.append(f"{kind} {token}: {type(e).__name__}: {detail[:500]}")
                 time.sleep(rng.uniform(0, 0.02))
         finally:
             loop.run_until_complete(async_engine.dispose())
