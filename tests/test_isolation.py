@@ -375,8 +375,8 @@ def test_the_migration_adds_the_check_and_its_downgrade_restores_the_functions_o
         upgrade(own_database, schema=schema, revision="0013")
         original = function_definitions(own_database, schema)
         assert set(original) == {"reclaim_messages", "rate_limit_incr_and_sum"}
-        # When it is upgraded to the head: both carry the check, the rest unchanged
-        upgrade(own_database, schema=schema)
+        # When it is upgraded to 0015: both carry the check, the rest unchanged
+        upgrade(own_database, schema=schema, revision="0015")
         guarded = function_definitions(own_database, schema)
         for name in original:
             assert "transaction_isolation" not in original[name]
@@ -385,7 +385,7 @@ def test_the_migration_adds_the_check_and_its_downgrade_restores_the_functions_o
         # And downgraded to 0013: the functions are 0013's and 0008's again
         downgrade(own_database, schema=schema, revision="0013")
         assert function_definitions(own_database, schema) == original
-        upgrade(own_database, schema=schema)
+        upgrade(own_database, schema=schema, revision="0015")
         assert function_definitions(own_database, schema) == guarded
     finally:
         with psycopg.connect(own_database, autocommit=True) as conn:

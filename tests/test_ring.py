@@ -15,6 +15,7 @@ import dramatiq
 import psycopg
 import pytest
 
+from dramatiq_pg_outbox import downgrade, upgrade
 from dramatiq_pg_outbox._runtime.reclaimer import ReclaimResult, _Reclaimer
 from dramatiq_pg_outbox.dashboard.store import Store
 from tests.helpers import count, wait_for
@@ -158,8 +159,14 @@ def test_a_partition_that_a_transaction_holds_is_skipped(reclaimer: Any, db: Any
         # not granted within 20 ms), not emptied
         assert result.busy >= 1 and result.truncated == 0, result
         assert filenode(db, held) == node
-        # And the ring did not turn into a partition the transaction holds: a new one came
-        assert current(db) not in existing, (current(db), existing)
+        # And the ring did not turn into a partition the transaction holds: a new one came, and
+        # the ring turns to it at a later pass, not at the one that attached it (migration 0016:
+        # an INSERT that locked the table just before the attach routes with the partitions it
+        # knew then, and found none for the new slot)
+        new = partitions(db) - existing
+        assert len(new) == 1 and current(db) in existing, (current(db), existing)
+        rotate(pass_, db)
+        assert current(db) in new, (current(db), new)
         reader.rollback()
     # When the transaction has ended, the next pass empties it
     assert pass_.run_once().truncated >= 1
@@ -285,3 +292,33 @@ def test_an_operator_action_that_waited_on_a_row_the_reclaimer_moved_finds_it_wh
         assert db.execute("SELECT error_type FROM dramatiq.history WHERE id = %s", (row_id,)).fetchall() == [
             ("Canceled",)
         ]
+
+
+def test_revision_0016_turns_the_ring_later_and_its_downgrade_restores_0015(database_url: str) -> None:
+    schema = "ring_0016"
+
+    def reclaim_definition() -> str:
+        with psycopg.connect(database_url) as conn:
+            row = conn.execute(
+                "SELECT pg_get_functiondef(p.oid) FROM pg_proc AS p "
+                "WHERE p.pronamespace = %s::regnamespace AND p.proname = 'reclaim_messages'",
+                (schema,),
+            ).fetchone()
+        assert row is not None
+        return str(row[0])
+
+    try:
+        # Given a schema at 0015, then upgraded to 0016
+        upgrade(database_url, schema=schema, revision="0015")
+        before = reclaim_definition()
+        upgrade(database_url, schema=schema, revision="0016")
+        after = reclaim_definition()
+        # Then the one change is the attach's target left unset (3 lines: 2 of comment)
+        assert "migration 0016" not in before and "migration 0016" in after
+        assert len(after.splitlines()) == len(before.splitlines()) + 3
+        # And the downgrade restores 0015's function
+        downgrade(database_url, schema=schema, revision="0015")
+        assert reclaim_definition() == before
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
