@@ -1062,6 +1062,8 @@ def main() -> int:
                         help="RC, RR or SER (repeatable; default: all three)")  # fmt: skip
     args = parser.parse_args()
     logging.disable(logging.ERROR)  # the faults make the clients' pools warn at every cut
+    # SIGTERM (timeout, a cancelled job) unwinds like Ctrl-C: the workers and the server are stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     levels = tuple(level for level in LEVELS if not args.isolation or SHORT[level] in args.isolation)
     reports = run_levels(seed, args.duration, levels)
