@@ -367,8 +367,10 @@ def _hang_up(*sockets: socket.socket) -> None:
 class Proxy:
     """A TCP proxy that a test can cut: every connection closed, new ones refused (PostgreSQL, RabbitMQ)."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], latency: tuple[float, float] | None = None) -> None:
+        """``latency``: (min, max) seconds each forwarded chunk waits (a slow link), or None."""
         self.upstream = upstream
+        self.latency = latency
         self.server = socket.socket()
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.server.bind(("127.0.0.1", 0))
@@ -407,6 +409,8 @@ class Proxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                if self.latency is not None:
+                    time.sleep(random.uniform(*self.latency))
                 if self.blocked.is_set():
                     break
                 dst.sendall(data)
