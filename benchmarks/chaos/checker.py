@@ -270,9 +270,9 @@ class Run:
         self.stop_ops = threading.Event()
         self.stop_faults = threading.Event()
         self.proxy = Proxy((server.host, server.port))
-        #: The Spark tasks' link: an executor far from the database (2-20 ms per chunk each way),
+        #: The Spark tasks' link: an executor far from the database (5-80 ms per chunk each way),
         #: so that a twin's statements interleave with the other twin's commit and its archive.
-        self.slow_link = Proxy((server.host, server.port), latency=(0.002, 0.02))
+        self.slow_link = Proxy((server.host, server.port), latency=(0.005, 0.08))
         proxied = make_url(self.url).set(host="127.0.0.1", port=self.proxy.port)
         self.worker_url = proxied.render_as_string(hide_password=False)
         self.spark_conninfo = libpq_url(make_url(self.url).set(host="127.0.0.1", port=self.slow_link.port))
