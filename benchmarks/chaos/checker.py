@@ -342,8 +342,15 @@ class Run:
         self._enqueue(broker, [sent], [message])
 
     def _enqueue(self, broker: PostgresBroker, sent: list[Sent], messages: list[Message[Any]]) -> None:
+        if len(messages) > 1:
+            self._recorded(sent, lambda: broker.enqueue_many(messages))
+        else:
+            self._recorded(sent, lambda: broker.enqueue(messages[0]))
+
+    def _recorded(self, sent: list[Sent], action: Callable[[], object]) -> None:
+        """Run ``action`` (sends outside a transaction of ours): committed if it returned, else unknown."""
         try:
-            broker.enqueue_many(messages) if len(messages) > 1 else broker.enqueue(messages[0])
+            action()
         except Exception:
             for s in sent:
                 s.outcome = "unknown"
@@ -526,14 +533,7 @@ class Run:
             Sent(token, "p1", first.message_id, "pipeline", "pending", runs),
             Sent(token, "p2", second.message_id, "pipeline", "pending", 1, follows=first.message_id),
         ]
-        try:
-            pipe.run()
-        except Exception:
-            sent[0].outcome = sent[1].outcome = "unknown"
-            self.record.add(*sent)
-            raise
-        sent[0].outcome = sent[1].outcome = "committed"
-        self.record.add(*sent)
+        self._recorded(sent, pipe.run)
 
     def _op_callback(
         self, engine: Any, broker: PostgresBroker, actors: dict[str, Any], token: str, rng: random.Random
@@ -555,16 +555,7 @@ class Run:
             for i, m in enumerate(members)
         ]
         sent.append(Sent(token, "gdone", done.message_id, "group", "pending", 1, follows="group"))
-        try:
-            g.run()
-        except Exception:
-            for s in sent:
-                s.outcome = "unknown"
-            self.record.add(*sent)
-            raise
-        for s in sent:
-            s.outcome = "committed"
-        self.record.add(*sent)
+        self._recorded(sent, g.run)
 
     def _op_spark(
         self, engine: Any, broker: PostgresBroker, actors: dict[str, Any], token: str, rng: random.Random
