@@ -25,9 +25,10 @@ import time
 from typing import Any
 
 import dramatiq
-import psycopg
 
 from dramatiq_pg_outbox import PostgresBroker
+
+from .recording import Recorder
 
 #: Broker options that can be set with ``CHAOS_<NAME>``.
 OPTIONS = (
@@ -57,37 +58,14 @@ WORK_MS = int(os.environ.get("CHAOS_WORK_MS", "0"))
 #: ``CHAOS_RECORD=0``: ``work`` records nothing (scenario 10 counts history instead: its load is
 #: the broker's alone, without a commit per message in chaos_received).
 RECORDING = os.environ.get("CHAOS_RECORD", "1") != "0"
-_conn: dict[int, psycopg.Connection[Any]] = {}
-
 RECORD = (
     "INSERT INTO chaos_received (key, n) VALUES (%s, 1) "
     "ON CONFLICT (key) DO UPDATE SET n = chaos_received.n + 1, last_at = now()"
 )
 
 
-def execute(query: str, params: tuple[Any, ...]) -> Any:
-    """Run one autocommit statement on this process's own connection, reconnecting until it works.
-
-    Returns the first column of its first row, or None.
-
-    The actors' bookkeeping must survive the faults the suite injects
-    (terminated connections, a database restart); 60 s of retries is more than
-    any scenario's outage.
-    """
-    deadline = time.monotonic() + 60
-    while True:
-        conn = _conn.get(os.getpid())
-        try:
-            if conn is None or conn.closed:
-                conn = _conn[os.getpid()] = psycopg.connect(RECORD_URL, autocommit=True, connect_timeout=5)
-            cur = conn.execute(query, params)
-            row = cur.fetchone() if cur.description else None
-            return None if row is None else row[0]
-        except psycopg.OperationalError:
-            _conn.pop(os.getpid(), None)
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+#: One autocommit statement on this process's own direct connection (see Recorder).
+execute = Recorder(RECORD_URL)
 
 
 @dramatiq.actor(max_retries=0)

@@ -27,7 +27,6 @@ import time
 from typing import Any
 
 import dramatiq
-import psycopg
 from dramatiq.middleware import CurrentMessage
 from dramatiq.middleware.group_callbacks import GroupCallbacks
 from dramatiq.results import Results
@@ -35,6 +34,8 @@ from dramatiq.results import Results
 from dramatiq_pg_outbox import PostgresBroker
 from dramatiq_pg_outbox.rate_limits import PostgresBackend as RateLimiterBackend
 from dramatiq_pg_outbox.results import PostgresBackend as ResultBackend
+
+from .recording import Recorder
 
 #: Broker options that can be set with ``CHECK_<NAME>``.
 OPTIONS = (
@@ -71,8 +72,6 @@ def close_broker(made: PostgresBroker) -> None:
     made.close()
 
 
-_conn: dict[int, psycopg.Connection[Any]] = {}
-
 #: One row per delivery that ran to its end; ``claimed`` is the claim's time if the row still
 #: carried this delivery's lease when it ended (NULL: its lease had expired or been released).
 RECORD = """
@@ -85,22 +84,8 @@ SELECT %(token)s, %(step)s, %(message_id)s, %(row_id)s, %(lease)s, %(attempts)s,
 """
 
 
-def execute(query: str, params: Any) -> Any:
-    """One autocommit statement on this process's own direct connection, reconnecting for up to 60 s."""
-    deadline = time.monotonic() + 60
-    while True:
-        conn = _conn.get(os.getpid())
-        try:
-            if conn is None or conn.closed:
-                conn = _conn[os.getpid()] = psycopg.connect(RECORD_URL, autocommit=True, connect_timeout=5)
-            cur = conn.execute(query, params)
-            row = cur.fetchone() if cur.description else None
-            return None if row is None else row[0]
-        except psycopg.OperationalError:
-            _conn.pop(os.getpid(), None)
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+#: One autocommit statement on this process's own direct connection (see Recorder).
+execute = Recorder(RECORD_URL, pause=0.1)
 
 
 def _delivery() -> Any:
