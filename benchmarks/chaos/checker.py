@@ -93,6 +93,7 @@ SHORT = {"read committed": "RC", "repeatable read": "RR", "serializable": "SER"}
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS chk_runs (
+    run uuid PRIMARY KEY,
     token text NOT NULL, step text NOT NULL, message_id text NOT NULL, row_id bigint, lease uuid,
     attempts int, retries int, pid int NOT NULL, started float8 NOT NULL, ended float8 NOT NULL,
     taken_over boolean NOT NULL DEFAULT false, claimed float8

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import uuid
 from typing import Any
 
 import dramatiq
@@ -74,13 +75,15 @@ def close_broker(made: PostgresBroker) -> None:
 
 #: One row per delivery that ran to its end; ``claimed`` is the claim's time if the row still
 #: carried this delivery's lease when it ended (NULL: its lease had expired or been released).
+#: ``run`` is the delivery's own id: an insert retried after its reply was lost is not a second run.
 RECORD = """
 INSERT INTO chk_runs
-    (token, step, message_id, row_id, lease, attempts, retries, pid, started, ended, taken_over, claimed)
-SELECT %(token)s, %(step)s, %(message_id)s, %(row_id)s, %(lease)s, %(attempts)s, %(retries)s, %(pid)s,
-       %(started)s, %(ended)s, %(taken_over)s,
+    (run, token, step, message_id, row_id, lease, attempts, retries, pid, started, ended, taken_over, claimed)
+SELECT %(run)s, %(token)s, %(step)s, %(message_id)s, %(row_id)s, %(lease)s, %(attempts)s, %(retries)s,
+       %(pid)s, %(started)s, %(ended)s, %(taken_over)s,
        (SELECT extract(epoch FROM acquired_at)::float8 FROM dramatiq.messages
         WHERE id = %(row_id)s AND lease = %(lease)s::uuid)
+ON CONFLICT (run) DO NOTHING
 """
 
 
@@ -97,6 +100,7 @@ def _delivery() -> Any:
 def _record(token: str, step: str, started: float, taken_over: bool = False) -> None:
     m = _delivery()
     params = {
+        "run": str(uuid.uuid4()),
         "token": token, "step": step, "message_id": m.message_id, "row_id": getattr(m, "row_id", None),
         "lease": str(getattr(m, "lease", "")) or None, "attempts": getattr(m, "attempts", None),
         "retries": m.options.get("retries", 0), "pid": os.getpid(), "started": started, "ended": time.time(),
