@@ -153,6 +153,9 @@ def declare(on: PostgresBroker) -> dict[str, dramatiq.Actor[Any, Any]]:
             min_backoff=20,
             max_backoff=100,
             store_results=True,
+            # Results live a day: the check looks for every completed message's result at the end of
+            # a run (Dramatiq's default of 10 minutes expired them in 30-minute runs).
+            result_ttl=86_400_000,
         ),
         "callback": dramatiq.actor(callback, broker=on, queue_name=QUEUE, max_retries=0),
         "spark_rec": dramatiq.actor(spark_rec, broker=on, queue_name=QUEUE, max_retries=0),
