@@ -110,9 +110,11 @@ def _record(token: str, step: str, started: float, taken_over: bool = False) -> 
 
 
 def _wait_for_takeover() -> bool:
-    """Until this delivery's row carries another lease (or is gone), at most 30 s: whether it was."""
+    """Until this delivery's row carries another lease (or is gone), at most 5 s: whether it was.
+
+    Bounded so that a stopping worker (no rescuer left to take the lease over) is not held."""
     m = _delivery()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         lease = execute("SELECT lease::text FROM dramatiq.messages WHERE id = %s", (m.row_id,))
         if lease != str(m.lease):
