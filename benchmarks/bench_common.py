@@ -11,9 +11,11 @@ import json
 import os
 import platform
 import re
+import socket
 import statistics
 import subprocess
 import time
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,14 +73,39 @@ class Context:
     systems: tuple[str, ...]
     out_dir: str
     results: dict[str, Any] = field(default_factory=dict)
+    #: ``--smoke``: each scenario once on its smallest input, to check that it runs.
+    smoke: bool = False
+    #: What failed so far (``where: error``), see :meth:`failed`.
+    failures: list[str] = field(default_factory=list)
 
     def db_url(self, name: str) -> str:
         return make_url(self.admin_url).set(database=name).render_as_string(hide_password=False)
+
+    def failed(self, where: str, error: BaseException | str) -> str:
+        """Record and print a measurement that failed; returns the error as one line.
+
+        The scenario goes on with its other measurements (its table says ``failed``); a
+        ``--smoke`` run exits non-zero naming the scenario.
+        """
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.failures.append(f"{where}: {text}")
+        print(f"  {where}: FAILED {text}", flush=True)
+        return text
 
 
 def db_name(system: str, scenario: str) -> str:
     """One database per system (and scenario), so systems never share a table or its bloat."""
     return "bench_" + scenario + "_" + re.sub(r"[^a-z0-9]+", "_", system.lower())
+
+
+def reachable(url: str, default_port: int) -> bool:
+    """Whether something accepts TCP connections at the host and port of ``url`` (within 2 s)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def recreate_database(admin_url: str, name: str) -> None:

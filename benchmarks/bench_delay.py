@@ -232,14 +232,16 @@ def _ratio(ours: list[float] | None, theirs: list[float] | None, p: float) -> st
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    k = 10 if ctx.quick else 30
+    k = 1 if ctx.smoke else 10 if ctx.quick else 30
+    # A smoke run: one worker_timeout and one herd, each as short as it can be.
+    worker_timeouts = WORKER_TIMEOUTS[-1:] if ctx.smoke else WORKER_TIMEOUTS
     samples: dict[tuple[str, int, str], list[float]] = {}
     per_run: dict[str, list[dict[str, float]]] = {}
     errors: dict[str, list[str]] = {}
     loads: list[tuple[float, ...]] = []
     for run_no in range(ctx.runs):
         loads.append(os.getloadavg())
-        for worker_timeout in WORKER_TIMEOUTS:
+        for worker_timeout in worker_timeouts:
             for label, system in SYSTEMS:
                 if system not in ctx.systems:
                     continue
@@ -247,8 +249,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 try:
                     lateness = precision_once(ctx, system, worker_timeout, k)
                 except Exception as e:
-                    errors.setdefault(key, []).append(f"{type(e).__name__}: {e}")
-                    print(f"  delay run {run_no + 1} {key}: FAILED {e!r}", flush=True)
+                    errors.setdefault(key, []).append(ctx.failed(f"delay run {run_no + 1} {key}", e))
                     continue
                 summary = {}
                 for case, values in lateness.items():
@@ -264,7 +265,7 @@ def run(ctx: Context) -> dict[str, Any]:
                     flush=True,
                 )
     result: dict[str, Any] = {"k_per_case_per_run": k, "spacing_ms": SPACING_MS, "loadavg_at_start": loads}
-    for worker_timeout in WORKER_TIMEOUTS:
+    for worker_timeout in worker_timeouts:
         rows = []
         for case in CASES:
             ours = samples.get(("ours", worker_timeout, case))
@@ -301,14 +302,15 @@ def run(ctx: Context) -> dict[str, Any]:
         ["system, worker_timeout", "case", "median of per-run p99 (ms)", "min-max"], spread_rows
     )
     if OURS in ctx.systems:
-        m = 100 if ctx.quick else 300
+        m = 10 if ctx.smoke else 100 if ctx.quick else 300
         herd_rows = []
         herd_raw: dict[str, Any] = {}
-        for processes in HERD_PROCESSES:
+        for processes in HERD_PROCESSES[:1] if ctx.smoke else HERD_PROCESSES:
             try:
-                h = herd_once(ctx, processes, m)
+                h = herd_once(ctx, processes, m, settle_s=1.0) if ctx.smoke else herd_once(ctx, processes, m)
             except Exception as e:
-                herd_rows.append([str(processes), str(m), f"FAILED {e!r}"[:100], "", "", "", "", ""])
+                error = ctx.failed(f"delay herd {processes} process(es)", e)
+                herd_rows.append([str(processes), str(m), f"FAILED {error}"[:100], "", "", "", "", ""])
                 continue
             herd_raw[str(processes)] = {k2: v for k2, v in h.items() if k2 != "lateness"}
             print(

@@ -158,7 +158,7 @@ def drain_once(
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    n = getenv_int("BENCH_DRAIN_MESSAGES", 5_000 if ctx.quick else 20_000)
+    n = getenv_int("BENCH_DRAIN_MESSAGES", 500 if ctx.smoke else 5_000 if ctx.quick else 20_000)
     series: dict[tuple[str, int, int], Series] = {}
     cpu: dict[tuple[str, int, int], Series] = {}
     raw_rate, raw_cpu = Series(), Series()
@@ -167,9 +167,9 @@ def run(ctx: Context) -> dict[str, Any]:
     # so that the first system of the first run does not pay for a cold start.
     for system in ctx.systems:
         try:
-            drain_once(ctx, system, 2_000, 1, 8, cap_s=WARMUP_CAP_S)
+            drain_once(ctx, system, 200 if ctx.smoke else 2_000, 1, 8, cap_s=WARMUP_CAP_S)
         except Exception as e:
-            print(f"  drain warm-up {system}: FAILED {e!r}", flush=True)
+            ctx.failed(f"drain warm-up {system}", e)
     floor = STUB in ctx.systems and OURS in ctx.systems
     for run_no in range(ctx.runs):
         if floor:
@@ -190,7 +190,12 @@ def run(ctx: Context) -> dict[str, Any]:
                 try:
                     rate, peak, per_message = drain_once(ctx, system, n, processes, threads)
                     if rate is None:
-                        s.errors.append("no message drained within the cap")
+                        s.errors.append(
+                            ctx.failed(
+                                f"drain run {run_no + 1} {system} {processes}x{threads}",
+                                "no message drained within the cap",
+                            )
+                        )
                     else:
                         s.values.append(rate)
                     if per_message is not None:
@@ -204,8 +209,7 @@ def run(ctx: Context) -> dict[str, Any]:
                         flush=True,
                     )
                 except Exception as e:
-                    s.errors.append(f"{type(e).__name__}: {e}")
-                    print(f"  drain run {run_no + 1} {system} {processes}x{threads}: FAILED {e!r}")
+                    s.errors.append(ctx.failed(f"drain run {run_no + 1} {system} {processes}x{threads}", e))
     rows = []
     for system in ctx.systems:
         row = [system]

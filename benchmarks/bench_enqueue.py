@@ -101,14 +101,15 @@ def _ours_cases(url: str, n_single: int, n_batch: int) -> dict[str, float]:
             actor.send(i)
 
     def send_outside_checked() -> None:
-        from dramatiq_pg_outbox import _runtime
+        # _Runtime._getconn looks the probe up in its module (_runtime.process) at every checkout.
+        from dramatiq_pg_outbox._runtime import process
 
-        probe = _runtime._has_input
-        _runtime._has_input = lambda conn: True  # every checkout runs ConnectionPool.check_connection
+        probe = process._has_input
+        process._has_input = lambda conn: True  # every checkout runs ConnectionPool.check_connection
         try:
             send_outside()
         finally:
-            _runtime._has_input = probe
+            process._has_input = probe
 
     def outbox_many(per_txn: int) -> Callable[[], None]:
         def body() -> None:
@@ -207,8 +208,8 @@ def _pgqueuer_enqueue(url: str, n: int, per_call: int) -> float:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    n_single = 1_000 if ctx.quick else 3_000
-    n_batch = 20_000 if ctx.quick else 50_000
+    n_single = 100 if ctx.smoke else 1_000 if ctx.quick else 3_000
+    n_batch = 1_000 if ctx.smoke else 20_000 if ctx.quick else 50_000
     series: dict[str, Series] = {}
     for run_no in range(ctx.runs):
         for system in ctx.systems:
@@ -233,9 +234,8 @@ def run(ctx: Context) -> dict[str, Any]:
                     print(f"  enqueue run {run_no + 1} {system} {case}: {rate:,.0f} msgs/s", flush=True)
             except Exception as e:
                 series.setdefault(f"{system} | (d) send() outside a transaction", Series()).errors.append(
-                    f"{type(e).__name__}: {e}"
+                    ctx.failed(f"enqueue run {run_no + 1} {system}", e)
                 )
-                print(f"  enqueue run {run_no + 1} {system}: FAILED {e!r}", flush=True)
     ours_d = series.get(f"{OURS} | (d) send() outside a transaction")
     bare = series.get(f"{OURS} | bare INSERT+COMMIT (Session)")
     rows = []

@@ -112,7 +112,7 @@ def latency_once(ctx: Context, system: str, opts: dict[str, Any], how: str, k: i
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    k = 100 if ctx.quick else 200
+    k = 10 if ctx.smoke else 100 if ctx.quick else 200
     samples: dict[str, list[float]] = {}
     errors: dict[str, list[str]] = {}
     for run_no in range(ctx.runs):
@@ -128,8 +128,7 @@ def run(ctx: Context) -> dict[str, Any]:
                     flush=True,
                 )
             except Exception as e:
-                errors.setdefault(label, []).append(f"{type(e).__name__}: {e}")
-                print(f"  latency run {run_no + 1} {label}: FAILED {e!r}", flush=True)
+                errors.setdefault(label, []).append(ctx.failed(f"latency run {run_no + 1} {label}", e))
     rows = []
     for label, _, _, _ in CASES:
         lat = samples.get(label)

@@ -4,8 +4,8 @@
 a database at revision 0006 whose history holds N rows finished over the last 120
 days (a 200-byte payload each, a third of them failed with an error text), then,
 timed: the upgrade to 0007 (history copied into day partitions; what ``migrate``
-announces and shows progress of) and the downgrade back to 0006.  The README's
-upgrade notes quote the upgrade's seconds per million rows; 0007's own estimate
+announces and shows progress of) and the downgrade back to 0006.  The upgrade
+notes of docs/guides/migrations.md quote the upgrade's seconds per million rows; 0007's own estimate
 (``SECONDS_PER_MILLION``) comes from here.
 """
 
@@ -55,7 +55,7 @@ def check(url: str, rows: int) -> None:
 def run(ctx: Context) -> dict[str, Any]:
     from dramatiq_pg_outbox import downgrade, upgrade
 
-    rows = getenv_int("BENCH_MIGRATE_ROWS", 100_000 if ctx.quick else 1_000_000)
+    rows = getenv_int("BENCH_MIGRATE_ROWS", 2_000 if ctx.smoke else 100_000 if ctx.quick else 1_000_000)
     url = ctx.db_url(DATABASE)
     series = {"upgrade to 0007": Series(), "downgrade to 0006": Series()}
     try:

@@ -76,10 +76,12 @@ def _backends(ctx: Context) -> dict[str, Any]:
     return found
 
 
-def acquisitions_per_second(backend: Any, key: str, limit: int) -> tuple[float, float]:
-    """(admitted acquisitions/s, attempts/s) of THREADS threads for SECONDS on one limiter."""
+def acquisitions_per_second(
+    backend: Any, key: str, limit: int, seconds: float = SECONDS
+) -> tuple[float, float]:
+    """(admitted acquisitions/s, attempts/s) of THREADS threads for ``seconds`` on one limiter."""
     limiter = ConcurrentRateLimiter(backend, key, limit=limit, ttl=60_000)
-    stop = time.monotonic() + SECONDS
+    stop = time.monotonic() + seconds
     counts = [[0, 0] for _ in range(THREADS)]
 
     def work(slot: list[int]) -> None:
@@ -100,6 +102,7 @@ def acquisitions_per_second(backend: Any, key: str, limit: int) -> tuple[float, 
 
 def run(ctx: Context) -> dict[str, Any]:
     backends = _backends(ctx)
+    seconds = 0.5 if ctx.smoke else SECONDS
     series: dict[tuple[str, str], Series] = {}
     try:
         for run_no in range(ctx.runs):
@@ -107,7 +110,8 @@ def run(ctx: Context) -> dict[str, Any]:
                 for name, backend in backends.items():
                     s = series.setdefault((name, case), Series())
                     try:
-                        admitted, attempts = acquisitions_per_second(backend, f"bench-{case}-{run_no}", limit)
+                        key = f"bench-{case}-{run_no}"
+                        admitted, attempts = acquisitions_per_second(backend, key, limit, seconds)
                         s.values.append(admitted)
                         s.notes.append(f"{attempts:.0f}")
                         print(
@@ -116,8 +120,7 @@ def run(ctx: Context) -> dict[str, Any]:
                             flush=True,
                         )
                     except Exception as e:
-                        s.errors.append(f"{type(e).__name__}: {e}")
-                        print(f"  rate_limits run {run_no + 1} {name} {case}: FAILED {e!r}", flush=True)
+                        s.errors.append(ctx.failed(f"rate_limits run {run_no + 1} {name} {case}", e))
     finally:
         for name, backend in backends.items():
             close = getattr(backend, "close", None)
@@ -144,7 +147,7 @@ def run(ctx: Context) -> dict[str, Any]:
     for case, limit in CASES:
         header += [f"{case} (limit {limit}) acquisitions/s", "min-max", "ours / it"]
     return {
-        "seconds_per_case": SECONDS,
+        "seconds_per_case": seconds,
         "threads": THREADS,
         "runs": ctx.runs,
         "table": markdown_table(header, rows),

@@ -30,7 +30,7 @@ from typing import Any
 
 import psycopg
 
-from .bench_common import OURS, RABBITMQ, RABBITMQ_URL, Context, markdown_table, percentile
+from .bench_common import OURS, RABBITMQ, RABBITMQ_URL, Context, markdown_table, percentile, reachable
 from .bench_systems import ACTOR, QUEUE, WorkerGroup, install, make_broker
 
 #: Pause between two sends of part 2, in milliseconds.
@@ -198,8 +198,10 @@ def latency_once(ctx: Context, route: str, k: int) -> list[float]:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    n = 5_000 if ctx.quick else 20_000
-    k = 100 if ctx.quick else 200
+    if not reachable(RABBITMQ_URL, 5672):
+        return {"skipped": f"no RabbitMQ at {RABBITMQ_URL.rsplit('@', 1)[-1]} (BENCH_RABBITMQ_URL)"}
+    n = 100 if ctx.smoke else 5_000 if ctx.quick else 20_000
+    k = 10 if ctx.smoke else 100 if ctx.quick else 200
     rates: dict[str, dict[str, list[float]]] = {}
     latencies: dict[str, list[float]] = {}
     for run_no in range(ctx.runs):

@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -56,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dramatiq_pg_outbox import upgrade
 from dramatiq_pg_outbox.spark import (
-    _Plan,
+    Plan,
     enqueue_dataframe,
     jdbc_jar,
     jdbc_options,
@@ -90,10 +92,10 @@ def customers(spark: Any, rows: int, partitions: int) -> Any:
 
 def message_rows(frame: Any, batch_id: str) -> Any:
     """The rows enqueue_dataframe writes for ``customers()`` (id, key, JSON payload), built by the
-    same encoder (``_encode_batch``, in the executors), for a bare JDBC append of the message rows."""
-    from dramatiq_pg_outbox.spark.encoding import _encode_batch
+    same encoder (``encode_batch``, in the executors), for a bare JDBC append of the message rows."""
+    from dramatiq_pg_outbox.spark.encoding import encode_batch
 
-    plan = _Plan.build(
+    plan = Plan.build(
         key="customer_id", args=["customer_id", "email"], kwargs={"segment": "segment"},
         conninfo="", schema="dramatiq", channel="", queue_name="notifications",
         actor_name="notify_customer", batch_id=batch_id, options={}, delay_ms=0, notify=False,
@@ -102,7 +104,7 @@ def message_rows(frame: Any, batch_id: str) -> Any:
 
     def encode(batches: Any) -> Any:
         for batch in batches:
-            yield _encode_batch(plan, batch.select(list(plan.columns)), 0)
+            yield encode_batch(plan, batch.select(list(plan.columns)), 0)
 
     return frame.select(*plan.columns).mapInArrow(
         encode, "message_id string, idempotency_key string, payload string"
@@ -234,6 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _check_wrote(ctx: Any, where: str, figures: dict[str, Any]) -> None:
+    """A smoke run's check: every case of the batch timed, and both streams wrote rows."""
+    if not figures["batch"] or not all(figures["batch"].values()):
+        ctx.failed(f"spark {where} batch", f"a case has no time: {figures['batch']}")
+    if not figures["stream_throughput"].get("rows_committed"):
+        ctx.failed(f"spark {where} stream (throughput)", "no row committed")
+    if not figures["stream_latency"].get("rows_measured"):
+        ctx.failed(f"spark {where} stream (latency)", "no row committed after the first third of the run")
+
+
 def run(ctx: Any) -> dict[str, Any]:
     """The ``spark`` scenario of ``python -m benchmarks.run`` (see the module's documentation)."""
     import subprocess
@@ -243,10 +255,18 @@ def run(ctx: Any) -> dict[str, Any]:
     from benchmarks.bench_systems import getenv_int
     from dramatiq_pg_outbox.testing.spark_cluster import SparkStandaloneCluster
 
+    if importlib.util.find_spec("pyspark") is None:
+        return {"skipped": "pyspark is not installed (pip install -e '.[spark]')"}
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        return {"skipped": "no Java (apt-get install -y openjdk-17-jre-headless)"}
     if jdbc_jar() is None:
-        return {"error": "no PostgreSQL JDBC jar: apt-get install -y libpostgresql-jdbc-java"}
-    rows = getenv_int("BENCH_SPARK_ROWS", 200_000 if ctx.quick else 1_000_000)
-    seconds = getenv_int("BENCH_SPARK_STREAM_SECONDS", 15 if ctx.quick else 30)
+        return {"skipped": "no PostgreSQL JDBC jar: apt-get install -y libpostgresql-jdbc-java"}
+    rows = getenv_int("BENCH_SPARK_ROWS", 1_000 if ctx.smoke else 200_000 if ctx.quick else 1_000_000)
+    seconds = getenv_int("BENCH_SPARK_STREAM_SECONDS", 10 if ctx.smoke else 15 if ctx.quick else 30)
+    # A smoke run: local[2] only (the tests start a standalone cluster; the script is the same),
+    # the throughput stream's micro-batches as small as the batch.
+    masters = ("local[2]",) if ctx.smoke else ("local[2]", "cluster")
+    per_batch = ["--rows-per-batch", str(rows)] if ctx.smoke else []
     url = ctx.db_url(DATABASE)
     recreate_database(ctx.admin_url, DATABASE)
     upgrade(url)
@@ -256,7 +276,7 @@ def run(ctx: Any) -> dict[str, Any]:
     root = Path(__file__).resolve().parent.parent
     figures: dict[str, Any] = {}
     try:
-        for where in ("local[2]", "cluster"):
+        for where in masters:
             with contextlib.ExitStack() as stack:
                 master = where
                 if where == "cluster":
@@ -265,10 +285,13 @@ def run(ctx: Any) -> dict[str, Any]:
                 out = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "figures.json"
                 command = [sys.executable, "-m", "benchmarks.spark_runs", master, url, str(out), "--rows",
                            str(rows), "--runs", str(ctx.runs), "--stream-seconds", str(seconds)]  # fmt: skip
+                command += per_batch
                 print(f"  {where}: {' '.join(command[2:4])} ...", flush=True)
                 env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
                 subprocess.run(command, cwd=root, env=env, check=True, timeout=3600)
                 figures[where] = json.loads(out.read_text())
+                if ctx.smoke:
+                    _check_wrote(ctx, where, figures[where])
     finally:
         drop_database(ctx.admin_url, DATABASE)
     batch_rows, stream_rows = [], []

@@ -39,8 +39,8 @@ WHERE s.relid IN (SELECT relid FROM pg_partition_tree('dramatiq.messages'))
 def run(ctx: Context) -> dict[str, Any]:
     if OURS not in ctx.systems:
         return {"table": "not run (our broker not selected)"}
-    seconds = int(os.environ.get("BENCH_SUSTAINED_SECONDS", 20 if ctx.quick else 60))
-    rate = int(os.environ.get("BENCH_SUSTAINED_RATE", 2_000))
+    seconds = int(os.environ.get("BENCH_SUSTAINED_SECONDS", 3 if ctx.smoke else 20 if ctx.quick else 60))
+    rate = int(os.environ.get("BENCH_SUSTAINED_RATE", 500 if ctx.smoke else 2_000))
     dbname = "bench_sustained_ours"
     url = ctx.db_url(dbname)
     install(OURS, ctx.admin_url, dbname, url)

@@ -40,7 +40,7 @@ def _proc_jiffies(pids: list[int]) -> int:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             spent += int(fields[11]) + int(fields[12])
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # the process ended meanwhile (read fails)
             pass
     return spent
 

@@ -9,14 +9,14 @@ same code on one partition of ``--rows`` customer rows (customer_id, email, segm
 ``--runs``):
 
 1. every batch encoded column at a time: uuid5 id, idempotency key, JSON payload
-   (``_encode_batch``);
+   (``encode_batch``);
 2. ... and written as CSV by Arrow;
 3. ... and COPY'd into the staging table (transaction rolled back);
 4. the whole task (``write_arrow_partition``): 3, then the known keys dropped, the INSERT
    into the messages table, the twins' check and the NOTIFY, committed (table truncated first);
 5. for scale: the same Arrow batches appended to a bare table by COPY (what a JDBC append does
    with the customer rows, minus JDBC's batched INSERTs);
-6. for scale: the row-by-row encoder of custom encoders (``_encode_rows``), alone.
+6. for scale: the row-by-row encoder of custom encoders (``encode_rows``), alone.
 
 The database: ``$DATABASE_URL``, else the local server, else a throwaway one (a scratch
 database either way).
@@ -37,8 +37,8 @@ from pyarrow import csv
 
 from dramatiq_pg_outbox import upgrade
 from dramatiq_pg_outbox._queries import queries_for_schema
-from dramatiq_pg_outbox.spark import _Plan, write_arrow_partition
-from dramatiq_pg_outbox.spark.encoding import _arrow_rows, _encode_batch, _encode_rows
+from dramatiq_pg_outbox.spark import Plan, write_arrow_partition
+from dramatiq_pg_outbox.spark.encoding import arrow_rows, encode_batch, encode_rows
 from dramatiq_pg_outbox.testing import postgres_server, scratch_database
 from dramatiq_pg_outbox.urls import libpq_url
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     no_header = csv.WriteOptions(include_header=False)
     with postgres_server() as admin_url, scratch_database(admin_url, "profile_spark") as url:
         upgrade(url)
-        plan = _Plan.build(
+        plan = Plan.build(
             key="customer_id", args=["customer_id", "email"], kwargs={"segment": "segment"},
             conninfo=libpq_url(url),
             schema="dramatiq", channel="dramatiq_pg_outbox.dramatiq", queue_name="notifications",
@@ -93,11 +93,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def encode() -> None:
             for batch in data:
-                _encode_batch(plan, batch, 0)
+                encode_batch(plan, batch, 0)
 
         def encode_csv() -> None:
             for batch in data:
-                csv.write_csv(_encode_batch(plan, batch, 0), io.BytesIO(), no_header)
+                csv.write_csv(encode_batch(plan, batch, 0), io.BytesIO(), no_header)
 
         def copy_only() -> None:
             with psycopg.connect(plan.conninfo) as conn, conn.cursor() as cur:
@@ -105,12 +105,12 @@ def main(argv: list[str] | None = None) -> int:
                 with cur.copy(queries["spark_copy_text"]) as copy:
                     for batch in data:
                         buffer = io.BytesIO()
-                        csv.write_csv(_encode_batch(plan, batch, 0), buffer, no_header)
+                        csv.write_csv(encode_batch(plan, batch, 0), buffer, no_header)
                         copy.write(buffer.getvalue())
                 conn.rollback()
 
-        def encode_rows() -> None:
-            for _ in _encode_rows(plan, _arrow_rows(data), 0):
+        def row_by_row() -> None:
+            for _ in encode_rows(plan, arrow_rows(data), 0):
                 pass
 
         def truncate() -> None:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 cur.execute("CREATE TEMP TABLE plain (customer_id bigint, email text, segment text)")
                 with cur.copy("COPY plain FROM STDIN (FORMAT BINARY)") as copy:
                     copy.set_types(["int8", "text", "text"])
-                    for row in _arrow_rows(data):
+                    for row in arrow_rows(data):
                         copy.write_row(row)
                 conn.commit()
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             "3 + COPY to staging": best(args.runs, copy_only),
             "4 whole task (+ INSERT, commit)": best(args.runs, whole, truncate),
             "5 bare-table COPY of the rows": best(args.runs, plain_copy),
-            "6 row-by-row encode (alone)": best(args.runs, encode_rows),
+            "6 row-by-row encode (alone)": best(args.runs, row_by_row),
         }
     print(f"\none task of {args.rows:,} rows, best of {args.runs}")
     print(f"{'step':<36}{'seconds':>9}{'us/row':>9}{'share of 4':>12}")

@@ -14,6 +14,12 @@ against a durable PostgreSQL (fsync and synchronous_commit on).  By default a
 private server is started (``ThrowawayPostgres`` with pg_stat_statements);
 ``--pg-url`` uses an existing one instead (each system gets its own database).
 Results are printed as Markdown tables and saved as JSON under ``out/``.
+
+``--smoke`` checks that every scenario still runs, not how fast: each one once, on its
+smallest input, with our broker alone unless ``--systems`` names others (a scenario
+whose prerequisite is missing, RabbitMQ for ``relay`` or Java for ``spark``, says
+so and is skipped).  It exits 1 naming each scenario that raised or recorded a
+failed measurement (``.ci/run`` runs it).
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import importlib
 import os
 import sys
 import time
+import traceback
 
-from .bench_common import ALL_SYSTEMS, Context, machine_notes, postgres_for_benchmarks, save_json
+from .bench_common import ALL_SYSTEMS, OURS, Context, machine_notes, postgres_for_benchmarks, save_json
 
 SCENARIOS = (
     "drain",
@@ -44,9 +51,17 @@ SCENARIOS = (
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smaller counts, for a smoke run")
+    parser.add_argument("--quick", action="store_true", help="smaller counts, 2 runs")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that each scenario runs: 1 run on its smallest input, our broker only by default; "
+        "exit 1 naming the scenarios that failed",
+    )
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
-    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset")
+    parser.add_argument(
+        "--systems", default=None, help=f"comma-separated subset (default: all; with --smoke: {OURS})"
+    )
     parser.add_argument("--runs", type=int, default=None, help="repetitions (default 3, quick 2)")
     parser.add_argument("--pg-url", default=os.environ.get("BENCH_PG_URL"), help="admin URL of a server")
     parser.add_argument("--backlog-sizes", default=None, help="e.g. 10000,100000,1000000")
@@ -62,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     for s in scenarios:
         if s not in SCENARIOS:
             parser.error(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
-    systems = tuple(s for s in args.systems.split(",") if s)
-    runs = args.runs or (2 if args.quick else 3)
+    default_systems = (OURS,) if args.smoke else ALL_SYSTEMS
+    systems = tuple(s for s in args.systems.split(",") if s) if args.systems else default_systems
+    for s in systems:
+        if s not in ALL_SYSTEMS:
+            parser.error(f"unknown system {s!r}; choose from {', '.join(ALL_SYSTEMS)}")
+    runs = args.runs or (1 if args.smoke else 2 if args.quick else 3)
     if args.backlog_sizes:
         os.environ["BENCH_BACKLOG_SIZES"] = args.backlog_sizes
     if args.sustained_seconds:
@@ -79,8 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.prune_rows:
         os.environ["BENCH_PRUNE_ROWS"] = str(args.prune_rows)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    failed: dict[str, str] = {}  # scenario -> what failed
+    outcomes: dict[str, str] = {}  # scenario -> "ok (12.3 s)", "skipped: ...", "FAILED"
     with postgres_for_benchmarks(args.pg_url) as admin_url:
-        ctx = Context(admin_url=admin_url, runs=runs, quick=args.quick, systems=systems, out_dir=args.out)
+        ctx = Context(
+            admin_url=admin_url,
+            runs=runs,
+            quick=args.quick or args.smoke,
+            smoke=args.smoke,
+            systems=systems,
+            out_dir=args.out,
+        )
         report: dict[str, object] = {
             "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": machine_notes(admin_url),
@@ -88,16 +116,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# machine: {report['machine']}", flush=True)
         for name in scenarios:
             print(f"\n## {name}", flush=True)
-            module = importlib.import_module(f"benchmarks.bench_{name}")
             started = time.monotonic()
-            result = module.run(ctx)
+            before = len(ctx.failures)
+            try:
+                module = importlib.import_module(f"benchmarks.bench_{name}")
+                result = module.run(ctx)
+            except Exception as e:
+                if not args.smoke:
+                    raise
+                traceback.print_exc()
+                result = {"error": ctx.failed(name, e)}
             result["seconds"] = round(time.monotonic() - started, 1)
             report[name] = result
+            if len(ctx.failures) > before:
+                failed[name] = "; ".join(ctx.failures[before:])
+                outcomes[name] = f"FAILED ({result['seconds']} s)"
+            elif result.get("skipped"):
+                print(f"  skipped: {result['skipped']}", flush=True)
+                outcomes[name] = f"skipped: {result['skipped']}"
+            else:
+                outcomes[name] = f"ok ({result['seconds']} s)"
             for key, value in result.items():
                 if isinstance(value, str) and ("table" in key or key in ("explain", "floor")):
                     print(f"\n{key}:\n{value}", flush=True)
             save_json(os.path.join(args.out, f"results-{stamp}.json"), report)
     print(f"\nsaved {os.path.join(args.out, f'results-{stamp}.json')}")
+    if args.smoke:
+        for name, outcome in outcomes.items():
+            print(f"smoke {name}: {outcome}", flush=True)
+        if failed:
+            print("smoke run failed: " + "; ".join(f"{k} ({v})" for k, v in failed.items()), file=sys.stderr)
+            return 1
     return 0
 
 

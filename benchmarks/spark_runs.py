@@ -292,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--stream-seconds", type=float, default=30)
+    parser.add_argument(
+        "--rows-per-batch", type=int, default=ROWS_PER_BATCH, help="micro-batch rows of the throughput stream"
+    )
     args = parser.parse_args(argv)
     name = "bench-spark"
     if args.master.startswith("local"):
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         figures["batch"] = batch(spark, args.url, args.rows, args.partitions, args.runs)
         seconds = args.stream_seconds
-        figures["stream_throughput"] = stream(spark, args.url, ROWS_PER_BATCH, seconds, watch=False)
+        figures["stream_throughput"] = stream(spark, args.url, args.rows_per_batch, seconds, watch=False)
         figures["stream_latency"] = stream(spark, args.url, LATENCY_RATE, seconds, watch=True)
     finally:
         spark.stop()

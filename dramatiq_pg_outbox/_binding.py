@@ -41,7 +41,7 @@ class Binding(Protocol):
 
 
 #: The bindings active in this context (thread or asyncio task), innermost last.
-_bindings: ContextVar[tuple[Binding, ...]] = ContextVar("dramatiq_pg_outbox_bindings", default=())
+active_bindings: ContextVar[tuple[Binding, ...]] = ContextVar("dramatiq_pg_outbox_bindings", default=())
 
 
 def current_binding(broker: Any) -> Binding | None:
@@ -58,7 +58,7 @@ def current_binding(broker: Any) -> Binding | None:
         may be committed and closed; buffering the message there would drop it
         without a word.
     """
-    for binding in reversed(_bindings.get()):
+    for binding in reversed(active_bindings.get()):
         if binding.broker is None or binding.broker is broker:
             if binding.ended:
                 raise OutboxError(
@@ -80,8 +80,8 @@ def outside_outbox() -> Iterator[None]:
     pool (committed at once, whatever happens to that block's transaction).
     Works in ``async`` code too (it does no I/O).
     """
-    token = _bindings.set(())
+    token = active_bindings.set(())
     try:
         yield
     finally:
-        _bindings.reset(token)
+        active_bindings.reset(token)

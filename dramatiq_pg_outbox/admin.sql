@@ -27,18 +27,20 @@ COMMENT ON TABLE {schema}.messages IS 'dramatiq-pg-outbox schema revision {revis
 -- name: status_messages --
 -- `dramatiq-pg-outbox status`: live rows per queue and state, delayed ones, the
 -- age of the oldest (seconds).
-SELECT queue_name, state, count(*), count(*) FILTER (WHERE next_attempt_at > now()),
-       extract(epoch FROM now() - min(enqueued_at))
+SELECT queue_name, state, count(*) AS messages,
+       count(*) FILTER (WHERE next_attempt_at > now()) AS delayed,
+       extract(epoch FROM now() - min(enqueued_at)) AS oldest_s
   FROM {schema}.messages GROUP BY 1, 2 ORDER BY 1, 2;
 
 -- name: status_failed --
 -- Dead letters per queue: in the last hour, and all still in history.
-SELECT queue_name, count(*) FILTER (WHERE finished_at > now() - interval '1 hour'), count(*)
+SELECT queue_name, count(*) FILTER (WHERE finished_at > now() - interval '1 hour') AS last_hour,
+       count(*) AS in_history
   FROM {schema}.history WHERE state = 'failed' GROUP BY 1 ORDER BY 1;
 
 -- name: status_workers --
 -- The registered consumer processes and the age of their heartbeat (seconds).
-SELECT hostname, pid, queues, extract(epoch FROM now() - heartbeat_at)
+SELECT hostname, pid, queues, extract(epoch FROM now() - heartbeat_at) AS heartbeat_age_s
   FROM {schema}.workers ORDER BY hostname, pid;
 
 -- name: failed_list --
@@ -106,10 +108,10 @@ SELECT count(*) FROM {schema}.idempotency_keys AS k
 -- name: metrics_gauges --
 -- Every Prometheus gauge in one statement: (kind, queue_name, state, value) rows
 -- (kinds: messages, oldest, dead, workers, paused, dead_total: dead letters so far).
-SELECT 'messages', queue_name,
+SELECT 'messages' AS kind, queue_name,
        CASE WHEN state = 'processing' THEN 'processing'
-            WHEN next_attempt_at <= now() THEN 'due' ELSE 'delayed' END,
-       count(*)::float8
+            WHEN next_attempt_at <= now() THEN 'due' ELSE 'delayed' END AS state,
+       count(*)::float8 AS value
   FROM {schema}.messages GROUP BY 2, 3
 UNION ALL
 SELECT 'oldest', queue_name, NULL,

@@ -75,13 +75,12 @@ except ImportError as error:
         f"dramatiq_pg_outbox.django needs Django ({error}): pip install 'dramatiq-pg-outbox[django]'"
     ) from None
 
-from ._binding import Binding, _bindings
-from ._queries import queries_for_schema
+from ._binding import Binding, active_bindings
 from ._runtime import StoredMessage, enqueue_result, enqueue_statement
 from .broker import PostgresBroker
 from .errors import OutboxError
 from .migrations import schema_not_ready
-from .names import quote_ident
+from .store.messages import message_store
 from .urls import safe_url
 
 
@@ -164,12 +163,11 @@ class DjangoOutbox:
         with connection.cursor() as cursor:
             _check_schema(cursor, connection, broker)
             notify = broker.options.notify
-            name, params = enqueue_statement(
+            statement = enqueue_statement(
                 items, broker.channel, notify == "transaction", broker.options.max_fetch_interval
             )
-            cursor.execute(queries_for_schema(broker.schema)[name], params)
-            rows = cursor.fetchall()
-        result = enqueue_result(name, items, rows)
+            rows = message_store(broker.schema).enqueue(cursor, statement)
+        result = enqueue_result(statement.name, items, rows)
         announced = result.stored if _wants_after_enqueue(broker) else []
         payloads = result.payloads if notify == "after_commit" else []
         if announced or payloads:
@@ -180,7 +178,7 @@ class DjangoOutbox:
     def __enter__(self) -> DjangoOutbox:
         self.bind = connections[self.using]
         self.ended = False
-        self._token = _bindings.set((*_bindings.get(), self))
+        self._token = active_bindings.set((*active_bindings.get(), self))
         return self
 
     def __exit__(
@@ -188,7 +186,7 @@ class DjangoOutbox:
     ) -> None:
         self.ended = True
         if self._token is not None:
-            _bindings.reset(self._token)
+            active_bindings.reset(self._token)
             self._token = None
 
     async def __aenter__(self) -> DjangoOutbox:
@@ -293,9 +291,7 @@ def _check_schema(cursor: Any, connection: Any, broker: PostgresBroker) -> None:
     checked = _schema_checked.setdefault(broker, set())
     if key in checked:
         return
-    table = f"{quote_ident(broker.schema)}.messages"
-    cursor.execute(queries_for_schema(broker.schema)["schema_revision"], {"table": table})
-    row = cursor.fetchone()
+    row = message_store(broker.schema).schema_revision(cursor)
     error = schema_not_ready(broker.schema, row, url=key, fix_url=shlex.quote(key))
     if error is not None:
         raise error

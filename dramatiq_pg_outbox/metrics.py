@@ -68,7 +68,8 @@ import psycopg
 from dramatiq.middleware import Middleware
 
 from ._isolation import connect
-from ._queries import queries_for_schema
+from .options import HEARTBEAT_TIMEOUT_MS
+from .store.admin import AdminStore
 from .urls import libpq_url
 
 if TYPE_CHECKING:
@@ -117,8 +118,9 @@ class DatabaseCollector:
         or a libpq conninfo string (``host=... dbname=...``).
       schema(str): Schema of the tables (default ``"dramatiq"``).
       cache_seconds(float): Seconds a reading is reused (default 5; 0 reads at every scrape).
-      heartbeat_timeout(int): Milliseconds after which a silent worker is not counted live
-        (default 20,000, the broker's default ``heartbeat_timeout``).
+      heartbeat_timeout(int): Milliseconds after which a silent worker is not counted live: pass
+        the workers' ``heartbeat_timeout`` (default
+        :data:`~dramatiq_pg_outbox.options.HEARTBEAT_TIMEOUT_MS`, the broker's default, 20,000).
 
     A failing statement is logged by the caller of :meth:`read` and reported as
     ``dramatiq_pg_outbox_database_up 0``; the connection is opened again at the next read.
@@ -131,7 +133,7 @@ class DatabaseCollector:
         schema: str = "dramatiq",
         *,
         cache_seconds: float = DEFAULT_CACHE_SECONDS,
-        heartbeat_timeout: int = 20_000,
+        heartbeat_timeout: int = HEARTBEAT_TIMEOUT_MS,
     ) -> None:
         if cache_seconds < 0:
             raise ValueError(f"cache_seconds must be >= 0, not {cache_seconds!r}")
@@ -143,7 +145,7 @@ class DatabaseCollector:
         self.statements = 0
         #: The last error text, if the last statement failed.
         self.last_error: str | None = None
-        self._sql = queries_for_schema(schema)["metrics_gauges"]
+        self._store = AdminStore(schema)
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         self._snapshot: Snapshot | None = None
@@ -164,7 +166,7 @@ class DatabaseCollector:
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = connect(self.url, autocommit=True, connect_timeout=10)
-            rows = self._conn.execute(self._sql, {"heartbeat_timeout_ms": self.heartbeat_timeout}).fetchall()
+            gauges = self._store.metrics_gauges(self._conn, heartbeat_timeout_ms=self.heartbeat_timeout)
         except psycopg.Error as e:
             self.last_error = " ".join(str(e).split())
             if self._conn is not None:
@@ -178,9 +180,10 @@ class DatabaseCollector:
         workers = 0.0
         paused: set[str] = set()
         dead_total: dict[str, float] = {}
-        for kind, queue_name, state, value in rows:
+        for gauge in gauges:
+            kind, queue_name, value = gauge.kind, str(gauge.queue_name), gauge.value
             if kind == "messages":
-                messages[(queue_name, state)] = value
+                messages[(queue_name, str(gauge.state))] = value
             elif kind == "oldest":
                 oldest[queue_name] = value
             elif kind == "dead":

@@ -1,6 +1,6 @@
 """Schema migrations: alembic revisions shipped inside the package.
 
-Two ways to run them (both documented in the README):
+Two ways to run them (both documented in docs/guides/migrations.md):
 
 1. Our own migration environment and version table
    (``<schema>.dramatiq_pg_outbox_version``): ``dramatiq-pg-outbox migrate`` or
@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import create_engine, pool
 from sqlalchemy.engine import URL, Connection, Engine
 
-from ._queries import queries_for_schema, raw_queries
 from .errors import SchemaNotReady
 from .names import DEFAULT_SCHEMA as DEFAULT_SCHEMA
 from .names import quote_ident as quote_ident
 from .names import validate_schema_name as validate_schema_name
+from .store.admin import AdminStore
+from .store.messages import SchemaRevision, message_store
 from .urls import libpq_url as libpq_url
 from .urls import normalize_sqlalchemy_url as normalize_sqlalchemy_url
 
@@ -62,7 +63,7 @@ def create_schema_sql(schema: str) -> str:
     (``CREATE SCHEMA dramatiq AUTHORIZATION ...``, see docs/security.md)
     without any privilege on the database.
     """
-    return queries_for_schema(schema)["create_schema"]
+    return AdminStore(schema).create_schema_sql()
 
 
 def script_location() -> str:
@@ -93,7 +94,7 @@ def schema_for_migration() -> str:
 
 def set_schema_revision(execute: Callable[[str], Any], schema: str, number: int) -> None:
     """Record revision ``number`` in the comment of ``<schema>.messages`` (used by revisions)."""
-    execute(queries_for_schema(schema)["set_schema_revision"].replace("{revision}", str(int(number))))
+    AdminStore(schema).set_schema_revision(execute, revision=number)
 
 
 def parse_schema_revision(comment: str | None) -> int | None:
@@ -106,7 +107,7 @@ def parse_schema_revision(comment: str | None) -> int | None:
 
 def schema_not_ready(
     schema: str,
-    row: Sequence[Any] | None,
+    row: SchemaRevision | Sequence[Any] | None,
     *,
     url: str,
     fix_url: str = "<DATABASE_URL>",
@@ -121,8 +122,9 @@ def schema_not_ready(
 
     Parameters:
       schema(str): The schema holding the tables.
-      row(Sequence|None): ``(messages table exists, its comment)`` as returned by the
-        ``schema_revision`` query of ``queries.sql``; ``None`` counts as missing.
+      row(SchemaRevision|Sequence|None): The ``schema_revision`` statement's answer
+        (:meth:`~.store.messages.MessageStore.schema_revision`), or its row as another driver
+        returns it: ``(messages table exists, its comment)``; ``None`` counts as missing.
       url(str): The database, as it may be shown (password masked).
       fix_url(str): What to pass to ``--url`` in the command.  Default ``<DATABASE_URL>``.
       minimum(int): The oldest revision the reader works with.  Default :data:`SCHEMA_REVISION`.
@@ -132,7 +134,8 @@ def schema_not_ready(
       SchemaNotReady|None: The error when the tables are missing or older than
       ``minimum``, else ``None``.
     """
-    exists, comment = (bool(row[0]), row[1]) if row is not None else (False, None)
+    found = SchemaRevision(False, None) if row is None else SchemaRevision(*row)
+    exists, comment = found.exists, found.comment
     fix = f"dramatiq-pg-outbox migrate --url {fix_url} --schema {schema}"
     if not exists:
         return SchemaNotReady(
@@ -175,13 +178,12 @@ def check_schema(
     Returns:
       int: The schema's revision number.
     """
-    table = f"{quote_ident(schema)}.messages"
-    row = conn.execute(raw_queries()["schema_revision"], {"table": table}).fetchone()
-    error = schema_not_ready(schema, row, url=url, fix_url=fix_url, minimum=minimum, reader=reader)
+    with conn.cursor() as cur:
+        found = message_store(schema).schema_revision(cur)
+    error = schema_not_ready(schema, found, url=url, fix_url=fix_url, minimum=minimum, reader=reader)
     if error is not None:
         raise error
-    assert row is not None
-    return parse_schema_revision(row[1]) or 0
+    return parse_schema_revision(found.comment) or 0
 
 
 def _config(schema: str, url: str | None = None) -> Any:

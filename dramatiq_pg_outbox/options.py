@@ -1,11 +1,27 @@
-"""The options of a :class:`~dramatiq_pg_outbox.PostgresBroker`, validated in one place.
+"""The options of a :class:`~dramatiq_pg_outbox.PostgresBroker`: each written once, here.
 
-:class:`BrokerOptions` holds every tuning option; building one checks them
-all (types, ranges, and the rules between options) and raises a
-``ValueError`` that names the option, the value and the rule.  The broker
-builds one in its constructor and copies the values to its attributes.
-Oban and River give each plugin the same shape: an options struct, then
-validate, then start.
+:class:`BrokerOptions` is the one source of the broker's tuning options.  Each
+field carries its name, type, default (a named constant below, with its unit),
+the rule its values must follow and one line of documentation; everything else
+is derived from the fields:
+
+- the validation: building a :class:`BrokerOptions` checks every option (types,
+  ranges, then the rules between options) and raises a ``ValueError`` that
+  names the option, the value and the rule;
+- the broker's read-only attributes (``broker.pool_size``), the options it
+  passes on, and the "Other Parameters" of its docstring;
+- the documentation's options table: :func:`options_table`, kept in the
+  documents between :data:`TABLE_BEGIN` and :data:`TABLE_END` by
+  :func:`with_options_table` (``python -m tests.test_options_doc`` rewrites it;
+  that test fails when they drift);
+- the defaults of the command line (``--heartbeat-timeout`` of ``metrics`` and
+  ``relay``) and of the readers that judge workers by their heartbeat (the
+  dashboard, the metrics exporter).
+
+An option added later is one more field here (and one more keyword argument
+of ``PostgresBroker.__init__``, which a test keeps equal to the fields).  Oban
+and River give each plugin the same shape: an options struct, then validate,
+then start.
 
 Names (schemas, queues, channels) are in :mod:`dramatiq_pg_outbox.names`.
 """
@@ -14,8 +30,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Any, Literal
+import re
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar
+
+from .names import DEFAULT_SCHEMA
 
 NotifyMode = Literal["transaction", "after_commit", "off"]
 #: The accepted values of ``notify``.
@@ -25,6 +46,28 @@ NOTIFY_MODES: tuple[NotifyMode, ...] = ("transaction", "after_commit", "off")
 #: live worker whose heartbeat is one period late (a slow statement, a pause)
 #: must not count as dead, or its messages would be released and run twice.
 MIN_HEARTBEATS_PER_TIMEOUT = 2
+
+# -- the defaults, each with its unit ----------------------------------------------
+
+POOL_SIZE = 4
+POOL_TIMEOUT_MS = 10_000
+MAX_DELIVERIES = 5
+OVERFETCH_FACTOR = 16.0
+MIN_FETCH_INTERVAL_MS = 0
+MAX_FETCH_INTERVAL_MS = 1_000
+FLUSH_INTERVAL_MS = 5
+FLUSH_BATCH_SIZE = 1_000
+HEARTBEAT_INTERVAL_MS = 5_000
+HEARTBEAT_TIMEOUT_MS = 20_000
+RESCUE_INTERVAL_MS = 5_000
+ROTATE_INTERVAL_MS = 10_000
+MAX_LEASE_MS: int | None = None
+NOTIFY: NotifyMode = "transaction"
+LISTEN = True
+CHECK_SCHEMA = True
+PREPARE_THRESHOLD: int | None = 5
+
+# -- the rules ------------------------------------------------------------------------
 
 
 def _invalid(name: str, value: Any, rule: str) -> ValueError:
@@ -51,6 +94,230 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
+def _notify(name: str, value: Any) -> NotifyMode:
+    if value not in NOTIFY_MODES:
+        raise _invalid(name, value, "it must be 'transaction', 'after_commit' or 'off'")
+    mode: NotifyMode = value
+    return mode
+
+
+def _positive_finite(name: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise _invalid(name, value, "it must be a finite number > 0")
+    return float(value)
+
+
+def _prepare_threshold(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise _invalid(
+            name,
+            value,
+            "it must be None (never prepare a statement: behind PgBouncer's transaction pooling) "
+            "or an integer >= 0",
+        )
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The values an option accepts.
+
+    Attributes:
+      text(str): The rule as the documentation states it (Markdown), e.g. ``integer >= 1``.
+      check(Callable[[str, Any], Any]): ``check(name, value)`` returns the value to keep
+        (an ``int`` for an integral value of another type, a ``float`` for a real) or
+        raises ``ValueError("<name>=<value!r> is invalid: <rule>")``.
+      unit(str): ``"ms"`` for a time in milliseconds, else ``""``.
+    """
+
+    text: str
+    check: Callable[[str, Any], Any]
+    unit: str = ""
+
+
+def integer(minimum: int) -> Rule:
+    """An ``int`` (not a ``bool`` or ``float``) >= ``minimum``."""
+    return Rule(f"integer >= {minimum}", lambda name, value: _integer(name, value, minimum))
+
+
+def milliseconds(minimum: int, text: str | None = None) -> Rule:
+    """A time: an integer number of milliseconds >= ``minimum`` (``text``: the rule as documented)."""
+    return Rule(
+        text or f"integer >= {minimum}", lambda name, value: _milliseconds(name, value, minimum), "ms"
+    )
+
+
+def optional(rule: Rule) -> Rule:
+    """``None`` (off), or a value of ``rule``."""
+    return Rule(
+        f"`None`, or {rule.text}",
+        lambda name, value: None if value is None else rule.check(name, value),
+        rule.unit,
+    )
+
+
+FLAG = Rule("`True` or `False`", _flag)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """What a field of :class:`BrokerOptions` carries besides its name, type and default.
+
+    Attributes:
+      doc(str): What the option does, as one Markdown phrase (lower case, no final period;
+        links relative to the documentation's ``docs/guides/``, shown as their text in docstrings).
+      rule(Rule): The values it accepts.
+    """
+
+    doc: str
+    rule: Rule
+
+
+#: The key of a :class:`BrokerOptions` field's :class:`OptionSpec` in its ``metadata``.
+SPEC = "dramatiq_pg_outbox.option"
+
+T = TypeVar("T")
+
+
+def _option(default: T, rule: Rule, doc: str) -> T:
+    value: T = field(default=default, metadata={SPEC: OptionSpec(doc, rule)})
+    return value
+
+
+# -- the options ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BrokerOptions:
+    """Validated tuning options of a :class:`~dramatiq_pg_outbox.PostgresBroker`.
+
+    Each is also a keyword argument of the broker and a read-only attribute of
+    it (``broker.pool_size``).  Times are integer milliseconds, as everywhere in
+    Dramatiq; integers are ``int``, never ``bool`` or ``float``.  The
+    parameters, their defaults and rules are listed below (generated from the
+    fields); :func:`options_table` renders them for the documentation.
+
+    Raises:
+      ValueError: At construction, for the first option (in the order of the
+        fields) that breaks its rule, then for ``heartbeat_timeout`` below
+        ``2 x heartbeat_interval``; the message names the option, the value and
+        the rule.
+    """
+
+    pool_size: int = _option(POOL_SIZE, integer(1), "most pooled connections per process")
+    pool_timeout: int = _option(POOL_TIMEOUT_MS, milliseconds(1), "longest wait for a pooled connection")
+    max_deliveries: int = _option(
+        MAX_DELIVERIES,
+        integer(1),
+        "claims of one stored message before it is quarantined (moved to history as `failed`, "
+        "with `MaxDeliveriesExceeded`, and never run again)",
+    )
+    overfetch_factor: float = _option(
+        OVERFETCH_FACTOR,
+        Rule("finite number > 0", _positive_finite),
+        "a consumer holds at most `prefetch x overfetch_factor` claimed, unacknowledged messages "
+        "(Dramatiq's prefetch is 2 x threads); within that cap it adapts: its buffer starts at "
+        "4 x prefetch, doubles after a claim of a backlog during which its threads ran dry "
+        "(short tasks: big batched claims) and halves, down to the prefetch, when most of what it "
+        "held was still waiting (long tasks do not hoard messages another process could start); "
+        "1.0 pins it to the prefetch",
+    )
+    min_fetch_interval: int = _option(
+        MIN_FETCH_INTERVAL_MS, milliseconds(0), "pause after a fetch that filled the buffer"
+    )
+    max_fetch_interval: int = _option(
+        MAX_FETCH_INTERVAL_MS,
+        milliseconds(1),
+        "poll interval of an idle consumer (a NOTIFY, or the due time of its next delayed "
+        "message, wakes it earlier; 0 would poll in a busy loop)",
+    )
+    flush_interval: int = _option(
+        FLUSH_INTERVAL_MS, milliseconds(0), "acks are gathered this long, then written in one statement"
+    )
+    flush_batch_size: int = _option(
+        FLUSH_BATCH_SIZE, integer(1), "buffered acks and nacks that trigger an immediate flush"
+    )
+    heartbeat_interval: int = _option(HEARTBEAT_INTERVAL_MS, milliseconds(1), "worker heartbeat period")
+    heartbeat_timeout: int = _option(
+        HEARTBEAT_TIMEOUT_MS,
+        milliseconds(1, f"integer >= {MIN_HEARTBEATS_PER_TIMEOUT} x `heartbeat_interval`"),
+        "silence after which a worker counts as dead and its messages are released; at least "
+        f"{MIN_HEARTBEATS_PER_TIMEOUT} x `heartbeat_interval`, so that one late heartbeat never "
+        "makes a live worker look dead",
+    )
+    rescue_interval: int = _option(
+        RESCUE_INTERVAL_MS,
+        milliseconds(0),
+        "period of the release-stuck pass (jittered +-20 %); 0: a pass at every heartbeat",
+    )
+    rotate_interval: int = _option(
+        ROTATE_INTERVAL_MS,
+        milliseconds(0),
+        "age at which the ring of partitions that holds the messages turns to an empty "
+        "partition; the process's reclaim loop checks about five times per interval, moves the "
+        "few rows left in older partitions and empties them with TRUNCATE, which needs no vacuum "
+        "([Storage and retention](storage.md#storage-under-a-long-transaction)); 0: this process "
+        "leaves the ring to the others",
+    )
+    max_lease: int | None = _option(
+        MAX_LEASE_MS,
+        optional(milliseconds(1)),
+        "optional hard bound on one delivery: a message claimed longer ago is released even if "
+        "its worker is alive; off by default, so that long tasks are safe",
+    )
+    # _option returns a dataclasses.field (ruff sees only a call, and a type it cannot tell immutable).
+    notify: NotifyMode = _option(  # noqa: RUF009
+        NOTIFY,
+        Rule("`" + "`, `".join(NOTIFY_MODES[:-1]) + f"` or `{NOTIFY_MODES[-1]}`", _notify),
+        "`transaction`: NOTIFY in the enqueueing transaction (delivered at commit); "
+        "`after_commit`: from the broker's own connection after the application commits "
+        "(avoids the commit-time NOTIFY lock when many writers notify); `off`: no NOTIFY",
+    )
+    listen: bool = _option(
+        LISTEN,
+        FLAG,
+        "whether consumers LISTEN for wake-ups; polling alone still delivers everything "
+        "(turn it off behind PgBouncer in transaction pooling: [Behind PgBouncer](pgbouncer.md))",
+    )
+    check_schema: bool = _option(CHECK_SCHEMA, FLAG, "check the schema revision on first use")
+    prepare_threshold: int | None = _option(
+        PREPARE_THRESHOLD,
+        Rule("`None`, or integer >= 0", _prepare_threshold),
+        "executions of one statement on one pooled connection after which psycopg prepares it "
+        "on the server (psycopg's `prepare_threshold`, same default); `None` never prepares: "
+        "pass it behind PgBouncer in transaction pooling without `max_prepared_statements` "
+        "(before 1.21), where the next transaction may run on a server connection on which the "
+        "statement's name is missing or is another client's ([Behind PgBouncer](pgbouncer.md)); "
+        "not a URL parameter",
+    )
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            spec: OptionSpec = f.metadata[SPEC]
+            # Integral values of another type (numpy ints) are stored as plain ints.
+            object.__setattr__(self, f.name, spec.rule.check(f.name, getattr(self, f.name)))
+        least = MIN_HEARTBEATS_PER_TIMEOUT * self.heartbeat_interval
+        if self.heartbeat_timeout < least:
+            raise _invalid(
+                "heartbeat_timeout",
+                self.heartbeat_timeout,
+                f"it must be at least {MIN_HEARTBEATS_PER_TIMEOUT} x heartbeat_interval "
+                f"({MIN_HEARTBEATS_PER_TIMEOUT} x {self.heartbeat_interval} = {least} ms), "
+                "or a live worker whose heartbeat is late would look dead and its messages would run twice",
+            )
+
+
+#: The names of the options, in the order of the fields.
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(BrokerOptions))
+
+
 def check_positive_ints(**values: int | None) -> None:
     """Refuse any value that is not an integer >= 1 (``None`` passes: "off").
 
@@ -62,110 +329,101 @@ def check_positive_ints(**values: int | None) -> None:
             raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
 
 
-@dataclass(frozen=True)
-class BrokerOptions:
-    """Validated tuning options of a :class:`~dramatiq_pg_outbox.PostgresBroker`.
+# -- the documentation, generated from the fields ----------------------------------------
 
-    The meaning and default of each is documented on the broker.  Rules
-    (times are integer milliseconds, as everywhere in Dramatiq; integers are
-    ``int``, never ``bool`` or ``float``):
+#: The line before the generated options table in a Markdown document.
+TABLE_BEGIN = "<!-- options-table:begin -->"
+#: The line after it.
+TABLE_END = "<!-- options-table:end -->"
 
-    ====================  ========================================================
-    pool_size             integer >= 1
-    pool_timeout          integer ms >= 1
-    max_deliveries        integer >= 1
-    overfetch_factor      finite real number > 0 (int or float, not bool)
-    min_fetch_interval    integer ms >= 0
-    max_fetch_interval    integer ms >= 1 (0 would poll in a busy loop)
-    flush_interval        integer ms >= 0
-    flush_batch_size      integer >= 1
-    heartbeat_interval    integer ms >= 1
-    heartbeat_timeout     integer ms >= 2 x heartbeat_interval
-    rescue_interval       integer ms >= 0 (0: a rescue pass at every heartbeat)
-    rotate_interval       integer ms >= 0 (0: this process leaves the ring alone)
-    max_lease             None, or integer ms >= 1
-    notify                "transaction", "after_commit" or "off"
-    listen, check_schema  True or False
-    prepare_threshold     None (never prepare), or integer >= 0
-    ====================  ========================================================
+#: The ``schema`` argument, a row of the table though not a tuning option (checked by
+#: :func:`~dramatiq_pg_outbox.names.validate_schema_name`, not here).
+_SCHEMA_ROW = (
+    "schema",
+    f"`{DEFAULT_SCHEMA}`",
+    "letters, digits and `_`, not starting with a digit, at most 63 characters",
+    "schema of the tables; NOTIFY channel `dramatiq_pg_outbox.<schema>`, or for names over 44 "
+    "characters `dramatiq_pg_outbox.<first 27>.<16 hex of SHA-256>` (PostgreSQL's 63-byte limit)",
+)
+
+
+def _default_text(value: Any, unit: str) -> str:
+    """A default as the documentation shows it: ``10000 ms``, ``16.0``, `` `None` ``, `` `"off"` ``."""
+    if isinstance(value, bool) or value is None:
+        return f"`{value}`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    return f"{value} {unit}".strip()
+
+
+def _rows() -> list[tuple[str, str, str, str]]:
+    rows = []
+    for f in fields(BrokerOptions):
+        spec: OptionSpec = f.metadata[SPEC]
+        rows.append((f.name, _default_text(f.default, spec.rule.unit), spec.rule.text, spec.doc))
+    return rows
+
+
+def options_table() -> str:
+    """The Markdown table of the broker's options (``schema`` first, then every field of
+    :class:`BrokerOptions` in order): option, default with its unit, accepted values, meaning.
+
+    Returns:
+      str: The table, one line per row, ending with a newline.
+    """
+    lines = ["| option | default | accepted values | meaning |", "|---|---|---|---|"]
+    name, default, rule, doc = _SCHEMA_ROW
+    lines.append(f"| `{name}` | {default} | {rule} | {doc} |")
+    for name, default, rule, doc in _rows():
+        lines.append(f"| `{name}` | {default} | {rule} | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def with_options_table(text: str) -> str:
+    """``text`` (a Markdown document) with its lines between :data:`TABLE_BEGIN` and
+    :data:`TABLE_END` replaced by :func:`options_table`.
 
     Raises:
-      ValueError: At construction, for the first option that breaks its rule,
-        naming the option, the value and the rule.
+      ValueError: If the document does not hold each marker exactly once, in that order.
     """
+    if text.count(TABLE_BEGIN) != 1 or text.count(TABLE_END) != 1:
+        raise ValueError(f"expected one {TABLE_BEGIN!r} line and one {TABLE_END!r} line")
+    head, rest = text.split(TABLE_BEGIN)
+    if TABLE_END not in rest:
+        raise ValueError(f"{TABLE_END!r} comes before {TABLE_BEGIN!r}")
+    _, tail = rest.split(TABLE_END)
+    # Blank lines around the table: to Python-Markdown (MkDocs) an HTML comment runs on to the
+    # next blank line, and would swallow a table that followed it at once.
+    return f"{head}{TABLE_BEGIN}\n\n{options_table()}\n{TABLE_END}{tail}"
 
-    pool_size: int = 4
-    pool_timeout: int = 10_000
-    max_deliveries: int = 5
-    overfetch_factor: float = 16.0
-    min_fetch_interval: int = 0
-    max_fetch_interval: int = 1_000
-    flush_interval: int = 5
-    flush_batch_size: int = 1_000
-    heartbeat_interval: int = 5_000
-    heartbeat_timeout: int = 20_000
-    rescue_interval: int = 5_000
-    rotate_interval: int = 10_000
-    max_lease: int | None = None
-    notify: NotifyMode = "transaction"
-    listen: bool = True
-    check_schema: bool = True
-    prepare_threshold: int | None = 5
 
-    def __post_init__(self) -> None:
-        checked: dict[str, Any] = {
-            "pool_size": _integer("pool_size", self.pool_size, 1),
-            "pool_timeout": _milliseconds("pool_timeout", self.pool_timeout, 1),
-            "max_deliveries": _integer("max_deliveries", self.max_deliveries, 1),
-            "overfetch_factor": self._overfetch_factor(),
-            "min_fetch_interval": _milliseconds("min_fetch_interval", self.min_fetch_interval, 0),
-            "max_fetch_interval": _milliseconds("max_fetch_interval", self.max_fetch_interval, 1),
-            "flush_interval": _milliseconds("flush_interval", self.flush_interval, 0),
-            "flush_batch_size": _integer("flush_batch_size", self.flush_batch_size, 1),
-            "heartbeat_interval": _milliseconds("heartbeat_interval", self.heartbeat_interval, 1),
-            "heartbeat_timeout": _milliseconds("heartbeat_timeout", self.heartbeat_timeout, 1),
-            "rescue_interval": _milliseconds("rescue_interval", self.rescue_interval, 0),
-            "rotate_interval": _milliseconds("rotate_interval", self.rotate_interval, 0),
-            "max_lease": None if self.max_lease is None else _milliseconds("max_lease", self.max_lease, 1),
-            "listen": _flag("listen", self.listen),
-            "check_schema": _flag("check_schema", self.check_schema),
-            "prepare_threshold": self._prepare_threshold(),
-        }
-        if self.notify not in NOTIFY_MODES:
-            raise _invalid("notify", self.notify, "it must be 'transaction', 'after_commit' or 'off'")
-        least = MIN_HEARTBEATS_PER_TIMEOUT * checked["heartbeat_interval"]
-        if checked["heartbeat_timeout"] < least:
-            raise _invalid(
-                "heartbeat_timeout",
-                self.heartbeat_timeout,
-                f"it must be at least {MIN_HEARTBEATS_PER_TIMEOUT} x heartbeat_interval "
-                f"({MIN_HEARTBEATS_PER_TIMEOUT} x {checked['heartbeat_interval']} = {least} ms), "
-                "or a live worker whose heartbeat is late would look dead and its messages would run twice",
-            )
-        # Integral values of another type (numpy ints) are stored as plain ints.
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)
+def _rst(markdown: str) -> str:
+    """Markdown inline code (`` `x` ``) as reStructuredText's (````x````) and links
+    (``[text](page.md)``) as their text, for docstrings."""
+    return re.sub(r"`([^`]+)`", r"``\1``", re.sub(r"\[([^]]+)\]\([^)]+\)", r"\1", markdown))
 
-    def _prepare_threshold(self) -> int | None:
-        value = self.prepare_threshold
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise _invalid(
-                "prepare_threshold",
-                value,
-                "it must be None (never prepare a statement: behind PgBouncer's transaction pooling) "
-                "or an integer >= 0",
-            )
-        return int(value)
 
-    def _overfetch_factor(self) -> float:
-        value = self.overfetch_factor
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not math.isfinite(value)
-            or value <= 0
-        ):
-            raise _invalid("overfetch_factor", value, "it must be a finite number > 0")
-        return float(value)
+def options_docstring(indent: str = "      ") -> str:
+    """The options as a Google-style parameter list, for the docstrings of the broker and of
+    :class:`BrokerOptions`: ``name(type): Meaning.  Rule.  Default X.``, wrapped at 96 columns.
+
+    Parameters:
+      indent(str): The indentation of each entry (continuation lines get two more spaces).
+
+    Returns:
+      str: One entry per option, each ending with a newline.
+    """
+    entries = []
+    for name, default, rule, doc in _rows():
+        kind = str(BrokerOptions.__dataclass_fields__[name].type).replace("NotifyMode", "str")
+        accepted = f"Milliseconds, {rule}" if default.endswith(" ms") else rule[0].upper() + rule[1:]
+        text = f"{name}({kind}): {doc[0].upper()}{doc[1:]}.  {accepted}.  Default {default}."
+        # A rule's ">= 1" stays on one line (NUL is no space to textwrap).
+        wrapped = textwrap.fill(
+            _rst(text).replace(">= ", ">=\0"), 96, initial_indent=indent, subsequent_indent=indent + "  "
+        )
+        entries.append(wrapped.replace("\0", " ") + "\n")
+    return "".join(entries)
+
+
+BrokerOptions.__doc__ = f"{(BrokerOptions.__doc__ or '').rstrip()}\n\n    Parameters:\n{options_docstring()}"

@@ -30,8 +30,8 @@ from typing import Any
 
 import psycopg
 
-from ._queries import queries_for_schema, with_identifiers
-from .names import quote_ident
+from .store.admin import AdminStore
+from .store.messages import message_store
 
 #: Days ahead that :func:`create_partitions` makes by default (today included as day 0).
 DEFAULT_DAYS_AHEAD = 7
@@ -69,10 +69,8 @@ class PruneResult:
 
 def day_partitions(conn: psycopg.Connection[Any], schema: str) -> list[Partition]:
     """The day partitions of ``<schema>.history``, oldest first."""
-    queries = queries_for_schema(schema)
-    rows = conn.execute(queries["day_partitions"], {"table": f"{quote_ident(schema)}.history"}).fetchall()
     found = []
-    for (name,) in rows:
+    for name in AdminStore(schema).day_partitions(conn):
         match = _DAY_PARTITION.fullmatch(name)
         if match:
             found.append(Partition(name, dt.datetime.strptime(match.group(1), "%Y%m%d").date()))
@@ -95,9 +93,7 @@ def create_partitions(conn: psycopg.Connection[Any], schema: str, days: int = DE
     """
     if not 0 <= days <= 3660:
         raise ValueError(f"days must be within 0..3660, not {days!r}")
-    row = conn.execute(queries_for_schema(schema)["create_history_partitions"], {"days": days}).fetchone()
-    assert row is not None
-    return int(row[0])
+    return message_store(schema).create_history_partitions(conn, days=days)
 
 
 def prune(
@@ -135,32 +131,26 @@ def prune(
         raise ValueError(f"older_than must be positive, not {older_than}")
     if not conn.autocommit:
         raise ValueError("prune needs an autocommit connection (each DROP is its own transaction)")
-    queries = queries_for_schema(schema)
-    row = conn.execute(queries["prune_cutoff"], {"older_than": older_than}).fetchone()
-    assert row is not None
-    cutoff: dt.datetime = row[0]
+    store = AdminStore(schema)
+    cutoff = store.prune_cutoff(conn, older_than=older_than)
     result = PruneResult()
     for partition in day_partitions(conn, schema):
         upper = dt.datetime.combine(partition.day + dt.timedelta(days=1), dt.time(), dt.timezone.utc)
         if upper > cutoff:
             break
         if dry_run:
-            estimate = conn.execute(
-                queries["estimated_rows"], {"schema": schema, "table": partition.name}
-            ).fetchone()
+            estimate = store.estimated_rows(conn, table=partition.name)
             result.dropped.append(partition)
-            result.dropped_rows += int(estimate[0]) if estimate else 0
+            result.dropped_rows += estimate
             continue
         for attempt in range(attempts):
             try:
                 with conn.transaction():
-                    conn.execute(queries["set_lock_timeout"], {"lock_timeout": str(int(lock_timeout))})
-                    estimate = conn.execute(
-                        queries["estimated_rows"], {"schema": schema, "table": partition.name}
-                    ).fetchone()
-                    conn.execute(with_identifiers(queries["drop_partition"], partition=partition.name))
+                    store.set_lock_timeout(conn, lock_timeout_ms=lock_timeout)
+                    estimate = store.estimated_rows(conn, table=partition.name)
+                    store.drop_partition(conn, partition=partition.name)
                 result.dropped.append(partition)
-                result.dropped_rows += int(estimate[0]) if estimate else 0
+                result.dropped_rows += estimate
                 break
             except psycopg.errors.LockNotAvailable:
                 if attempt + 1 == attempts:
@@ -171,21 +161,15 @@ def prune(
     # (not the kept ones: the next run drops them).
     at_cutoff = f"history_p{cutoff.astimezone(dt.timezone.utc):%Y%m%d}"
     for name in ("history_default", at_cutoff):
-        exists = conn.execute(queries["table_exists"], {"schema": schema, "table": name}).fetchone()
-        if exists and exists[0]:
+        if store.table_exists(conn, table=name):
             if dry_run:
-                counted = with_identifiers(queries["count_history_before"], partition=name)
-                row = conn.execute(counted, {"cutoff": cutoff}).fetchone()
-                result.deleted += int(row[0]) if row else 0
+                result.deleted += store.count_history_before(conn, partition=name, cutoff=cutoff)
                 continue
-            delete = with_identifiers(queries["delete_history_before"], partition=name)
-            cur = conn.execute(delete, {"cutoff": cutoff})
-            result.deleted += cur.rowcount
+            result.deleted += store.delete_history_before(conn, partition=name, cutoff=cutoff)
     if dry_run:
-        row = conn.execute(queries["count_idempotency_keys_before"], {"cutoff": cutoff}).fetchone()
-        result.freed_keys = int(row[0]) if row else 0
+        result.freed_keys = store.count_idempotency_keys_before(conn, cutoff=cutoff)
     else:
-        result.freed_keys = conn.execute(queries["prune_idempotency_keys"]).rowcount
+        result.freed_keys = store.prune_idempotency_keys(conn)
     return result
 
 

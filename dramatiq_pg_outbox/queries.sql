@@ -500,7 +500,7 @@ WITH released AS (
 per_queue AS (
     SELECT queue_name, count(*) AS n FROM released GROUP BY queue_name
 )
-SELECT queue_name, n, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, queue_name) END
+SELECT queue_name, n, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, queue_name) END AS notified
 FROM per_queue;
 
 -- name: heartbeat --
@@ -624,7 +624,8 @@ inserted AS (
 per_queue AS (
     SELECT queue_name, count(*) AS n, array_agg(id ORDER BY id) AS ids FROM moved GROUP BY queue_name
 )
-SELECT queue_name, n, ids, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, queue_name) END
+SELECT queue_name, n AS moved, ids,
+       CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, queue_name) END AS notified
 FROM per_queue ORDER BY queue_name;
 
 -- name: reclaim_messages --
@@ -769,7 +770,8 @@ upserted AS (
        OR s.seen_at < %(stale)s::timestamptz
     RETURNING name
 )
-SELECT u.name, b.name IS NULL, coalesce(b.changed, false), coalesce(b.revived, false)
+SELECT u.name, b.name IS NULL AS added, coalesce(b.changed, false) AS changed,
+       coalesce(b.revived, false) AS revived
 FROM upserted AS u LEFT JOIN before AS b USING (name);
 
 -- name: periodic_remove --
@@ -846,8 +848,8 @@ WHERE s.removed_at IS NULL AND s.disabled_at IS NULL;
 -- name: periodic_list --
 -- "dramatiq-pg-outbox schedules": every schedule, active ones first.
 SELECT name, actor_name, queue_name, cron, every_ms, tz, missed, grace_ms, last_run_at, next_run_at,
-       runs, missed_ticks, extract(epoch FROM now() - next_run_at)::float8,
-       extract(epoch FROM now() - removed_at)::float8, disabled_at
+       runs, missed_ticks, extract(epoch FROM now() - next_run_at)::float8 AS late_s,
+       extract(epoch FROM now() - removed_at)::float8 AS removed_s, disabled_at
 FROM {schema}.schedules
 ORDER BY removed_at IS NOT NULL, name;
 

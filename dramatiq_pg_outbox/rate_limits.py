@@ -50,8 +50,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
+import psycopg
 from dramatiq import Message
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.middleware import GroupCallbacks
@@ -63,6 +65,7 @@ from ._runtime.listener import KeyedWaiters
 from .broker import PostgresBroker, broker_for_backend, deciding
 from .names import rate_limits_channel
 from .options import check_positive_ints
+from .store.rate_limits import RateLimitStore
 
 #: Default period of the cleanup of expired keys, in milliseconds.
 DEFAULT_CLEANUP_INTERVAL = 60_000
@@ -128,6 +131,7 @@ class PostgresBackend(RateLimiterBackend):
         self._pid = 0
         self._waiters: KeyedWaiters | None = None
         self._cleaner: Every | None = None
+        self._store = RateLimitStore(self.schema)
 
     def __repr__(self) -> str:
         return f"<rate_limits.PostgresBackend {self.broker.safe_url} schema={self.schema!r}>"
@@ -135,24 +139,36 @@ class PostgresBackend(RateLimiterBackend):
     # -- Dramatiq's RateLimiterBackend -------------------------------------------------
     def add(self, key: str, value: int, ttl: int) -> bool:
         """Add ``key`` with ``value`` for ``ttl`` ms unless it exists; whether it was added."""
-        return self._succeeds("rate_limit_add", {"key": key, "value": value, "ttl": ttl})
+        with self._connection() as conn:
+            added = self._store.add(conn, key=key, value=value, ttl=ttl)
+        self._start_cleaner()
+        return added
 
     def incr(self, key: str, amount: int, maximum: int, ttl: int) -> bool:
         """Add ``amount`` to ``key`` unless it would exceed ``maximum``; whether it did."""
-        params = {"key": key, "amount": amount, "maximum": maximum, "ttl": ttl}
-        return self._succeeds("rate_limit_incr", params)
+        with self._connection() as conn:
+            done = self._store.incr(conn, key=key, amount=amount, maximum=maximum, ttl=ttl)
+        self._start_cleaner()
+        return done
 
     def decr(self, key: str, amount: int, minimum: int, ttl: int) -> bool:
         """Subtract ``amount`` from ``key`` unless it would fall below ``minimum``; whether it did."""
-        params = {"key": key, "amount": amount, "minimum": minimum, "ttl": ttl}
-        return self._succeeds("rate_limit_decr", params)
+        with self._connection() as conn:
+            done = self._store.decr(conn, key=key, amount=amount, minimum=minimum, ttl=ttl)
+        self._start_cleaner()
+        return done
 
     def incr_and_sum(
         self, key: str, keys: Callable[[], Iterable[str]], amount: int, maximum: int, ttl: int
     ) -> bool:
         """Add ``amount`` to ``key`` unless ``amount`` plus the sum of ``keys()`` would exceed ``maximum``."""
-        params = {"key": key, "keys": list(keys()), "amount": amount, "maximum": maximum, "ttl": ttl}
-        return self._succeeds("rate_limit_incr_and_sum", params)
+        summed = list(keys())
+        with self._connection() as conn:
+            done = self._store.incr_and_sum(
+                conn, key=key, keys=summed, amount=amount, maximum=maximum, ttl=ttl
+            )
+        self._start_cleaner()
+        return done
 
     def wait(self, key: str, timeout: int) -> bool:
         """Wait up to ``timeout`` ms for an event on ``key``; whether one was published (and lives)."""
@@ -180,8 +196,8 @@ class PostgresBackend(RateLimiterBackend):
 
     def wait_notify(self, key: str, ttl: int) -> None:
         """Publish an event on ``key`` that lives ``ttl`` ms, and wake its waiters."""
-        params = {"key": key, "ttl": ttl, "channel": self.channel}
-        self.broker.runtime.execute("rate_limit_notify", params)
+        with self._connection() as conn:
+            self._store.notify(conn, key=key, ttl=ttl, channel=self.channel)
         self._start_cleaner()
 
     # -- group completion callbacks ------------------------------------------------------
@@ -201,8 +217,8 @@ class PostgresBackend(RateLimiterBackend):
         """Delete expired keys and events (many processes may run it at once); how many rows went."""
         total = 0
         while True:
-            rows = self.broker.runtime.execute("rate_limit_delete_expired", {"limit": CLEANUP_BATCH})
-            deleted = int(rows[0][0])
+            with self._connection() as conn:
+                deleted = self._store.delete_expired(conn, limit=CLEANUP_BATCH)
             total += deleted
             if deleted < CLEANUP_BATCH:
                 return total
@@ -220,15 +236,13 @@ class PostgresBackend(RateLimiterBackend):
             self.broker.close()
 
     # -- internals ---------------------------------------------------------------------
-    def _succeeds(self, name: str, params: dict[str, Any]) -> bool:
-        # One row (true) when the operation was applied; none, or one false row, when not.
-        rows = self.broker.runtime.execute(name, params)
-        self._start_cleaner()
-        return bool(rows) and bool(rows[0][0])
+    def _connection(self) -> AbstractContextManager[psycopg.Connection[Any]]:
+        """A pooled autocommit connection of the broker's runtime (one statement each)."""
+        return self.broker.runtime.connection()
 
     def _event(self, key: str) -> bool:
-        rows = self.broker.runtime.execute("rate_limit_event", {"key": key})
-        return bool(rows[0][0])
+        with self._connection() as conn:
+            return self._store.event(conn, key=key)
 
     def _fork_check(self) -> None:
         if self._pid != os.getpid():
@@ -300,9 +314,8 @@ class JoinedGroupCallbacks(GroupCallbacks):
         callbacks = message.options.get("group_completion_callbacks")
         if exception is not None or not group_key or not callbacks:
             return
-        queries = self.backend.broker.runtime.queries
-        params = {"key": group_key, "ttl": self.barrier_ttl}
-        with finishing.sending_if(queries["group_barrier_count_down"], params):
+        count_down = self.backend._store.group_barrier_count_down(key=group_key, ttl=self.barrier_ttl)
+        with finishing.sending_if(count_down):
             for callback in callbacks:
                 broker.enqueue(Message(**callback))
 

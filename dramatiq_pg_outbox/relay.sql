@@ -45,7 +45,7 @@ WHERE m.id = ANY(%(ids)s::bigint[]) AND {fenced};
 -- Milliseconds until the earliest delayed row of the relayed queues (NULL: none).
 -- Only rows not due yet: the index range starts at now(), past the entries of
 -- the rows claimed so far, which a pinned MVCC horizon keeps (see claim_from).
-SELECT (extract(epoch FROM min(d.next_attempt_at) - now()) * 1000)::float8
+SELECT (extract(epoch FROM min(d.next_attempt_at) - now()) * 1000)::float8 AS due_in_ms
 FROM unnest(%(queues)s::text[]) AS q(name)
 CROSS JOIN LATERAL (
     SELECT m.next_attempt_at FROM {schema}.messages AS m
@@ -55,7 +55,8 @@ CROSS JOIN LATERAL (
 
 -- name: relay_lag --
 -- Per relayed queue: age of the oldest due row (seconds) and how many are due.
-SELECT q.name, coalesce(extract(epoch FROM now() - min(m.next_attempt_at)), 0)::float8, count(m.id)
+SELECT q.name AS queue_name, coalesce(extract(epoch FROM now() - min(m.next_attempt_at)), 0)::float8 AS age_s,
+       count(m.id) AS due
 FROM unnest(%(queues)s::text[]) AS q(name)
 LEFT JOIN {schema}.messages AS m
   ON m.queue_name = q.name AND m.state = 'pending' AND m.next_attempt_at <= now()

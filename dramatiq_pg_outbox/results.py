@@ -63,13 +63,13 @@ from dramatiq.results import Missing, ResultBackend, ResultMissing, ResultTimeou
 from dramatiq.results.backend import BACKOFF_FACTOR, DEFAULT_TIMEOUT
 from sqlalchemy.engine import URL, Engine
 
-from ._queries import queries_for_schema
 from ._runtime import Every
 from ._runtime.listener import KeyedWaiters
 from .broker import PostgresBroker, broker_for_backend, deciding
 from .errors import SchemaNotReady
 from .names import results_channel as results_channel
 from .options import check_positive_ints
+from .store.results import ResultStore
 
 #: Longest NOTIFY payload sent, in bytes (PostgreSQL refuses 8000 and more).
 #: A longer message key is announced with an empty payload, which wakes every reader.
@@ -168,7 +168,7 @@ class PostgresBackend(ResultBackend):
         self.poll_interval = poll_interval
         self.cleanup_interval = cleanup_interval
         self.cleanup_batch_size = cleanup_batch_size
-        self._queries = queries_for_schema(self.schema)
+        self._result_store = ResultStore(self.schema)
         self._process: _Process | None = None
         self._process_lock = threading.Lock()
 
@@ -236,30 +236,30 @@ class PostgresBackend(ResultBackend):
 
     def _get(self, message_key: str) -> Any:
         with self._connection() as conn:
-            row = conn.execute(self._queries["results_get"], {"message_key": message_key}).fetchone()
-        if row is None:
+            stored = self._result_store.get(conn, message_key=message_key)
+        if stored is None:
             return Missing
-        return self.encoder.decode(bytes(row[0]))
+        return self.encoder.decode(stored)
 
     def _store(self, message_key: str, result: Any, ttl: int) -> None:
         """Store an already wrapped ``result`` for ``ttl`` milliseconds (replacing an earlier one)."""
         payload = message_key if len(message_key.encode()) <= MAX_PAYLOAD_BYTES else ""
-        params = {
-            "message_key": message_key,
-            "result": self.encoder.encode(result),
-            "ttl": int(ttl),
-            "channel": self.channel,
-            "payload": payload,
-            "notify": self.notify,
-        }
+        statement = self._result_store.store_statement(
+            message_key=message_key,
+            result=self.encoder.encode(result),
+            ttl=int(ttl),
+            channel=self.channel,
+            payload=payload,
+            notify=self.notify,
+        )
         finishing = deciding()
         if finishing is not None and finishing.consumer.broker.conninfo == self._broker.conninfo:
             # Stored by the Results middleware while a message's outcome is decided:
             # written with its ack or nack, in one transaction (PostgresBroker.emit_after).
-            finishing.statements.append((self._queries["results_store"], params))
+            finishing.statements.append(statement)
         else:
             with self._connection() as conn:
-                conn.execute(self._queries["results_store"], params)
+                self._result_store.store(conn, statement)
         if self.cleanup_interval is not None:
             self._state().start_cleaner()
 
@@ -284,7 +284,7 @@ class PostgresBackend(ResultBackend):
         total = 0
         while True:
             with self._connection() as conn:
-                deleted = conn.execute(self._queries["results_delete_expired"], {"limit": limit}).rowcount
+                deleted = self._result_store.delete_expired(conn, limit=limit)
             total += deleted
             if deleted < limit:
                 return total

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._queries import queries_for_schema
 from .names import DEFAULT_SCHEMA, validate_schema_name
+from .store.spark import IdRange, SparkStore
 from .urls import libpq_url
 
 __all__ = ["Analytics", "compute", "main", "read_backlog", "read_history", "write_report"]
@@ -77,19 +77,13 @@ class Analytics:
         }
 
 
-def _read_ranges(
-    spark: Any,
-    conninfo: str,
-    select_sql: str,
-    columns: str,
-    bounds: tuple[int, int] | None,
-    partitions: int,
-    params: dict[str, Any],
+def _read_backlog_ranges(
+    spark: Any, conninfo: str, store: SparkStore, columns: str, bounds: IdRange | None, partitions: int
 ) -> Any:
-    """A DataFrame of ``select_sql`` (with ``%(lo)s``/``%(hi)s`` id bounds) read by the executors."""
+    """A DataFrame of the live messages of ids in ``bounds`` (``backlog_rows``) read by the executors."""
     if bounds is None:
         return spark.createDataFrame([], columns)
-    lo, hi = bounds
+    lo, hi = bounds.lo, bounds.hi
     partitions = max(1, min(partitions, hi - lo + 1))
     step = math.ceil((hi - lo + 1) / partitions)
     ranges = [(lo + i * step, min(lo + (i + 1) * step, hi + 1)) for i in range(partitions)]
@@ -105,7 +99,7 @@ def _read_ranges(
                 for start, stop in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
                     with conn.cursor(name="dpo_analytics") as cur:
                         cur.itersize = 50_000
-                        cur.execute(select_sql, {**params, "lo": start, "hi": stop})
+                        store.backlog_rows(cur, lo=start, hi=stop)
                         while rows := cur.fetchmany(50_000):
                             columns = zip(*rows, strict=True)
                             arrays = [
@@ -127,12 +121,11 @@ def _arrow_schema(ddl: str) -> Any:
     return pa.schema([(name, kinds[kind]) for name, kind in fields])
 
 
-def _bounds(conninfo: str, query: str, params: dict[str, Any]) -> Any:
+def _bounds(conninfo: str, store: SparkStore) -> IdRange | None:
     from ._isolation import connect
 
     with connect(conninfo) as conn:
-        row = conn.execute(query, params).fetchone()
-    return None if row is None or row[0] is None else (int(row[0]), int(row[1]))
+        return store.backlog_id_range(conn)
 
 
 def read_history(
@@ -156,9 +149,9 @@ def read_history(
 def read_backlog(spark: Any, url: str, *, schema: str = DEFAULT_SCHEMA, partitions: int = 2) -> Any:
     """The live messages table as a DataFrame: queue, actor, state, due, age of due rows in ms."""
     conninfo = libpq_url(url)
-    queries = queries_for_schema(validate_schema_name(schema))
-    bounds = _bounds(conninfo, queries["backlog_id_range"], {})
-    return _read_ranges(spark, conninfo, queries["backlog_rows"], _BACKLOG_COLUMNS, bounds, partitions, {})
+    store = SparkStore(validate_schema_name(schema))
+    bounds = _bounds(conninfo, store)
+    return _read_backlog_ranges(spark, conninfo, store, _BACKLOG_COLUMNS, bounds, partitions)
 
 
 def compute(history: Any, backlog: Any, *, bucket_seconds: int = 60, top_errors: int = 5) -> Analytics:

@@ -8,9 +8,9 @@ renders that back up at peak, and a CRM sync that times out now and then.  The
 dashboard serves it all on http://127.0.0.1:8080/ until Ctrl-C.
 
 Two periodic jobs fill the schedules page.  ``--screenshots DIR`` instead takes the
-README's screenshots with headless Chromium (Debian's ``chromium`` driven by
-Playwright) once the traffic ran ``--seconds`` (12 minutes by default, to fill
-most of the charts' 15-minute window), then stops.
+screenshots of the dashboard guide (docs/guides/dashboard.md) with headless Chromium
+(Debian's ``chromium`` driven by Playwright) once the traffic ran ``--seconds`` (12
+minutes by default, to fill most of the charts' 15-minute window), then stops.
 Needs ``pip install -e '.[dev]'``.
 """
 

@@ -4,8 +4,8 @@ A nightly job that sends one message per customer, all due at once, is a burst
 that the workers, and whatever the actors call, must take at once.  Instead,
 one cron job enqueues every customer's message with a delay sampled over the
 next 24 hours: the work arrives evenly, and each delayed message waits in the
-table, not in a worker's memory, until it is due.  The README's "Periodic
-jobs" section shows this function; ``tests/test_periodic.py`` runs it.
+table, not in a worker's memory, until it is due.  The periodic jobs guide
+(docs/guides/periodic.md) shows this function; ``tests/test_periodic.py`` runs it.
 
 Usage (in the application's tasks module)::
 

@@ -24,13 +24,17 @@ def reachable(host: str, port: int) -> bool:
         return False
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``condition`` every 50 ms; return the seconds it took, or fail after ``timeout`` seconds."""
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> float:
+    """Poll ``condition`` every ``interval`` seconds (50 ms); return the seconds it took.
+
+    Raises:
+      AssertionError: ``condition`` was still false after ``timeout`` seconds (the message names ``what``).
+    """
     start = time.monotonic()
     while not condition():
         if time.monotonic() - start > timeout:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(interval)
     return time.monotonic() - start
 
 

@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 from psycopg.conninfo import conninfo_to_dict
 
-from dramatiq_pg_outbox.testing import _free_port
+from dramatiq_pg_outbox.testing import free_port
 
 from .helpers import TEST_MARK
 
@@ -85,7 +85,7 @@ class PgBouncer:
         self.dir.chmod(0o755)  # read by the unprivileged user PgBouncer runs as
         try:
             for attempt in range(3):
-                self.port = _free_port()
+                self.port = free_port()
                 if self._start():
                     return self
                 if attempt == 2 or "Address already in use" not in self.log():

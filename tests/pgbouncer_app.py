@@ -3,7 +3,7 @@
 Configured from the environment: ``DPO_PGBOUNCER_URL`` (the database through a
 PgBouncer in transaction pooling mode), ``DPO_TEST_URL`` (the same database,
 directly: only for the actors' records, the tests' side channel).  The broker has
-the settings the README's "Behind PgBouncer" section gives: ``listen=False`` and
+the settings the PgBouncer guide (docs/guides/pgbouncer.md) gives: ``listen=False`` and
 ``prepare_threshold=None``; the results backend and the periodic scheduler of each
 worker process run on its pool.
 """

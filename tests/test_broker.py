@@ -188,10 +188,8 @@ def test_graceful_stop_requeues_unstarted_messages_without_an_attempt(
         slow.send()
     # 2 threads -> Dramatiq prefetches 4: 2 running, 2 waiting in memory.
     worker = start_worker(broker, worker_threads=2)
-    deadline = time.monotonic() + 10
-    while db.execute("SELECT count(*) FROM dramatiq.messages WHERE state='processing'").fetchone()[0] < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    processing = "SELECT count(*) FROM dramatiq.messages WHERE state='processing'"
+    wait_for(lambda: db.execute(processing).fetchone()[0] >= 4, 10, "4 claimed messages")
     worker.stop()
     rows = db.execute("SELECT state, attempts FROM dramatiq.messages").fetchall()
     done = db.execute("SELECT count(*) FROM dramatiq.history").fetchone()[0]
@@ -243,8 +241,9 @@ def test_messages_of_a_dead_worker_are_released_and_quarantined_after_max_delive
         message = next(consumer)
         assert message is not None and message.attempts == delivery
         first_tick_done(broker)
-        # The worker "dies": its heartbeat row is gone and nothing is acked.
-        consumer._closed = True
+        # The worker "dies": its heartbeat row is gone and nothing is acked (closing the
+        # consumer hands back only the messages it has not handed out).
+        consumer.close()
         db.execute("DELETE FROM dramatiq.workers")
         maintenance = broker.runtime.maintenance
         assert maintenance is not None
@@ -292,7 +291,7 @@ def test_orphaned_claims_of_a_live_process_are_released(make_broker: Any, db: An
     db.execute("UPDATE dramatiq.messages SET acquired_at = now() - interval '1 minute'")
     assert maintenance.release_orphans() == 1
     assert db.execute("SELECT state, attempts FROM dramatiq.messages").fetchall() == [("pending", 0)]
-    consumer._closed = True
+    consumer.close()
 
 
 def test_consume_of_an_undeclared_queue_raises(broker: PostgresBroker) -> None:
@@ -351,7 +350,7 @@ def test_acks_through_a_restarted_consumer_free_the_slots_of_the_one_that_claime
     for message in messages:
         assert message is not None
         new.ack(message)
-    assert (old._outstanding, new._outstanding) == (0, 0)
+    assert (old.outstanding, new.outstanding) == (0, 0)
     old.close()
     new.close()
 
@@ -429,15 +428,16 @@ def queue_empty(db: Any) -> bool:
 def claims_seen(broker: PostgresBroker, delay_s: float = 0.0) -> list[int]:
     """The ``limit`` of every claim the broker makes from now on (after ``delay_s`` more of round trip)."""
     sizes: list[int] = []
-    execute = broker.runtime.execute
+    store = broker.runtime.store
+    claim = store.claim
 
-    def recorded(name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        if name.startswith("claim") and params.get("queue_name") == "default":
+    def recorded(conn: Any, **params: Any) -> Any:
+        if params["queue_name"] == "default":
             sizes.append(params["limit"])
             time.sleep(delay_s)
-        return execute(name, params)
+        return claim(conn, **params)
 
-    broker.runtime.execute = recorded  # type: ignore[method-assign]
+    store.claim = recorded  # type: ignore[method-assign]
     return sizes
 
 

@@ -29,7 +29,8 @@ from sqlalchemy.engine import make_url
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox._runtime import format_error
-from dramatiq_pg_outbox.cli import exception_line, main
+from dramatiq_pg_outbox.cli import main
+from dramatiq_pg_outbox.cli.common import exception_line
 from dramatiq_pg_outbox.migrations import SCHEMA_REVISION, script_location
 from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
@@ -527,7 +528,7 @@ def test_failed_shows_the_exception_line_not_the_traceback(
     assert next(consumer) is not None
     maintenance = broker.runtime.maintenance
     assert maintenance is not None and maintenance.ticked.wait(10)
-    consumer._closed = True  # type: ignore[attr-defined]
+    consumer.close()  # it holds the claimed message: close hands back only unstarted ones
     db.execute("DELETE FROM dramatiq.workers")  # its worker "died"
     assert maintenance.rescue().quarantined == 1
     charge.send("no such customer")

@@ -22,6 +22,7 @@ from dramatiq_pg_outbox.dashboard import TOKEN_ENV, charts
 from dramatiq_pg_outbox.dashboard.app import Settings
 from dramatiq_pg_outbox.dashboard.store import Store, raw_queries
 from dramatiq_pg_outbox.migrations import libpq_url
+from dramatiq_pg_outbox.testing import free_port
 from tests.dashboard_support import DashboardServer, csrf_token, serve_dashboard
 from tests.helpers import count, wait_for
 
@@ -487,7 +488,7 @@ def test_a_queue_name_with_a_trailing_newline_is_not_a_queue(db: Any, serve_dash
 
 def test_a_page_says_503_when_the_database_does_not_answer(serve_dashboard: Serve) -> None:
     # Given a dashboard whose database is on a port where nothing listens
-    url = f"postgresql://postgres:secret@127.0.0.1:{_free_port()}/nowhere"
+    url = f"postgresql://postgres:secret@127.0.0.1:{free_port()}/nowhere"
     server = serve_dashboard(url=url, store=Store(url, "dramatiq", "unused", timeout=1))
     # When a page and the health check are asked for
     page = httpx.get(server.url + "/", timeout=30)
@@ -499,16 +500,10 @@ def test_a_page_says_503_when_the_database_does_not_answer(serve_dashboard: Serv
 
 
 # -- the command --------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_the_command_serves_with_the_token_from_the_environment_out_of_sight_of_ps(
     database_url: str, db: Any
 ) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, TOKEN_ENV: "from-the-environment"}
     process = subprocess.Popen(
         [
@@ -677,6 +672,28 @@ def test_the_command_serves_a_schema_at_revision_3_on_purpose(database_url: str)
             conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
 
 
+def test_the_workers_page_judges_workers_by_the_heartbeat_timeout_it_is_given(
+    db: Any, serve_dashboard: Serve
+) -> None:
+    # Given a worker process whose last heartbeat is 30 s old
+    db.execute(
+        "INSERT INTO dramatiq.workers (id, hostname, pid, heartbeat_at) "
+        "VALUES (gen_random_uuid(), 'quiet', 1, now() - interval '30 seconds')"
+    )
+
+    def heartbeat_cell(page: str) -> str:
+        found = re.search(r'<td>quiet</td>.*?<td class="num([^"]*)">[^<]* ago</td>', page, re.S)
+        assert found, page
+        return found.group(1).strip()
+
+    # When one dashboard judges by the broker's default (20 s) and one by the workers' 120 s
+    default = httpx.get(serve_dashboard().url + "/workers").text
+    patient = httpx.get(serve_dashboard(heartbeat_timeout=120_000).url + "/workers").text
+    # Then the first shows it dead, the second alive and not even late (under half the timeout)
+    assert heartbeat_cell(default) == "bad" and "(20 s, as this dashboard is configured)" in default
+    assert heartbeat_cell(patient) == "" and "(120 s, as this dashboard is configured)" in patient
+
+
 # -- pieces -------------------------------------------------------------------
 def test_every_query_the_dashboard_runs_is_defined_once_in_its_sql_file() -> None:
     source = (ROOT / "dramatiq_pg_outbox" / "dashboard" / "store.py").read_text()
@@ -689,6 +706,12 @@ def test_a_negative_or_fractional_refresh_is_refused() -> None:
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="refresh must be a whole number of seconds >= 0"):
             Settings(url="postgresql://x/y", refresh=bad)
+
+
+def test_a_heartbeat_timeout_below_one_millisecond_or_fractional_is_refused() -> None:
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="heartbeat_timeout must be an integer >= 1"):
+            Settings(url="postgresql://x/y", heartbeat_timeout=bad)
 
 
 def test_nice_ticks_cover_the_maximum_in_round_steps() -> None:

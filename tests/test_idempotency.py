@@ -20,6 +20,7 @@ from dramatiq_pg_outbox._runtime import StoredMessage, enqueue_result, enqueue_s
 from dramatiq_pg_outbox.cli.main import main
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
 from dramatiq_pg_outbox.partitions import prune
+from dramatiq_pg_outbox.store.messages import MessageStore
 
 from .helpers import wait_for
 
@@ -166,10 +167,10 @@ def keyed_send(conn: psycopg.Connection[Any], broker: PostgresBroker, actor: Any
 
     Returns the message ids stored (empty: the key was taken)."""
     item = StoredMessage.of(actor.message_with_options(args=(1,), idempotency_key=key))
-    name, params = enqueue_statement([item], broker.channel, True, 0)
-    rows = conn.execute(QUERIES[name], params).fetchall()
+    statement = enqueue_statement([item], broker.channel, True, 0)
+    rows = MessageStore("dramatiq").enqueue(conn.cursor(), statement)
     conn.commit()
-    return [stored.message.message_id for stored in enqueue_result(name, [item], rows).stored]
+    return [stored.message.message_id for stored in enqueue_result(statement.name, [item], rows).stored]
 
 
 def race_the_archive(

@@ -21,7 +21,7 @@ import dramatiq
 import pytest
 from sqlalchemy.engine import make_url
 
-from dramatiq_pg_outbox.spark import _Plan, jdbc_jar, jdbc_options
+from dramatiq_pg_outbox.spark import Plan, jdbc_jar, jdbc_options
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,7 +142,7 @@ def test_parameters_the_driver_cannot_carry_are_refused_not_dropped(url: str, me
 
 
 def test_the_executors_plan_does_not_show_the_password_in_its_repr() -> None:
-    plan = _Plan.build(
+    plan = Plan.build(
         key="id",
         conninfo="postgresql://app:s3cret@db/app",
         schema="dramatiq",

@@ -5,7 +5,7 @@ on a free port for the session (``tests/pgbouncer.py``); without the binary thes
 with the install command.  Two database aliases point at the test database: ``dpo_pooled``
 (4 server connections) and ``dpo_single`` (one server connection: every client's transactions
 take turns on it, so anything that leaves state in a server session, such as a prepared
-statement, meets the next client deterministically).  The README's "Behind PgBouncer" section
+statement, meets the next client deterministically).  The guide docs/guides/pgbouncer.md
 names these tests.
 """
 
@@ -37,7 +37,7 @@ from .pgbouncer import PGBOUNCER_MISSING, PgBouncer, pgbouncer_binary
 ROOT = Path(__file__).resolve().parent.parent
 REDIS = os.environ.get("DPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
-#: The settings of the README's "Behind PgBouncer" section.
+#: The settings of the PgBouncer guide (docs/guides/pgbouncer.md).
 BEHIND_PGBOUNCER: dict[str, Any] = {"listen": False, "prepare_threshold": None}
 
 
@@ -315,17 +315,16 @@ def test_rate_limiters_and_a_barrier_work_through_pgbouncer_with_transaction_sco
     assert Barrier(second, f"{key}-barrier", ttl=60_000).wait(timeout=10_000) is True
 
 
-def test_the_readme_pgbouncer_snippet_runs_as_written(single_url: str, db: Any) -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Behind PgBouncer\n", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+def test_the_pgbouncer_guide_snippet_runs_as_written(single_url: str, db: Any) -> None:
+    guide = (ROOT / "docs" / "guides" / "pgbouncer.md").read_text()
+    code = guide.split("```python\n", 1)[1].split("```", 1)[0]
     # Only the example's URLs change (to the test database through PgBouncer): the code runs as printed.
     alias = make_url(single_url).database
     assert alias is not None
     code = code.replace("app@pgbouncer:6432/app", single_url.split("://", 1)[1])
     previous = dramatiq.get_broker()
     namespace: dict[str, Any] = {"__name__": "readme_pgbouncer"}
-    exec(compile(code, "README.md#behind-pgbouncer", "exec", dont_inherit=True), namespace)
+    exec(compile(code, "docs/guides/pgbouncer.md", "exec", dont_inherit=True), namespace)
     broker, results, engine = namespace["broker"], namespace["results"], namespace["engine"]
     try:
         assert make_url(broker.conninfo).database == alias and engine.url.database == alias

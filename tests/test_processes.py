@@ -139,7 +139,8 @@ def test_sigterm_requeues_unstarted_messages_without_an_attempt(
 def test_worker_processes_use_the_documented_connection_budget(
     producer: Any, worker_process: Any, db: Any
 ) -> None:
-    # README: pool_size (4) + 1 LISTEN connection per worker process, whatever the queues and threads.
+    # docs/guides/configuration.md, "Connection budget": pool_size (4) + 1 LISTEN connection per worker
+    # process, whatever the queues and threads.
     wp = worker_process(processes=2, threads=8)
     for i in range(500):
         producer.record.send(f"c{i}")

@@ -120,3 +120,96 @@ def test_the_rule_of_a_live_worker_is_written_once() -> None:
     for name in ("consumer_rank", "rescue", "metrics_gauges"):
         assert rule in raw_queries()[name], name
     assert rule in file_queries(DASHBOARD_SQL)["workers"]
+
+
+#: The modules that may look a statement up by name: the typed stores (issue 32), the loader, and
+#: _isolation.py, which sits below the stores' layer (every connection, the stores' included, is
+#: set to READ COMMITTED by its three statements before any store runs).
+LOOKUP_ALLOWED = ("store/", "dashboard/store.py", "_queries.py", "_isolation.py")
+#: The loader's functions that hand out statements.
+LOADERS = {"file_queries", "queries_for_schema", "raw_queries", "fragments", "with_identifiers"}
+#: Names a fetched row or list of rows goes by in the package.
+ROW_NAMES = {"row", "rows", "r", "rec", "record", "result", "one", "first"}
+
+
+def _outside_the_stores() -> list[tuple[str, ast.Module]]:
+    return [
+        (rel, tree)
+        for path, tree in _modules()
+        if not (rel := path.relative_to(PACKAGE).as_posix()).startswith(LOOKUP_ALLOWED)
+    ]
+
+
+def _by_position(node: ast.Subscript) -> bool:
+    """``x[3]``, ``x[-1]`` or ``x[3:5]``: an index or slice of integer constants."""
+    index = node.slice
+    if isinstance(index, ast.UnaryOp):
+        index = index.operand
+    if isinstance(index, ast.Constant):
+        return isinstance(index.value, int)
+    if isinstance(index, ast.Slice):
+        bounds = [b.operand if isinstance(b, ast.UnaryOp) else b for b in (index.lower, index.upper)]
+        return all(b is None or (isinstance(b, ast.Constant) and isinstance(b.value, int)) for b in bounds)
+    return False
+
+
+def _fetch(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in {"fetchone", "fetchall", "fetchmany"}
+    )
+
+
+def test_only_the_stores_look_statements_up_by_name() -> None:
+    # Given every module of the package but the stores and the loader
+    found = []
+    for rel, tree in _outside_the_stores():
+        for node in ast.walk(tree):
+            # When one imports a loader function or looks up queries["name"]
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("_queries"):
+                found += [f"{rel}:{node.lineno}: imports {a.name}" for a in node.names if a.name in LOADERS]
+            elif isinstance(node, ast.Subscript) and "queries" in ast.unparse(node.value).lower():
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    # Then none does: a statement is run through a store's method (dramatiq_pg_outbox/store/)
+    assert found == []
+
+
+def _positional_reads(tree: ast.Module) -> list[ast.AST]:
+    """Fetched rows read by position: ``cur.fetchone()[3]``, ``rows[0][3:5]``, ``row[7]``, or a
+    fetched row unpacked into names (``a, b = cur.fetchone()``)."""
+    found: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and _by_position(node):
+            value = node.value
+            inner = value.value if isinstance(value, ast.Subscript) else None
+            if (
+                _fetch(value)
+                or (inner is not None and _fetch(inner))
+                or (isinstance(value, ast.Name) and value.id in ROW_NAMES - {"rows"})
+                or (isinstance(inner, ast.Name) and inner.id in ROW_NAMES)
+            ):
+                found.append(node)
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and _fetch(node.value):
+            found.append(node)
+    return found
+
+
+def test_no_row_is_read_by_position_outside_the_stores() -> None:
+    # Given every module of the package but the stores, when a fetched row is read by position
+    found = [
+        f"{rel}:{getattr(node, 'lineno', 0)}: {ast.unparse(node)}"
+        for rel, tree in _outside_the_stores()
+        for node in _positional_reads(tree)
+    ]
+    # Then none is: rows come back from the stores as typed rows read by name
+    assert found == []
+
+
+def test_the_position_detector_finds_the_shapes_it_looks_for() -> None:
+    # Given the shapes the issue found (consumer._fetch's row[7], rows[0][3:5]), a fetch read by
+    # position or unpacked, and the first typed row read by name
+    source = "row[7]\nrows[0][3:5]\ncur.fetchone()[0]\nd, e = cur.fetchone()\nrows[0].id\nrows[0]"
+    # Then the first four are flagged, the typed row and the first of a list are not
+    flagged = [ast.unparse(node) for node in _positional_reads(ast.parse(source))]
+    assert sorted(flagged) == sorted(["row[7]", "rows[0][3:5]", "cur.fetchone()[0]", "d, e = cur.fetchone()"])

@@ -23,7 +23,7 @@ from dramatiq.rate_limits import (
 
 from dramatiq_pg_outbox._runtime.listener import subscribe
 from dramatiq_pg_outbox.rate_limits import PostgresBackend
-from tests.helpers import count, wait_for
+from tests.helpers import LISTENERS, count, wait_for
 
 #: Generous bound for things that take milliseconds, in seconds (a loaded 2-core machine).
 SOON = 15
@@ -118,7 +118,8 @@ def test_a_waiter_wakes_on_the_notification_not_the_poll(make_broker: Any, db: A
 
         waiter = threading.Thread(target=wait)
         waiter.start()
-        time.sleep(1.0)  # the waiter is waiting (and subscribed)
+        # (its wait subscribes first: once LISTEN is in force, an event is heard or read)
+        wait_for(lambda: count(db, LISTENERS) >= 1, 10, "the waiter's LISTEN")
         # When another party publishes the event
         sent = time.monotonic()
         backend.wait_notify("k", 10_000)

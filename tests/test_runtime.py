@@ -73,7 +73,7 @@ def test_closing_right_after_an_ack_stops_the_flush_thread(make_broker: Any, db:
     flusher.stop(timeout=3)
     # Then the ack is written and the thread has ended
     assert db.execute("SELECT state FROM dramatiq.history").fetchall() == [("completed",)]
-    assert flusher._thread is not None and not flusher._thread.is_alive()
+    assert flusher.started and not flusher.running
 
 
 #: Run in a subprocess: opens enough files that the broker's sockets get descriptors >= 1024.

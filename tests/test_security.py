@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from dramatiq_pg_outbox import PostgresBroker, outbox, upgrade
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
 from dramatiq_pg_outbox.names import channel_for
-from dramatiq_pg_outbox.spark import _Plan, write_partition
+from dramatiq_pg_outbox.spark import Plan, write_partition
 from dramatiq_pg_outbox.testing import scratch_database
 from tests.helpers import count, wait_for
 
@@ -181,7 +181,7 @@ def test_a_worker_runs_with_the_worker_role_alone(secured: Secured, worker_proce
 
 
 def test_the_spark_role_writes_a_partition_idempotently(secured: Secured) -> None:
-    plan = _Plan.build(
+    plan = Plan.build(
         key="key",
         args=("key",),
         conninfo=secured.urls["spark"],

@@ -34,7 +34,7 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
 
 from dramatiq_pg_outbox.spark import (  # noqa: E402
     EnqueueError,
-    _Plan,
+    Plan,
     enqueue_dataframe,
     message_id_for,
     write_partition,
@@ -128,9 +128,9 @@ def test_rerunning_the_same_batch_adds_nothing(spark: Any, actor: Any, db: Any) 
     assert other.enqueued == 500 and count(db) == 1000
 
 
-def customer_id_plan(broker: PostgresBroker, batch_id: str, *, notify: bool = False) -> _Plan:
+def customer_id_plan(broker: PostgresBroker, batch_id: str, *, notify: bool = False) -> Plan:
     """The plan of an executor task that enqueues notify_customer(customer_id) keyed by customer_id."""
-    return _Plan.build(
+    return Plan.build(
         key="customer_id", args=["customer_id"], conninfo=broker.conninfo, schema="dramatiq",
         channel="dramatiq_pg_outbox.dramatiq", queue_name="notifications", actor_name="notify_customer",
         batch_id=batch_id, options={}, delay_ms=0, notify=notify, encoder=dramatiq.get_encoder(),
@@ -216,7 +216,7 @@ def test_max_partitions_caps_connections(spark: Any, actor: Any, db: Any) -> Non
 def test_the_json_fast_path_encodes_exactly_like_dramatiq() -> None:
     from dramatiq.encoder import JSONEncoder, PickleEncoder
 
-    from dramatiq_pg_outbox.spark import _encode_rows
+    from dramatiq_pg_outbox.spark import encode_rows
 
     fields: dict[str, Any] = {
         "conninfo": "", "schema": "dramatiq", "channel": "c", "queue_name": "q", "actor_name": "a",
@@ -225,14 +225,14 @@ def test_the_json_fast_path_encodes_exactly_like_dramatiq() -> None:
     # Columns: id (the key), then the args email, score, extra, then the kwarg column segment.
     rows = [(1, "x@example.com", 2.5, None, "gold"), ('k"2', "ü", float("nan"), [1, {"a": None}], "")]
     for encoder in (JSONEncoder(), PickleEncoder()):
-        plan = _Plan.build(
+        plan = Plan.build(
             key="id",
             args=["email", "score", "extra"],
             kwargs={"segment": "segment"},
             encoder=encoder,
             **fields,
         )
-        for row, (message_id, ikey, payload) in zip(rows, _encode_rows(plan, rows, 1234), strict=True):
+        for row, (message_id, ikey, payload) in zip(rows, encode_rows(plan, rows, 1234), strict=True):
             expected = {
                 "queue_name": "q",
                 "actor_name": "a",
@@ -350,8 +350,8 @@ def test_arrow_encodes_batches_byte_for_byte_like_the_row_encoder() -> None:
     import pyarrow as pa
     from dramatiq.encoder import PickleEncoder
 
-    from dramatiq_pg_outbox.spark import _encode_rows
-    from dramatiq_pg_outbox.spark.encoding import _batch_encodable, _encode_batch
+    from dramatiq_pg_outbox.spark import encode_rows
+    from dramatiq_pg_outbox.spark.encoding import batch_encodable, encode_batch
 
     rows = [
         (1, 'quote " and \\ backslash', True, 2.5, None, "gold"),
@@ -366,17 +366,17 @@ def test_arrow_encodes_batches_byte_for_byte_like_the_row_encoder() -> None:
     )  # fmt: skip
     batch = pa.RecordBatch.from_pylist([dict(zip(schema.names, row, strict=True)) for row in rows], schema)
     for options in ({"max_retries": 1}, {}):
-        plan = _Plan.build(
+        plan = Plan.build(
             key="id", args=["email", "flag", "score", "n"], kwargs={"segment": "segment", "again": "id"},
             conninfo="", schema="dramatiq", channel="c", queue_name="q", actor_name="a", batch_id='b-"1',
             options=options, delay_ms=0, notify=False, encoder=dramatiq.get_encoder(),
         )  # fmt: skip
-        assert _batch_encodable(plan, batch.schema)
-        encoded = _encode_batch(plan, batch.select(list(plan.columns)), 1234).to_pylist()
+        assert batch_encodable(plan, batch.schema)
+        encoded = encode_batch(plan, batch.select(list(plan.columns)), 1234).to_pylist()
         python_rows = [tuple(d.values()) for d in batch.select(list(plan.columns)).to_pylist()]
         expected = [
             {"message_id": m, "idempotency_key": k, "payload": p.decode()}
-            for m, k, p in _encode_rows(plan, python_rows, 1234)
+            for m, k, p in encode_rows(plan, python_rows, 1234)
         ]
         assert encoded == expected
         for row in encoded:
@@ -384,10 +384,10 @@ def test_arrow_encodes_batches_byte_for_byte_like_the_row_encoder() -> None:
     # Types Arrow cannot encode like Dramatiq (decimals, dates) and other encoders go row by row.
     fields = {k: v for k, v in plan.__dict__.items() if k not in ("columns", "key", "args", "kwargs")}
     decimals = pa.schema([("id", pa.int64()), ("d", pa.decimal128(5, 2))])
-    assert not _batch_encodable(_Plan.build(key="id", args=["d"], **fields), decimals)
-    assert not _batch_encodable(_Plan.build(key="d", args=["id"], **fields), decimals)
+    assert not batch_encodable(Plan.build(key="id", args=["d"], **fields), decimals)
+    assert not batch_encodable(Plan.build(key="d", args=["id"], **fields), decimals)
     pickled = {**fields, "encoder": PickleEncoder()}
-    assert not _batch_encodable(_Plan.build(key="id", args=["id"], **pickled), decimals)
+    assert not batch_encodable(Plan.build(key="id", args=["id"], **pickled), decimals)
 
 
 def test_a_key_twice_in_one_partition_becomes_one_message(

@@ -270,7 +270,7 @@ def test_the_trace_continues_through_the_relay_into_a_redis_worker(
     )
 
 
-# -- the README's snippet ---------------------------------------------------------------------------
+# -- the guide's snippet ----------------------------------------------------------------------------
 
 
 def _console_spans(text: str) -> list[dict[str, Any]]:
@@ -288,13 +288,12 @@ def _console_spans(text: str) -> list[dict[str, Any]]:
     return spans
 
 
-def test_the_readme_snippet_continues_the_sign_up_trace_in_the_worker(
+def test_the_guide_snippet_continues_the_sign_up_trace_in_the_worker(
     database_url: str, db: Any, tmp_path: Path
 ) -> None:
-    # Given the README's tasks.py, with the test database's URLs
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n### OpenTelemetry\n", 1)[1].split("\n### ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    # Given the tracing guide's tasks.py, with the test database's URLs
+    guide = (ROOT / "docs" / "guides" / "tracing.md").read_text()
+    code = guide.split("```python\n", 1)[1].split("```", 1)[0]
     sa_url = normalize_sqlalchemy_url(database_url).render_as_string(hide_password=False)
     code = code.replace("postgresql+psycopg://app@db/app", sa_url).replace(
         "postgresql://app@db/app", database_url

@@ -255,6 +255,11 @@ class Report:
         )
 
 
+#: The kinds of client operation (the checker's module docstring says what each does).
+KINDS = ("plain", "keyed", "outbox", "outbox_async", "django", "many", "pipeline", "callback", "group")
+KINDS += ("spark",)
+
+
 class Run:
     """One run: ``duration`` seconds of operations and faults at one isolation default."""
 
@@ -271,9 +276,12 @@ class Run:
         self.stop_ops = threading.Event()
         self.stop_faults = threading.Event()
         self.proxy = Proxy((server.host, server.port))
-        #: The Spark tasks' link: an executor far from the database (5-80 ms per chunk each way),
-        #: so that a twin's statements interleave with the other twin's commit and its archive.
-        self.slow_link = Proxy((server.host, server.port), latency=(0.005, 0.08))
+        #: The link of half the Spark tasks: an executor far from the database, or one that pauses
+        #: (a JVM collection) between statements: 5-250 ms per chunk each way, so that the other
+        #: twin commits and its rows are archived between one twin's check of its keys and its
+        #: insert (the window of the reverted defect 4, docs/chaos.md). The other half write
+        #: directly, so that two twins' statements interleave within milliseconds.
+        self.slow_link = Proxy((server.host, server.port), latency=(0.005, 0.25))
         proxied = make_url(self.url).set(host="127.0.0.1", port=self.proxy.port)
         self.worker_url = proxied.render_as_string(hide_password=False)
         self.spark_conninfo = libpq_url(make_url(self.url).set(host="127.0.0.1", port=self.slow_link.port))
@@ -281,6 +289,9 @@ class Run:
         self.errors: list[str] = []
         self.epoch = 0
         self.big_spark_task = 1_500
+        #: Extra weight of some operation kinds (``--weight spark=10``): a kind of weight N is drawn
+        #: N times as often as with the default mix, where every kind has weight 1.
+        self.weights: dict[str, int] = {}
 
     # -- clients --------------------------------------------------------------------------------
 
@@ -290,10 +301,12 @@ class Run:
         engine = create_engine("postgresql+psycopg://" + self.url.split("://", 1)[1], pool_pre_ping=True)
         async_engine = create_async_engine("postgresql+psycopg://" + self.url.split("://", 1)[1])
         loop = asyncio.new_event_loop()
+        # The default mix, in the order the seeds' schedules were drawn from: outbox() twice.
         kinds = ["plain", "keyed", "outbox", "outbox", "outbox_async", "django"]
         kinds += ["many", "pipeline", "callback", "group"]
         if index < 2:
             kinds += ["spark"]
+        kinds += [kind for kind in kinds if kind in self.weights for _ in range(self.weights[kind] - 1)]
         n = 0
         try:
             while not self.stop_ops.is_set():
@@ -561,18 +574,24 @@ class Run:
     def _op_spark(
         self, engine: Any, broker: PostgresBroker, actors: dict[str, Any], token: str, rng: random.Random
     ) -> None:
-        from dramatiq_pg_outbox.spark.encoding import _Plan
+        from dramatiq_pg_outbox.spark.encoding import Plan
         from dramatiq_pg_outbox.spark.write import write_partition
 
-        plan = _Plan.build(
-            key="key", args=["key"], conninfo=self.spark_conninfo, schema="dramatiq", channel=broker.channel,
+        # Drawn from the token, not from rng: the seeds' schedules stay those of earlier runs.
+        slow = random.Random(token).random() < 0.5
+        conninfo = self.spark_conninfo if slow else broker.conninfo
+        plan = Plan.build(
+            key="key", args=["key"], conninfo=conninfo, schema="dramatiq", channel=broker.channel,
             queue_name=checker_app.QUEUE, actor_name="spark_rec", batch_id=token, options={}, delay_ms=0,
             notify=True, encoder=dramatiq.get_encoder(),
         )  # fmt: skip
         big = self.big_spark_task
         size = rng.randint(3, 30) if rng.random() < 0.7 else rng.randint(big // 5, big)
         rows = [(f"s{token}-{i}",) for i in range(size)]
-        offset = rng.uniform(0, 0.03)
+        # The twin starts within 30 ms on a direct link; on the slow one, as Spark's speculation
+        # launches a copy of a task that is slow (spark.speculation.multiplier), up to 2.5 s after
+        # the original (one draw either way: the seeds' schedules stay those of earlier runs).
+        offset = rng.random() * (2.5 if slow else 0.03)
         outcomes: list[str] = []
 
         def task(delay: float = 0.0) -> None:
@@ -1009,6 +1028,7 @@ def run_levels(
     levels: tuple[str, ...] = LEVELS,
     logdir: Path | None = None,
     big_spark_task: int = 1_500,
+    weights: dict[str, int] | None = None,
 ) -> list[Report]:
     """One run per isolation level (each with ``seed``) on one throwaway server, which the runs
     restart; prints and returns one report per run.
@@ -1018,6 +1038,8 @@ def run_levels(
       duration(float): Seconds of operations per level (then the drain, up to 90 s).
       big_spark_task(int): Rows of the largest Spark writer task (the short run of the tests
         uses fewer, to drain sooner).
+      weights(dict[str, int] | None): Weight of some operation kinds (default: 1 each), e.g.
+        ``{"spark": 10}`` to look at the Spark writer's twin tasks.
     """
     logdir = logdir or Path(tempfile.mkdtemp(prefix="history-check-"))
     reports = []
@@ -1027,6 +1049,7 @@ def run_levels(
             with database(server, level) as name:
                 run = Run(server, name, seed, level, duration, logdir)
                 run.big_spark_task = big_spark_task
+                run.weights = dict(weights or {})
                 report = run.run()
             print(report.line(), flush=True)
             for kind, items in report.examples.items():
@@ -1069,13 +1092,23 @@ def main() -> int:
     )
     parser.add_argument("--isolation", action="append", choices=[SHORT[level] for level in LEVELS],
                         help="RC, RR or SER (repeatable; default: all three)")  # fmt: skip
+    parser.add_argument("--weight", action="append", default=[], metavar="KIND=N",
+                        help="draw KIND N times as often (repeatable; e.g. spark=10)")  # fmt: skip
+    parser.add_argument("--big-spark-task", type=int, default=1_500, metavar="ROWS",
+                        help="rows of the largest Spark writer task (default 1500)")  # fmt: skip
     args = parser.parse_args()
+    weights = {}
+    for item in args.weight:
+        kind, _, n = item.partition("=")
+        if kind not in KINDS or not n.isdigit() or int(n) < 1:
+            parser.error(f"--weight {item}: expected KIND=N, KIND one of {', '.join(KINDS)}, N >= 1")
+        weights[kind] = int(n)
     logging.disable(logging.ERROR)  # the faults make the clients' pools warn at every cut
     # SIGTERM (timeout, a cancelled job) unwinds like Ctrl-C: the workers and the server are stopped.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     levels = tuple(level for level in LEVELS if not args.isolation or SHORT[level] in args.isolation)
-    reports = run_levels(seed, args.duration, levels)
+    reports = run_levels(seed, args.duration, levels, big_spark_task=args.big_spark_task, weights=weights)
     return 1 if any(r.anomalies for r in reports) else 0
 
 

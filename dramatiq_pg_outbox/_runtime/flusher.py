@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 
+from ..store.messages import Fence, Statement
 from .host import Runtime
 from .messages import (
     Conditional,
@@ -96,7 +97,7 @@ class _Flusher(Service):
         error_type: str | None = None,
         error: str | None = None,
         messages: list[StoredMessage] | None = None,
-        statements: list[tuple[str, dict[str, Any]]] | None = None,
+        statements: list[Statement] | None = None,
         conditional: list[Conditional] | None = None,
     ) -> None:
         """Buffer the end of a delivery (``kind``: ``ack``, ``ack_with_error``, ``nack``).
@@ -295,7 +296,8 @@ class _Flusher(Service):
         if self.notifications:
             queues = sorted({self.notifications.popleft() for _ in range(len(self.notifications))})
             try:
-                self.runtime.execute("notify", {"channel": self.runtime.channel, "queue_names": queues})
+                with self.runtime.connection() as conn:
+                    self.runtime.store.notify(conn, channel=self.runtime.channel, queue_names=queues)
             except Exception:
                 self.notifications.extend(queues)
                 raise
@@ -307,44 +309,67 @@ class _Flusher(Service):
 
     def _notify_committed(self) -> None:
         pairs = [self.commit_notifications.popleft() for _ in range(len(self.commit_notifications))]
-        params = {
-            "channel": self.runtime.channel,
-            "xids": [xid for xid, _ in pairs],
-            "payloads": [payload for _, payload in pairs],
-        }
         try:
-            rows = self.runtime.execute("notify_committed", params)
+            with self.runtime.connection() as conn:
+                rows = self.runtime.store.notify_committed(
+                    conn,
+                    channel=self.runtime.channel,
+                    xids=[xid for xid, _ in pairs],
+                    payloads=[payload for _, payload in pairs],
+                )
         except Exception:
             self.commit_notifications.extendleft(reversed(pairs))
             raise
-        waiting = [(str(xid), str(payload)) for xid, payload, status in rows if status == "in progress"]
+        waiting = [(row.xid, row.payload) for row in rows if row.status == "in progress"]
         if waiting:
             # Its COMMIT is on its way: look again at the next flush.
             self.commit_notifications.extend(waiting)
             self.wake()
 
-    def _statement(self, name: str, items: Sequence[Any]) -> tuple[str, dict[str, Any]]:
-        """(SQL, parameters) of one fenced decision statement for ``(row id, lease, ...)`` items."""
-        params = fence_params(items)
-        query = name
-        if name == "requeue":
-            params["notify"] = self.runtime.broker.options.notify != "off"
-            params["channel"] = self.runtime.channel
-        elif name in ("nack", "ack_with_error"):
-            query = "archive"
-            params["state"] = "failed" if name == "nack" else "completed"
-            params["error_types"] = [item[2] for item in items]
-            params["errors"] = [item[3] for item in items]
-        return self.runtime.queries[query], params
-
     def _write(self, name: str, items: list[Any]) -> tuple[int, list[str]]:
-        query, params = self._statement(name, items)
-        with self.runtime.connection() as conn:
-            cur = conn.execute(query, params)
+        """Write one batch of a plain decision buffer: (rows written, queues to wake)."""
+        runtime = self.runtime
+        with runtime.connection() as conn:
             if name != "requeue":
-                return cur.rowcount, []
-            rows = cur.fetchall()
-            return sum(int(n) for _, n, _ in rows), [str(q) for q, _, _ in rows]
+                return self._archive(conn, name, items), []
+            fence = fence_params(items)
+            rows = runtime.store.requeue(
+                conn,
+                ids=fence["ids"],
+                fences=fence["fences"],
+                notify=runtime.broker.options.notify != "off",
+                channel=runtime.channel,
+            )
+            return sum(row.n for row in rows), [row.queue_name for row in rows]
+
+    def _archive(self, conn: psycopg.Connection[Any], kind: str, items: Sequence[Any]) -> int:
+        """The fenced statement of one kind of decision for ``(row id, lease, error type, error)`` items.
+
+        ``ack`` archives as completed; ``ack_with_error`` (completed) and ``nack``
+        (failed) with their errors.  Returns the number of rows archived.
+        """
+        store = self.runtime.store
+        fence = fence_params(items)
+        if kind == "ack":
+            return store.ack(conn, ids=fence["ids"], fences=fence["fences"])
+        return store.archive(conn, **fence, **self._errors(kind, items))
+
+    def _archive_fenced(self, conn: psycopg.Connection[Any], kind: str, items: Sequence[Any]) -> list[Fence]:
+        """:meth:`_archive`, returning the ``Fence`` (id, lease) of each row archived."""
+        store = self.runtime.store
+        fence = fence_params(items)
+        if kind == "ack":
+            return store.ack_fenced(conn, ids=fence["ids"], fences=fence["fences"])
+        return store.archive_fenced(conn, **fence, **self._errors(kind, items))
+
+    @staticmethod
+    def _errors(kind: str, items: Sequence[Any]) -> dict[str, Any]:
+        """The archive's ``state``, ``error_types`` and ``errors`` for ``nack``/``ack_with_error`` items."""
+        return {
+            "state": "failed" if kind == "nack" else "completed",
+            "error_types": [item[2] for item in items],
+            "errors": [item[3] for item in items],
+        }
 
     def _write_outcomes(self, outcomes: list[Outcome]) -> list[Outcome]:
         """Write decisions and their follow-ups in one transaction; the outcomes whose fence held.
@@ -359,36 +384,35 @@ class _Flusher(Service):
         """
         runtime = self.runtime
         broker = runtime.broker
+        store = runtime.store
         with runtime.connection() as conn, conn.transaction():
-            archived: set[tuple[int, uuid.UUID]] = set()
+            archived: set[Fence] = set()
             for kind in ("ack", "ack_with_error", "nack"):
                 group = [o.fence() for o in outcomes if o.kind == kind]
                 if group:
-                    query, params = self._statement(kind, group)
-                    archived.update((int(i), lease) for i, lease in conn.execute(query, params).fetchall())
+                    archived.update(self._archive_fenced(conn, kind, group))
             written = [o for o in outcomes if (o.row_id, o.lease) in archived]
             messages = [m for o in written for m in o.messages]
             # Messages on a condition (a group's barrier count-down), in key order: two
             # transactions that count down the same barriers lock their rows in one order.
-            for c in sorted((c for o in written for c in o.conditional), key=lambda c: str(c.params)):
-                if conn.execute(c.query, c.params).fetchone() == (True,):
+            conditions = sorted(
+                (c for o in written for c in o.conditional), key=lambda c: str(c.statement.params)
+            )
+            for c in conditions:
+                if store.holds(conn, c.statement):
                     messages.extend(c.messages)
             stored: list[StoredMessage] = []
             if messages:
                 options = broker.options
-                name, params = enqueue_statement(
+                statement = enqueue_statement(
                     messages, runtime.channel, options.notify != "off", options.max_fetch_interval
                 )
-                rows = conn.execute(runtime.queries[name], params).fetchall()
-                stored = enqueue_result(name, messages, rows).stored
+                stored = enqueue_result(
+                    statement.name, messages, store.enqueue(conn.cursor(), statement)
+                ).stored
             # Results: one executemany per statement text (psycopg pipelines it), not a
             # round trip per message.
-            statements: dict[str, list[dict[str, Any]]] = {}
-            for outcome in written:
-                for query, params in outcome.statements:
-                    statements.setdefault(query, []).append(params)
-            for query, many in statements.items():
-                conn.cursor().executemany(query, many)
+            store.run_many(conn, [s for outcome in written for s in outcome.statements])
         for item in stored:
             broker.emit_after("enqueue", item.message, item.delay or None)
         return written
@@ -412,15 +436,15 @@ class _Flusher(Service):
         with self.runtime.connection() as conn, conn.transaction():
             refused = []
             writes = self._follow_up_writes(outcome)
-            for what, query, params in writes:
+            for what, statement in writes:
                 try:
                     with conn.transaction():
-                        conn.execute(query, params)
+                        self.runtime.store.run(conn, statement)
                         raise psycopg.Rollback()
                 except UNWRITABLE as e:
                     refused.append(f"{what}: {type(e).__name__}: {e}")
             if not refused:  # refused together only
-                refused = [what for what, _, _ in writes] + [f"together: {type(error).__name__}: {error}"]
+                refused = [what for what, _ in writes] + [f"together: {type(error).__name__}: {error}"]
             own = {"ack": "completed", "ack_with_error": "completed after an error", "nack": "failed"}
             text = (
                 "This delivery's follow-ups can never be written, so none of them was: "
@@ -428,10 +452,8 @@ class _Flusher(Service):
                 + f". The delivery itself {own.get(outcome.kind, outcome.kind)}"
                 + (f" ({outcome.error_type}):\n{outcome.error}" if outcome.error else ".")
             )
-            query, params = self._statement(
-                "nack", [(outcome.row_id, outcome.lease, FOLLOW_UP_NOT_WRITABLE, clip_error(text))]
-            )
-            archived = len(conn.execute(query, params).fetchall())
+            item = (outcome.row_id, outcome.lease, FOLLOW_UP_NOT_WRITABLE, clip_error(text))
+            archived = len(self._archive_fenced(conn, "nack", [item]))
         if archived:
             self.logger.error(
                 "Message %d quarantined as failed (%s), none of its follow-ups written: %s",
@@ -441,12 +463,12 @@ class _Flusher(Service):
             )
         return archived
 
-    def _follow_up_writes(self, outcome: Outcome) -> list[tuple[str, str, dict[str, Any]]]:
-        """(description, SQL, parameters) of each follow-up of ``outcome`` written alone."""
+    def _follow_up_writes(self, outcome: Outcome) -> list[tuple[str, Statement]]:
+        """(description, statement) of each follow-up of ``outcome`` written alone."""
         options = self.runtime.broker.options
         writes = []
         for item in outcome.messages:
-            name, params = enqueue_statement(
+            statement = enqueue_statement(
                 [item], self.runtime.channel, options.notify != "off", options.max_fetch_interval
             )
             message = item.message
@@ -455,10 +477,10 @@ class _Flusher(Service):
                 f"(queue {message.queue_name!r}, delay {item.delay} ms, "
                 f"retries {message.options.get('retries', 0)})"
             )
-            writes.append((what, self.runtime.queries[name], params))
-        for query, params in outcome.statements:
-            key = params.get("message_key")
-            writes.append((f"the result {key!r}" if key is not None else "a write", query, params))
+            writes.append((what, self.runtime.store.enqueue_query(statement)))
+        for write in outcome.statements:
+            key = write.params.get("message_key")
+            writes.append((f"the result {key!r}" if key is not None else "a write", write))
         return writes
 
     def stop(self, timeout: float = 10.0) -> None:

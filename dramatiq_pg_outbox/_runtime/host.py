@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import psycopg
 
 from ..options import BrokerOptions
+from ..store.messages import MessageStore
 
 
 class RuntimeHost(Protocol):
@@ -54,13 +55,11 @@ class Runtime(Protocol):
     """What the flusher and the maintenance loop use of their process's runtime (``process._Runtime``)."""
 
     broker: RuntimeHost
-    queries: dict[str, str]
+    store: MessageStore
     channel: str
     worker_id: uuid.UUID
 
     def connection(self) -> AbstractContextManager[psycopg.Connection[Any]]: ...
-
-    def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]: ...
 
     def wake(self, queue_name: str | None, due_ms: int | None = None) -> None: ...
 

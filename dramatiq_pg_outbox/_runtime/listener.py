@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._isolation import connect
-from .._queries import raw_queries, with_identifiers
+from ..store.messages import listen
 from .service import Service
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class _Listener(Service):
         fresh = []
         for sub in self.snapshot():
             if sub.channel not in self.listening:
-                conn.execute(with_identifiers(raw_queries()["listen"], channel=sub.channel))
+                listen(conn, channel=sub.channel)
                 with self._lock:
                     self.listening.add(sub.channel)
         # Every LISTEN first, then the callbacks: a subscriber's on_connect may wait on a lock

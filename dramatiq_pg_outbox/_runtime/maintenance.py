@@ -97,7 +97,8 @@ class _Maintenance(Service):
         ``dramatiq-pg-outbox maintain``; nothing is lost.
         """
         try:
-            rows = self.runtime.execute("create_history_partitions", {"days": PARTITIONS_DAYS_AHEAD})
+            with self.runtime.connection() as conn:
+                created = self.runtime.store.create_history_partitions(conn, days=PARTITIONS_DAYS_AHEAD)
         except psycopg.errors.InsufficientPrivilege:
             self._next_partitions = math.inf
             self.logger.warning(
@@ -107,44 +108,43 @@ class _Maintenance(Service):
                 self.runtime.broker.schema,
             )
             return 0
-        return int(rows[0][0])
+        return created
 
     def heartbeat(self) -> None:
         """Insert or refresh this process's ``workers`` row."""
-        self.runtime.execute(
-            "heartbeat",
-            {
-                "id": self.runtime.worker_id,
-                "hostname": self.hostname,
-                "pid": os.getpid(),
-                "queues": self.runtime.queue_names(),
-                "running": self.runtime.running_ids(),
-            },
-        )
+        runtime = self.runtime
+        queues, running = runtime.queue_names(), runtime.running_ids()
+        with runtime.connection() as conn:
+            runtime.store.heartbeat(
+                conn,
+                id=runtime.worker_id,
+                hostname=self.hostname,
+                pid=os.getpid(),
+                queues=queues,
+                running=running,
+            )
 
     def rescue(self) -> RescueResult:
         """Release (or quarantine) processing messages whose worker stopped heartbeating."""
         broker = self.runtime.broker
-        rows = self.runtime.execute(
-            "rescue",
-            {
-                "heartbeat_timeout_ms": broker.options.heartbeat_timeout,
-                "max_lease_ms": broker.options.max_lease,
-                "max_deliveries": broker.options.max_deliveries,
-                "channel": self.runtime.channel,
-            },
-        )
-        released, quarantined, dead, _ = rows[0]
+        with self.runtime.connection() as conn:
+            counts = self.runtime.store.rescue(
+                conn,
+                heartbeat_timeout_ms=broker.options.heartbeat_timeout,
+                max_lease_ms=broker.options.max_lease,
+                max_deliveries=broker.options.max_deliveries,
+                channel=self.runtime.channel,
+            )
         metrics = broker._metrics
-        if metrics is not None and (released or quarantined):
-            metrics.rescued.inc(int(released))
-            metrics.quarantined.inc(int(quarantined))
-        return RescueResult(int(released), int(quarantined), int(dead))
+        if metrics is not None and (counts.released or counts.quarantined):
+            metrics.rescued.inc(counts.released)
+            metrics.quarantined.inc(counts.quarantined)
+        return RescueResult(counts.released, counts.quarantined, counts.dead_workers)
 
     def release_orphans(self, grace_ms: int = ORPHAN_GRACE_MS) -> int:
         """Release rows this process holds in the database but no longer in memory."""
         known = self.runtime.known_claims()
-        rows = self.runtime.execute(
-            "release_orphans", {"owner": self.runtime.worker_id, "grace_ms": grace_ms, "known_ids": known}
-        )
-        return int(rows[0][0])
+        with self.runtime.connection() as conn:
+            return self.runtime.store.release_orphans(
+                conn, owner=self.runtime.worker_id, grace_ms=grace_ms, known_ids=known
+            )

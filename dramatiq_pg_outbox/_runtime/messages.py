@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..names import PARK_AFTER_MS
+from ..store.messages import EnqueueRow, EnqueueStatement, Statement
 
 if TYPE_CHECKING:
     from dramatiq import Message
@@ -48,16 +49,15 @@ def clip_error(text: str) -> str:
 
 @dataclass
 class Conditional:
-    """Messages that an outcome writes only if ``query``, run first in its transaction, returns true.
+    """Messages that an outcome writes only if ``statement``, run first in its transaction, returns true.
 
-    A group's completion callbacks (``rate_limits``): ``query`` counts the barrier down
+    A group's completion callbacks (``rate_limits``): ``statement`` counts the barrier down
     and says whether it opened, so the count-down and the callbacks commit with the
     member's ack, or neither does.
     """
 
-    query: str
-    params: dict[str, Any]
-    #: Written with the outcome's other messages when ``query`` returned true.
+    statement: Statement
+    #: Written with the outcome's other messages when ``statement`` returned true.
     messages: list[StoredMessage] = field(default_factory=list)
 
 
@@ -80,8 +80,8 @@ class Outcome:
     error: str | None = None
     #: Messages enqueued while the outcome was decided, in their stored form.
     messages: list[StoredMessage] = field(default_factory=list)
-    #: Other writes of that phase, (statement, parameters): results of PostgresBackend.
-    statements: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    #: Other writes of that phase: results of PostgresBackend.
+    statements: list[Statement] = field(default_factory=list)
     #: Messages written only if their statement returns true (group completion callbacks).
     conditional: list[Conditional] = field(default_factory=list)
 
@@ -125,8 +125,8 @@ class StoredMessage:
 
 def enqueue_statement(
     items: Sequence[StoredMessage], channel: str, notify: bool, notify_within: int, return_ids: bool = False
-) -> tuple[str, dict[str, Any]]:
-    """(query name, parameters) that store ``items`` in one statement.
+) -> EnqueueStatement:
+    """The statement that stores ``items`` in one statement: (query name, parameters).
 
     One message without an idempotency key takes ``enqueue_one`` (scalar
     parameters); other batches take ``enqueue``, or the cheaper
@@ -134,23 +134,26 @@ def enqueue_statement(
     says whether the statement itself calls ``pg_notify``; ``notify_within``
     (ms): delayed messages due within it are announced as ``queue@due``;
     ``return_ids``: the statement also returns the ids of the rows it inserted.
-    Read the result with :func:`enqueue_result`.
+    Run it with ``MessageStore.enqueue``, read its rows with :func:`enqueue_result`.
     """
     if len(items) == 1 and items[0].key is None:
         item = items[0]
-        return "enqueue_one", {
-            "queue_name": item.message.queue_name,
-            "actor_name": item.message.actor_name,
-            "message_id": item.message.message_id,
-            "delay": item.delay,
-            "payload": item.payload,
-            "priority": item.priority,
-            "channel": channel,
-            "notify": notify,
-            "notify_within": notify_within,
-            "return_ids": return_ids,
-            "park_after_ms": PARK_AFTER_MS,
-        }
+        return EnqueueStatement(
+            "enqueue_one",
+            {
+                "queue_name": item.message.queue_name,
+                "actor_name": item.message.actor_name,
+                "message_id": item.message.message_id,
+                "delay": item.delay,
+                "payload": item.payload,
+                "priority": item.priority,
+                "channel": channel,
+                "notify": notify,
+                "notify_within": notify_within,
+                "return_ids": return_ids,
+                "park_after_ms": PARK_AFTER_MS,
+            },
+        )
     keys = [item.key for item in items]
     params = {
         "queue_names": [item.message.queue_name for item in items],
@@ -167,8 +170,8 @@ def enqueue_statement(
     }
     if any(key is not None for key in keys):
         params["idempotency_keys"] = keys
-        return "enqueue", params
-    return "enqueue_unkeyed", params
+        return EnqueueStatement("enqueue", params)
+    return EnqueueStatement("enqueue_unkeyed", params)
 
 
 @dataclass
@@ -183,18 +186,18 @@ class EnqueueResult:
     ids: list[tuple[int, str]]
 
 
-def enqueue_result(name: str, items: Sequence[StoredMessage], rows: Sequence[Sequence[Any]]) -> EnqueueResult:
-    """Read the rows of an enqueue statement (columns: payload, notified, key, id, message_id).
+def enqueue_result(name: str, items: Sequence[StoredMessage], rows: Sequence[EnqueueRow]) -> EnqueueResult:
+    """Read the rows of the enqueue statement ``name`` (``MessageStore.enqueue``).
 
     Every message is stored except, for ``enqueue``, those whose idempotency
     key was already taken (the statement returns the keys it inserted; of two
     messages with one key in a batch, the first is stored).
     """
-    payloads = [str(row[0]) for row in rows if row[0] is not None]
-    ids = [(int(row[3]), str(row[4])) for row in rows if row[3] is not None]
+    payloads = [row.payload for row in rows if row.payload is not None]
+    ids = [(int(row.id), str(row.message_id)) for row in rows if row.id is not None]
     if name != "enqueue":
         return EnqueueResult(list(items), payloads, ids)
-    inserted_keys = {row[2] for row in rows if row[2] is not None}
+    inserted_keys = {row.key for row in rows if row.key is not None}
     stored = []
     for item in items:
         if item.key is None:

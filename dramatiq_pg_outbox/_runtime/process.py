@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,9 +23,9 @@ from dramatiq.logging import get_logger
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .._isolation import read_committed
-from .._queries import queries_for_schema
 from ..errors import ConnectionRejected, describe_rejection, translate_errors
 from ..migrations import check_schema
+from ..store.messages import MessageStore
 from .flusher import _Flusher
 from .host import RuntimeHost, Wakeable
 from .listener import Subscription, subscribe
@@ -72,7 +72,8 @@ class _Runtime:
         self.logger = get_logger(__name__, type(self))
         self.broker = broker
         self.pid = os.getpid()
-        self.queries = queries_for_schema(broker.schema)
+        #: The statements this process runs (``store/messages.py``).
+        self.store = MessageStore(broker.schema)
         self.channel = broker.channel
         self.worker_id = uuid.uuid4()
         _rejected.pop(broker.conninfo, None)
@@ -83,7 +84,7 @@ class _Runtime:
             max_size=broker.options.pool_size,
             # The application name tells operators (pg_stat_activity) which
             # process holds which connection: "dramatiq-pg-outbox:<pid>".
-            # prepare_threshold=None behind PgBouncer's transaction pooling (README, "Behind PgBouncer").
+            # prepare_threshold=None behind PgBouncer's transaction pooling (docs/guides/pgbouncer.md).
             kwargs={
                 "autocommit": True,
                 "application_name": f"dramatiq-pg-outbox:{self.pid}",
@@ -175,12 +176,6 @@ class _Runtime:
                 if self.pool.get_stats().get("pool_size", 0) > 0:
                     step = remaining
 
-    def execute(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        """Run query ``name`` on a pooled autocommit connection; its rows (``[]`` if none)."""
-        with self.connection() as conn:
-            cur = conn.execute(self.queries[name], params)
-            return cur.fetchall() if cur.description else []
-
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
         """Prepared statements run generic plans (``generic_plans`` in queries.sql).
 
@@ -188,7 +183,7 @@ class _Runtime:
         prepared there, and a session setting would reach other clients of the server connection.
         """
         if self.broker.options.prepare_threshold is not None:
-            conn.execute(self.queries["generic_plans"])
+            self.store.generic_plans(conn)
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
         check_schema(conn, self.broker.schema, url=self.broker.safe_url)
@@ -201,10 +196,10 @@ class _Runtime:
         Returns:
           list[StoredMessage]: Those actually stored (not idempotency duplicates).
         """
-        name, params = enqueue_statement(items, self.channel, notify, self.broker.options.max_fetch_interval)
+        statement = enqueue_statement(items, self.channel, notify, self.broker.options.max_fetch_interval)
         with self.connection() as conn:
-            rows = conn.execute(self.queries[name], params).fetchall()
-        return enqueue_result(name, items, rows).stored
+            rows = self.store.enqueue(conn.cursor(), statement)
+        return enqueue_result(statement.name, items, rows).stored
 
     # -- consuming ----------------------------------------------------------
     def register(self, consumer: Wakeable) -> None:
@@ -277,11 +272,11 @@ class _Runtime:
         """
         self.clock_offset_ms = db_now_ms - sent * 1000
 
-    def track(self, rows: Sequence[tuple[Any, ...]], lease: uuid.UUID) -> None:
-        """Record the claim of ``rows`` (row id first) under ``lease``."""
+    def track(self, ids: Iterable[int], lease: uuid.UUID) -> None:
+        """Record the claim of the rows ``ids`` under ``lease``."""
         with self._inflight_lock:
-            for row in rows:
-                self.inflight[row[0]] = lease
+            for row_id in ids:
+                self.inflight[row_id] = lease
 
     def untrack(self, items: Sequence[tuple[Any, ...]]) -> None:
         """Forget claims whose outcome was written: ``(row id, lease, ...)`` items.
@@ -327,7 +322,8 @@ class _Runtime:
         self.flusher.stop()
         if self.maintenance is not None:
             try:
-                self.execute("unregister_worker", {"id": self.worker_id})
+                with self.connection() as conn:
+                    self.store.unregister_worker(conn, id=self.worker_id)
             except Exception as e:
                 self.logger.warning("Could not unregister worker %s: %s", self.worker_id, e)
         self.pool.close(timeout=5)

@@ -62,16 +62,15 @@ class _Reclaimer(Service):
         if self._denied:
             return None
         try:
-            rows = self.runtime.execute(
-                "reclaim_messages",
-                {
-                    "rotate_ms": self.rotate_interval,
-                    "park_after_ms": PARK_AFTER_MS,
-                    "max_slots": MAX_SLOTS,
-                    "channel": self.runtime.channel,
-                    "max_moved": MAX_MOVED,
-                },
-            )
+            with self.runtime.connection() as conn:
+                row = self.runtime.store.reclaim_messages(
+                    conn,
+                    rotate_ms=self.rotate_interval,
+                    park_after_ms=PARK_AFTER_MS,
+                    max_slots=MAX_SLOTS,
+                    channel=self.runtime.channel,
+                    max_moved=MAX_MOVED,
+                )
         except psycopg.errors.InsufficientPrivilege:
             self._denied = True
             self.interval = 3_600.0
@@ -82,7 +81,8 @@ class _Reclaimer(Service):
                 self.runtime.broker.schema,
             )
             return None
-        if not rows:
+        if row is None:
             return None
-        slot, rotated, moved, truncated, busy = rows[0]
-        return ReclaimResult(int(slot), bool(rotated), int(moved), int(truncated), int(busy))
+        return ReclaimResult(
+            int(row.slot), bool(row.rotated), int(row.moved), int(row.truncated), int(row.busy)
+        )

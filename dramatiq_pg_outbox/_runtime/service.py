@@ -104,7 +104,14 @@ class Service:
 
     @property
     def started(self) -> bool:
+        """Whether :meth:`start` started the thread (it may have ended since)."""
         return self._thread is not None
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread is alive now: started, and not ended (by :meth:`stop` or a fatal error)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     @property
     def stopping(self) -> bool:

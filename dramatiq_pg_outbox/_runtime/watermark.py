@@ -18,6 +18,7 @@ import datetime
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 #: A claim-order key: (next_attempt_at, id).
 Key = tuple[datetime.datetime, int]
@@ -70,7 +71,7 @@ class Watermark:
         """``time.monotonic()`` at which an idle claimer should claim (a sweep is owed), or inf."""
         return self.sweep_at if self.sweep_owed else float("inf")
 
-    def start(self, now: float) -> tuple[bool, dict[str, object]]:
+    def start(self, now: float) -> tuple[bool, dict[str, Any]]:
         """(whether this claim is a sweep, its ``from_at`` and ``from_id`` parameters).
 
         The parameters are the key after which the claim reads, both None for a sweep.

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import psycopg
 from dramatiq import Message
@@ -29,7 +29,29 @@ from .._queries import CHANGED_ROWS_ROUNDS
 from .._runtime import StoredMessage, _Runtime
 from ..errors import describe_rejection, libpq_detail
 from ..names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
-from ..options import BrokerOptions, NotifyMode
+from ..options import (
+    CHECK_SCHEMA,
+    FLUSH_BATCH_SIZE,
+    FLUSH_INTERVAL_MS,
+    HEARTBEAT_INTERVAL_MS,
+    HEARTBEAT_TIMEOUT_MS,
+    LISTEN,
+    MAX_DELIVERIES,
+    MAX_FETCH_INTERVAL_MS,
+    MAX_LEASE_MS,
+    MIN_FETCH_INTERVAL_MS,
+    NOTIFY,
+    OPTION_NAMES,
+    OVERFETCH_FACTOR,
+    POOL_SIZE,
+    POOL_TIMEOUT_MS,
+    PREPARE_THRESHOLD,
+    RESCUE_INTERVAL_MS,
+    ROTATE_INTERVAL_MS,
+    BrokerOptions,
+    NotifyMode,
+    options_docstring,
+)
 from ..urls import libpq_url, percent_encode, safe_url
 from .consumer import _deciding, _PostgresConsumer, _PostgresMessage, deciding
 
@@ -37,18 +59,17 @@ from .consumer import _deciding, _PostgresConsumer, _PostgresMessage, deciding
 #: what they enqueue or store is written with the ack or nack (see PostgresBroker.emit_after).
 FOLLOW_UP_SIGNALS = frozenset({"process_message", "skip_message", "ack", "nack"})
 
-T = TypeVar("T")
 
-
-class _Option(Generic[T]):
+class _Option:
     """A read-only attribute of the broker that reads the option of the same name in ``broker.options``."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
 
-    def __get__(self, broker: PostgresBroker, owner: type | None = None) -> T:
-        value: T = getattr(broker.options, self.name)
-        return value
+    def __get__(self, broker: PostgresBroker | None, owner: type | None = None) -> Any:
+        if broker is None:
+            return self
+        return getattr(broker.options, self.name)
 
 
 class PostgresBroker(Broker):
@@ -70,76 +91,21 @@ class PostgresBroker(Broker):
         characters it is ``dramatiq_pg_outbox.<first 27 characters>.<16 hex digits
         of the name's SHA-256>``, to fit PostgreSQL's 63-byte limit.
       middleware(list[Middleware]): As for :class:`dramatiq.Broker`.
-      pool_size(int): Most pooled connections per process, >= 1.  Default 4.
-      pool_timeout(int): Longest wait for a pooled connection, in milliseconds, >= 1.  Default 10000.
-      max_deliveries(int): Claims of one stored message before it is quarantined
-        (moved to history as failed and never run again), >= 1.  Default 5.
-      overfetch_factor(float): A consumer holds at most ``prefetch x overfetch_factor``
-        claimed, unacknowledged messages; a finite number > 0.  Default 16.0.  Within
-        that cap the buffer adapts (``consumer.claim_limit``): it starts at 4 x
-        Dramatiq's prefetch (2 x threads), doubles after a claim of a backlog during
-        which the worker threads ran dry (short tasks get large batched claims) and
-        halves, down to the prefetch, when most of what it held was still waiting
-        (long tasks do not hoard messages another process could start); 1.0 keeps it
-        at the prefetch.
-      min_fetch_interval(int): Pause after a fetch that filled the buffer, in milliseconds, >= 0.  Default 0.
-      max_fetch_interval(int): Poll interval of an idle consumer, in milliseconds, >= 1.  Default 1000.
-      flush_interval(int): How long acks are gathered before one write, in milliseconds, >= 0.  Default 5.
-      flush_batch_size(int): Buffered decisions that trigger an immediate flush, >= 1.  Default 1000.
-      heartbeat_interval(int): Worker heartbeat period, in milliseconds, >= 1.  Default 5000.
-      heartbeat_timeout(int): Silence after which a worker counts as dead and its
-        messages are released, in milliseconds; at least 2 x ``heartbeat_interval``
-        so that one late heartbeat never makes a live worker look dead.  Default 20000.
-      rescue_interval(int): Period of the release-stuck pass, in milliseconds, >= 0
-        (0: at every heartbeat).  Default 5000.
-      rotate_interval(int): Age at which the ring of partitions that holds the messages
-        turns to an empty partition, in milliseconds, >= 0; the process's reclaim loop
-        checks about five times per interval, moves the few rows left in older partitions
-        and empties them with TRUNCATE, which needs no vacuum (docs/design.md, "Reclaiming
-        storage without vacuum").  0: this process leaves the ring to the others.
-        Default 10000.
-      max_lease(int|None): Optional hard bound on one delivery, in milliseconds, >= 1;
-        a message claimed longer ago is released even if its worker is alive.  Default None.
-      notify(str): ``"transaction"`` (NOTIFY in the enqueueing transaction, delivered
-        at commit), ``"after_commit"`` (from the broker's own connection after the
-        application commits) or ``"off"``.  Default ``"transaction"``.
-      listen(bool): Whether consumers LISTEN for wake-ups; polling alone still
-        delivers everything.  Default True.
-      check_schema(bool): Check the schema revision on first use.  Default True.
-      prepare_threshold(int|None): Executions of one statement on one pooled connection
-        after which psycopg prepares it on the server (psycopg's ``prepare_threshold``);
-        ``None`` never prepares.  Behind PgBouncer in transaction pooling without
-        ``max_prepared_statements`` (before 1.21), pass ``None``: the next transaction may run on
-        a server connection where the statement's name is missing or is another client's
-        (README, "Behind PgBouncer").  Not a URL parameter.  Default 5, psycopg's.
 
-    Times are integers (``int``, not ``float`` or ``bool``), as everywhere in
-    Dramatiq.  All options are checked at construction, before any connection.
+    The other keyword arguments are the tuning options, the fields of
+    :class:`~dramatiq_pg_outbox.options.BrokerOptions` where each is written
+    once; each is also a read-only attribute (``broker.pool_size``).  Their
+    defaults, units and rules: the table of the Configuration guide
+    (docs/guides/configuration.md), generated from them, or "Other Parameters"
+    in ``help(PostgresBroker)``.  Times are integers (``int``, not ``float`` or
+    ``bool``), as everywhere in Dramatiq.  All options are checked at
+    construction, before any connection.
 
     Raises:
       ValueError: For a bad schema name, a non-PostgreSQL URL, or an option of
         the wrong type or out of its range; the message names the option, the
         value and the rule.
     """
-
-    # The tuning options, read from :attr:`options` (validated there, never copied).
-    pool_size = _Option[int]()
-    pool_timeout = _Option[int]()
-    max_deliveries = _Option[int]()
-    overfetch_factor = _Option[float]()
-    min_fetch_interval = _Option[int]()
-    max_fetch_interval = _Option[int]()
-    flush_interval = _Option[int]()
-    flush_batch_size = _Option[int]()
-    heartbeat_interval = _Option[int]()
-    heartbeat_timeout = _Option[int]()
-    rescue_interval = _Option[int]()
-    rotate_interval = _Option[int]()
-    max_lease = _Option["int | None"]()
-    notify = _Option[NotifyMode]()
-    listen = _Option[bool]()
-    check_schema = _Option[bool]()
-    prepare_threshold = _Option["int | None"]()
 
     def __init__(
         self,
@@ -148,23 +114,23 @@ class PostgresBroker(Broker):
         engine: Engine | None = None,
         schema: str = DEFAULT_SCHEMA,
         middleware: list[Middleware] | None = None,
-        pool_size: int = 4,
-        pool_timeout: int = 10_000,
-        max_deliveries: int = 5,
-        overfetch_factor: float = 16.0,
-        min_fetch_interval: int = 0,
-        max_fetch_interval: int = 1_000,
-        flush_interval: int = 5,
-        flush_batch_size: int = 1_000,
-        heartbeat_interval: int = 5_000,
-        heartbeat_timeout: int = 20_000,
-        rescue_interval: int = 5_000,
-        rotate_interval: int = 10_000,
-        max_lease: int | None = None,
-        notify: NotifyMode = "transaction",
-        listen: bool = True,
-        check_schema: bool = True,
-        prepare_threshold: int | None = 5,
+        pool_size: int = POOL_SIZE,
+        pool_timeout: int = POOL_TIMEOUT_MS,
+        max_deliveries: int = MAX_DELIVERIES,
+        overfetch_factor: float = OVERFETCH_FACTOR,
+        min_fetch_interval: int = MIN_FETCH_INTERVAL_MS,
+        max_fetch_interval: int = MAX_FETCH_INTERVAL_MS,
+        flush_interval: int = FLUSH_INTERVAL_MS,
+        flush_batch_size: int = FLUSH_BATCH_SIZE,
+        heartbeat_interval: int = HEARTBEAT_INTERVAL_MS,
+        heartbeat_timeout: int = HEARTBEAT_TIMEOUT_MS,
+        rescue_interval: int = RESCUE_INTERVAL_MS,
+        rotate_interval: int = ROTATE_INTERVAL_MS,
+        max_lease: int | None = MAX_LEASE_MS,
+        notify: NotifyMode = NOTIFY,
+        listen: bool = LISTEN,
+        check_schema: bool = CHECK_SCHEMA,
+        prepare_threshold: int | None = PREPARE_THRESHOLD,
     ) -> None:
         super().__init__(middleware=middleware)
         #: The worker-side instruments of :class:`~dramatiq_pg_outbox.metrics.WorkerMetrics`, if added.
@@ -180,25 +146,10 @@ class PostgresBroker(Broker):
         self.schema = validate_schema_name(schema)
         #: LISTEN/NOTIFY channel: ``dramatiq_pg_outbox.<schema>``, shortened for long schemas.
         self.channel = channel_for(schema)
-        options = BrokerOptions(
-            pool_size=pool_size,
-            pool_timeout=pool_timeout,
-            max_deliveries=max_deliveries,
-            overfetch_factor=overfetch_factor,
-            min_fetch_interval=min_fetch_interval,
-            max_fetch_interval=max_fetch_interval,
-            flush_interval=flush_interval,
-            flush_batch_size=flush_batch_size,
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout,
-            rescue_interval=rescue_interval,
-            rotate_interval=rotate_interval,
-            max_lease=max_lease,
-            notify=notify,
-            listen=listen,
-            check_schema=check_schema,
-            prepare_threshold=prepare_threshold,
-        )
+        # The option arguments, by name (the signature's list is checked against the fields by
+        # tests/test_options_doc.py).
+        given = locals()
+        options = BrokerOptions(**{name: given[name] for name in OPTION_NAMES})
         #: The validated tuning options (also readable as attributes: ``broker.max_fetch_interval``).
         self.options = options
         self.queues: set[str] = set()
@@ -445,14 +396,13 @@ class PostgresBroker(Broker):
     def flush(self, queue_name: str) -> None:
         """Drop every stored message of a queue and its delay queue (history is kept)."""
         queue_name = q_name(validate_queue_name(queue_name))
-        params: dict[str, Any] = {
-            "queue_names": [queue_name, dq_name(queue_name), xq_name(queue_name)],
-            "ids": None,
-        }
+        queue_names = [queue_name, dq_name(queue_name), xq_name(queue_name)]
+        ids: list[int] | None = None
         for _ in range(CHANGED_ROWS_ROUNDS):
             # Again for the rows the statement saw but did not delete (moved by the reclaimer).
-            params["ids"] = self.runtime.execute("purge", params)[0][0]
-            if not params["ids"]:
+            with self.runtime.connection() as conn:
+                ids = self.runtime.store.purge(conn, queue_names=queue_names, ids=ids)
+            if not ids:
                 return
 
     def flush_all(self) -> None:
@@ -483,8 +433,18 @@ class PostgresBroker(Broker):
     def queue_size(self, queue_name: str) -> int:
         """Stored messages of a queue and its delay queue, in one snapshot (unflushed acks count)."""
         queue_name = q_name(validate_queue_name(queue_name))
-        rows = self.runtime.execute("queue_size", {"queue_names": [queue_name, dq_name(queue_name)]})
-        return int(rows[0][0])
+        with self.runtime.connection() as conn:
+            return self.runtime.store.queue_size(conn, queue_names=[queue_name, dq_name(queue_name)])
+
+
+# Each option of BrokerOptions is a read-only attribute of the broker, and an "Other Parameters"
+# entry of its docstring.
+for _name in OPTION_NAMES:
+    setattr(PostgresBroker, _name, _Option(_name))
+del _name
+PostgresBroker.__doc__ = (
+    f"{(PostgresBroker.__doc__ or '').rstrip()}\n\n    Other Parameters:\n{options_docstring()}"
+)
 
 
 def _check_libpq_url(conninfo: str, shown: str, password: Any) -> None:

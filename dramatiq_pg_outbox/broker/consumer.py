@@ -26,6 +26,7 @@ from dramatiq.logging import get_logger
 
 from .._runtime import Conditional, RuntimeHost, StoredMessage, _Runtime, format_error
 from .._runtime.watermark import Watermark
+from ..store.messages import ClaimRow, Statement
 
 
 class ConsumerHost(RuntimeHost, Protocol):
@@ -104,6 +105,11 @@ def claim_limit(
     return limit
 
 
+def _hand_off_order(row: ClaimRow) -> tuple[int, int]:
+    """Highest ``broker_priority`` first, then oldest (lowest row id)."""
+    return -row.priority, row.id
+
+
 class _PostgresMessage(MessageProxy):
     """A claimed message: carries its row id and lease for fenced acks."""
 
@@ -120,8 +126,8 @@ class _PostgresMessage(MessageProxy):
         self.attempts = attempts
         #: Messages enqueued by middleware while its outcome is decided (see PostgresBroker.emit_after).
         self.follow_ups: list[StoredMessage] = []
-        #: Other writes of that phase (results), as (statement, parameters).
-        self.statements: list[tuple[str, dict[str, Any]]] = []
+        #: Other writes of that phase (results).
+        self.statements: list[Statement] = []
         #: Messages of that phase written only if a statement returns true (see :meth:`sending_if`).
         self.conditional: list[Conditional] = []
         #: Where the broker puts what is sent now: ``follow_ups``, or a conditional's messages.
@@ -132,13 +138,13 @@ class _PostgresMessage(MessageProxy):
         self.outcome: tuple[str, str | None, str | None] | None = None
 
     @contextlib.contextmanager
-    def sending_if(self, query: str, params: dict[str, Any]) -> Iterator[None]:
-        """While open, this broker's sends in the outcome's hooks are written only if ``query`` returns true.
+    def sending_if(self, statement: Statement) -> Iterator[None]:
+        """While open, the broker's sends in the outcome's hooks are written only if ``statement`` holds.
 
-        ``query`` runs in the transaction of the outcome, after its fenced archive
+        ``statement`` runs in the transaction of the outcome, after its fenced archive
         (see :class:`~dramatiq_pg_outbox._runtime.Conditional`).
         """
-        conditional = Conditional(query, params)
+        conditional = Conditional(statement)
         self.conditional.append(conditional)
         self.sending_to = conditional.messages
         try:
@@ -215,6 +221,11 @@ class _PostgresConsumer(Consumer):
         # What was stored or released may lie behind the watermark: sweep soon.
         self.watermark.owe_sweep()
         self._wakeup.set()
+
+    @property
+    def outstanding(self) -> int:
+        """Messages this consumer claimed and not yet acked, nacked or handed back (its slots in use)."""
+        return self._outstanding
 
     def prioritize(self) -> None:
         """Called by the listener: a message with a ``broker_priority`` was stored; claim those first."""
@@ -301,35 +312,35 @@ class _PostgresConsumer(Consumer):
         with self._lock:
             held = self._outstanding
         sweep, bound = self.watermark.start(sent)
-        rows = self.runtime.execute(
-            "claim_prioritized" if self._prioritized else "claim",
-            {
-                "queue_name": self.queue_name,
-                "limit": limit,
-                "lease": lease,
-                "owner": self.runtime.worker_id,
-                "consumers": self._consumers,
-                "rank": self._rank,
-                "look_ahead": LOOK_AHEAD,
-                **bound,
-            },
-        )
-        # Every row carries the clock columns; a claim of nothing is one row with a NULL id.
-        next_due_in_ms, db_now_ms = rows[0][3:5]
+        runtime = self.runtime
+        with runtime.connection() as conn:
+            claim = runtime.store.claim(
+                conn,
+                prioritized=self._prioritized,
+                queue_name=self.queue_name,
+                limit=limit,
+                lease=lease,
+                owner=runtime.worker_id,
+                consumers=self._consumers,
+                rank=self._rank,
+                look_ahead=LOOK_AHEAD,
+                from_at=bound["from_at"],
+                from_id=bound["from_id"],
+            )
+        next_due_in_ms = claim.next_due_in_ms
         # While the queue has prioritized rows pending, claim them first (see the claim in queries.sql).
-        self._prioritized = bool(rows[0][6])
-        self.runtime.observe_clock(db_now_ms, sent)
+        self._prioritized = claim.prioritized
+        runtime.observe_clock(claim.db_now_ms, sent)
         # Highest priority first, then oldest: the worker runs them in hand-off order.
-        claimed = sorted((row for row in rows if row[0] is not None), key=lambda row: (-row[5], row[0]))
+        rows = sorted(claim.rows, key=_hand_off_order)
         # Rows with a broker_priority move no watermark: claim_prioritized takes them
         # first, from their own index, whatever their due time.
         self.watermark.claimed(
-            [(row[7], int(row[0])) for row in claimed if row[5] == 0],
-            full=len(claimed) >= limit,
+            [(row.due_at, row.id) for row in rows if row.priority == 0],
+            full=len(rows) >= limit,
             sweep=sweep,
             sent=sent,
         )
-        rows = [row[:3] for row in claimed]
         if metrics is not None:
             metrics.claim_seconds.labels(self.queue_name).observe(time.monotonic() - sent)
             if rows:
@@ -362,13 +373,14 @@ class _PostgresConsumer(Consumer):
         if on_time and self._more and self._consumers > 1 and self.broker.options.notify != "off":
             # More became due at once than this consumer can take: wake the others.
             self.runtime.flusher.notify_later([self.queue_name])
-        self.runtime.track(rows, lease)
-        suspects = [row for row in rows if row[1] >= self._suspect_at]
+        self.runtime.track([row.id for row in rows], lease)
+        suspects = [row for row in rows if row.attempts >= self._suspect_at]
         if suspects:
             rows = self._isolate(suspects[0], [row for row in rows if row is not suspects[0]], lease)
-        for row_id, attempts, payload in rows:
+        for row in rows:
+            row_id = row.id
             try:
-                message = Message.decode(bytes(payload))
+                message = Message.decode(bytes(row.payload))
             except DecodeError as e:
                 self.logger.error(
                     "Dead-lettering undecodable message %d of queue %r: %s", row_id, self.queue_name, e
@@ -382,26 +394,23 @@ class _PostgresConsumer(Consumer):
                 message = dataclasses.replace(message, queue_name=self.queue_name)
             with self._lock:
                 self._outstanding += 1
-            self._buffer.append(_PostgresMessage(message, row_id, lease, attempts, self))
+            self._buffer.append(_PostgresMessage(message, row_id, lease, row.attempts, self))
         return len(rows)
 
     def _refresh_rank(self) -> None:
         """Learn how many live processes consume this queue and this one's rank (see ``_mine``)."""
         self._rank_at = time.monotonic() + self.broker.options.heartbeat_interval / 1000
-        ((consumers, rank, listed),) = self.runtime.execute(
-            "consumer_rank",
-            {
-                "queue_name": self.queue_name,
-                "worker_id": self.runtime.worker_id,
-                "heartbeat_timeout_ms": self.broker.options.heartbeat_timeout,
-            },
-        )
+        with self.runtime.connection() as conn:
+            found = self.runtime.store.consumer_rank(
+                conn,
+                queue_name=self.queue_name,
+                worker_id=self.runtime.worker_id,
+                heartbeat_timeout_ms=self.broker.options.heartbeat_timeout,
+            )
         # Not listed yet (the heartbeat that names this queue is still to come): wake for all.
-        self._consumers, self._rank = (int(consumers), int(rank)) if listed else (1, 0)
+        self._consumers, self._rank = (found.consumers, found.rank) if found.listed else (1, 0)
 
-    def _isolate(
-        self, suspect: tuple[Any, ...], others: list[tuple[Any, ...]], lease: uuid.UUID
-    ) -> list[Any]:
+    def _isolate(self, suspect: ClaimRow, others: list[ClaimRow], lease: uuid.UUID) -> list[ClaimRow]:
         """Run a message alone from its third (or its last allowed) delivery.
 
         A message claimed twice before without an ack may be what killed its
@@ -415,16 +424,16 @@ class _PostgresConsumer(Consumer):
         protection.)
         """
         if others:
-            self.runtime.flusher.requeue_now([(row[0], lease) for row in others])
+            self.runtime.flusher.requeue_now([(row.id, lease) for row in others])
             if self.broker._metrics is not None:
                 self.broker._metrics.requeued.labels(self.queue_name).inc(len(others))
         self.logger.info(
             "Message %d of queue %r is on delivery %d: running it alone",
-            suspect[0],
+            suspect.id,
             self.queue_name,
-            suspect[1],
+            suspect.attempts,
         )
-        self._isolated = suspect[0]
+        self._isolated = suspect.id
         return [suspect]
 
     def _release(self, row_id: int) -> None:

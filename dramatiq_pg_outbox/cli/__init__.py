@@ -9,15 +9,6 @@ the package never imports this one.
 
 from __future__ import annotations
 
-from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, CliError, common_options, exception_line
 from .main import main
 
-__all__ = [
-    "EXIT_FAILURE",
-    "EXIT_INTERRUPTED",
-    "EXIT_USAGE",
-    "CliError",
-    "common_options",
-    "exception_line",
-    "main",
-]
+__all__ = ["main"]

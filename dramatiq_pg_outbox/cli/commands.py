@@ -18,9 +18,9 @@ from typing import Any
 import psycopg
 from dramatiq.common import dq_name, q_name
 
-from .._queries import queries_for_schema, with_identifiers
 from ..migrations import VERSION_TABLE, script_location, upgrade, upgrade_sql
 from ..names import channel_for
+from ..store.admin import AdminStore
 from ..urls import mask_password
 from .common import (
     EXIT_USAGE,
@@ -48,10 +48,7 @@ def _migrate(args: argparse.Namespace) -> int:
     with _connect(db) as conn:
         before = _applied_revisions(conn, args.schema)
         if before is None:
-            row = conn.execute(
-                queries_for_schema(args.schema)["table_exists"], {"schema": args.schema, "table": "messages"}
-            ).fetchone()
-            if row is not None and row[0]:
+            if AdminStore(args.schema).table_exists(conn, table="messages"):
                 raise CliError(
                     f"schema {args.schema!r} already holds the tables, but not our version table "
                     f"{VERSION_TABLE}: your application's alembic history manages them; "
@@ -95,43 +92,56 @@ def _migration_progress() -> Iterator[None]:
 
 def _applied_revisions(conn: psycopg.Connection[Any], schema: str) -> list[str] | None:
     """Revisions recorded in our version table, or ``None`` if it does not exist."""
-    queries = queries_for_schema(schema)
-    row = conn.execute(queries["table_exists"], {"schema": schema, "table": VERSION_TABLE}).fetchone()
-    if row is None or not row[0]:
+    store = AdminStore(schema)
+    if not store.table_exists(conn, table=VERSION_TABLE):
         return None
-    query = with_identifiers(queries["applied_revisions"], table=VERSION_TABLE)
-    return [str(r[0]) for r in conn.execute(query).fetchall()]
+    return store.applied_revisions(conn, version_table=VERSION_TABLE)
 
 
 def _status(args: argparse.Namespace) -> int:
-    with _checked_connection(args) as (conn, queries, _):
-        messages = conn.execute(queries["status_messages"]).fetchall()
-        failed = conn.execute(queries["status_failed"]).fetchall()
-        workers = conn.execute(queries["status_workers"]).fetchall()
-        paused = conn.execute(queries["paused_queues"]).fetchall()
+    with _checked_connection(args) as (conn, store, _):
+        messages = store.status_messages(conn)
+        failed = store.status_failed(conn)
+        workers = store.status_workers(conn)
+        paused = [p for p in store.paused_queues(conn) if p.queue_name == q_name(p.queue_name)]
     if args.json:
         _print_json(
             {
                 "schema": args.schema,
                 "messages": [
-                    {"queue": q, "state": state, "messages": n, "delayed": delayed, "oldest_seconds": age}
-                    for q, state, n, delayed, age in messages
+                    {
+                        "queue": m.queue_name,
+                        "state": m.state,
+                        "messages": m.messages,
+                        "delayed": m.delayed,
+                        "oldest_seconds": m.oldest_s,
+                    }
+                    for m in messages
                 ],
                 "dead_letters": [
-                    {"queue": q, "failed_last_hour": hour, "failed_in_history": total}
-                    for q, hour, total in failed
+                    {
+                        "queue": f.queue_name,
+                        "failed_last_hour": f.last_hour,
+                        "failed_in_history": f.in_history,
+                    }
+                    for f in failed
                 ],
-                "paused": [{"queue": q, "paused_at": at} for q, at in paused if q == q_name(q)],
+                "paused": [{"queue": p.queue_name, "paused_at": p.paused_at} for p in paused],
                 "workers": [
-                    {"host": host, "pid": pid, "queues": list(queues), "heartbeat_age_seconds": age}
-                    for host, pid, queues, age in workers
+                    {
+                        "host": w.hostname,
+                        "pid": w.pid,
+                        "queues": list(w.queues),
+                        "heartbeat_age_seconds": w.heartbeat_age_s,
+                    }
+                    for w in workers
                 ],
             }
         )
         return 0
     if messages:
         _table(
-            [(q, state, n, delayed, _duration(age)) for q, state, n, delayed, age in messages],
+            [(m.queue_name, m.state, m.messages, m.delayed, _duration(m.oldest_s)) for m in messages],
             ["queue", "state", "messages", "delayed", "oldest"],
             numeric=(2, 3, 4),
         )
@@ -139,19 +149,27 @@ def _status(args: argparse.Namespace) -> int:
         print(f"no messages waiting or running in schema {args.schema!r}")
     print()
     if failed:
-        _table(failed, ["queue", "failed last hour", "failed in history"], numeric=(1, 2))
+        _table(
+            [(f.queue_name, f.last_hour, f.in_history) for f in failed],
+            ["queue", "failed last hour", "failed in history"],
+            numeric=(1, 2),
+        )
     else:
         print("no dead letters")
     print()
-    canonical = [(q, at) for q, at in paused if q == q_name(q)]
-    if canonical:
+    if paused:
         utc = datetime.timezone.utc
-        since = ", ".join(f"{q} (since {at.astimezone(utc):%Y-%m-%d %H:%M:%S} UTC)" for q, at in canonical)
+        since = ", ".join(
+            f"{p.queue_name} (since {p.paused_at.astimezone(utc):%Y-%m-%d %H:%M:%S} UTC)" for p in paused
+        )
         print(f"paused: {since}")
         print()
     if workers:
         _table(
-            [(host, pid, _queue_list(queues), f"{_duration(age)} ago") for host, pid, queues, age in workers],
+            [
+                (w.hostname, w.pid, _queue_list(w.queues), f"{_duration(w.heartbeat_age_s)} ago")
+                for w in workers
+            ],
             ["host", "pid", "queues", "last heartbeat"],
             numeric=(1, 3),
         )
@@ -175,11 +193,11 @@ def _print_json(value: Any) -> None:
 
 def _pause(args: argparse.Namespace) -> int:
     names = _queue_names(args.queues)
-    with _checked_connection(args) as (conn, queries, _):
-        rows = conn.execute(queries["pause_queues"], {"queue_names": names}).fetchall()
+    with _checked_connection(args) as (conn, store, _):
+        paused = store.pause_queues(conn, queue_names=names)
     _say_each(
         args.queues,
-        rows,
+        paused,
         "paused queue {!r}: workers stop claiming it at their next claim; sends still store",
         "queue {!r} was already paused",
     )
@@ -188,16 +206,15 @@ def _pause(args: argparse.Namespace) -> int:
 
 def _resume(args: argparse.Namespace) -> int:
     names = _queue_names(args.queues)
-    params = {"queue_names": names, "channel": channel_for(args.schema)}
-    with _checked_connection(args) as (conn, queries, _):
-        rows = conn.execute(queries["resume_queues"], params).fetchall()
-    _say_each(args.queues, rows, "resumed queue {!r}: its workers were woken", "queue {!r} was not paused")
+    with _checked_connection(args) as (conn, store, _):
+        resumed = store.resume_queues(conn, queue_names=names, channel=channel_for(args.schema))
+    _say_each(args.queues, resumed, "resumed queue {!r}: its workers were woken", "queue {!r} was not paused")
     return 0
 
 
-def _say_each(queues: list[str], rows: list[tuple[Any, ...]], changed: str, unchanged: str) -> None:
+def _say_each(queues: list[str], changed_queues: list[str], changed: str, unchanged: str) -> None:
     """One line per queue: ``changed`` if the statement returned it, else ``unchanged``."""
-    returned = {str(r[0]) for r in rows}
+    returned = set(changed_queues)
     for queue in queues:
         print((changed if queue in returned else unchanged).format(queue))
 
@@ -351,11 +368,23 @@ def _serve_relay_metrics(relay: Any, host: str, port: int) -> Any:
 
 
 def _failed(args: argparse.Namespace) -> int:
-    with _checked_connection(args) as (conn, queries, _):
-        rows = conn.execute(queries["failed_list"], {"queue": args.queue, "limit": args.limit}).fetchall()
+    with _checked_connection(args) as (conn, store, _):
+        rows = store.failed_list(conn, queue=args.queue, limit=args.limit)
     if args.json:
-        keys = ("id", "queue", "actor", "attempts", "finished_at", "error_type", "error")
-        _print_json([dict(zip(keys, row, strict=True)) for row in rows])
+        _print_json(
+            [
+                {
+                    "id": row.id,
+                    "queue": row.queue_name,
+                    "actor": row.actor_name,
+                    "attempts": row.attempts,
+                    "finished_at": row.finished_at,
+                    "error_type": row.error_type,
+                    "error": row.error,
+                }
+                for row in rows
+            ]
+        )
         return 0
     if not rows:
         only = f" of queue {args.queue!r}" if args.queue else ""
@@ -364,19 +393,19 @@ def _failed(args: argparse.Namespace) -> int:
     utc = datetime.timezone.utc
     table = [
         (
-            row_id,
-            queue,
-            actor,
-            attempts,
-            f"{finished.astimezone(utc):%Y-%m-%d %H:%M:%S}",
-            exception_line(kind, error),
+            row.id,
+            row.queue_name,
+            row.actor_name,
+            row.attempts,
+            f"{row.finished_at.astimezone(utc):%Y-%m-%d %H:%M:%S}",
+            exception_line(row.error_type, row.error),
         )
-        for row_id, queue, actor, attempts, finished, kind, error in rows
+        for row in rows
     ]
     header = ["id", "queue", "actor", "attempts", "finished (UTC)", "error"]
     used = sum(max(len(str(r[i])) for r in [header, *table]) + 2 for i in range(len(header) - 1))
     width = max(MIN_ERROR_WIDTH, shutil.get_terminal_size((120, 24)).columns - used)
-    _table([(*row[:-1], _clip(row[-1], width)) for row in table], header, numeric=(0, 3))
+    _table([(*line[:-1], _clip(line[-1], width)) for line in table], header, numeric=(0, 3))
     return 0
 
 
@@ -384,23 +413,23 @@ def _retry_failed(args: argparse.Namespace) -> int:
     # The dashboard's Retry runs the same statement: back on the queue, due now, workers woken.
     # --dry-run runs it too, in a transaction rolled back (and without its NOTIFY): the same
     # selection, nothing changed.
-    params = {
-        "ids": args.ids,
-        "queue_name": args.queue,
-        "actor_name": args.actor,
-        "error_type": None,
-        "search": None,
-        "limit": args.limit,
-        "notify": not args.dry_run,
-        "channel": channel_for(args.schema),
-    }
-    with _checked_connection(args) as (conn, queries, db):
+    with _checked_connection(args) as (conn, store, db):
         with conn.transaction(force_rollback=args.dry_run):
-            rows = conn.execute(queries["retry_failed"], params).fetchall()
-    count = sum(int(n) for _, n, _, _ in rows)
-    moved = {int(i) for _, _, ids, _ in rows for i in ids}
+            rows = store.retry_failed(
+                conn,
+                ids=args.ids,
+                queue_name=args.queue,
+                actor_name=args.actor,
+                error_type=None,
+                search=None,
+                limit=args.limit,
+                notify=not args.dry_run,
+                channel=channel_for(args.schema),
+            )
+    count = sum(int(row.moved) for row in rows)
+    moved = {int(i) for row in rows for i in row.ids}
     if args.dry_run:
-        per_queue = ", ".join(f"{q}: {n}" for q, n, _, _ in rows)
+        per_queue = ", ".join(f"{row.queue_name}: {row.moved}" for row in rows)
         print(f"would re-enqueue {count} failed message(s)" + (f" ({per_queue})" if per_queue else ""))
         print("dry run: nothing changed")
     else:
@@ -443,13 +472,13 @@ def _prune(args: argparse.Namespace) -> int:
 def _maintain(args: argparse.Namespace) -> int:
     from ..partitions import create_partitions, day_partitions
 
-    with _checked_connection(args) as (conn, queries, _):
+    with _checked_connection(args) as (conn, store, _):
         created = create_partitions(conn, args.schema, args.days_ahead)
         parts = day_partitions(conn, args.schema)
-        row = conn.execute(queries["default_partition_rows"]).fetchone()
+        in_default = store.default_partition_rows(conn)
     span = f"from {parts[0].day} to {parts[-1].day}" if parts else "none"
     print(
         f"created {created} history partition(s); {len(parts)} day partition(s) {span}; "
-        f"{row[0] if row else 0} row(s) in history_default"
+        f"{in_default} row(s) in history_default"
     )
     return 0

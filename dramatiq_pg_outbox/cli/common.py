@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import decimal
 import math
 import os
 import re
@@ -20,10 +21,10 @@ from dramatiq.common import q_name
 from psycopg.conninfo import conninfo_to_dict
 
 from .._isolation import connect
-from .._queries import queries_for_schema
 from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, login_name, rejection_reason
 from ..migrations import check_schema
 from ..names import DEFAULT_SCHEMA, validate_queue_name, validate_schema_name
+from ..store.admin import AdminStore
 from ..urls import SECRET_PARAMETERS, libpq_url, mask_password
 
 #: Name of the program in messages.
@@ -375,12 +376,12 @@ def server_down(error: BaseException | None) -> bool:
 @contextmanager
 def _checked_connection(
     args: argparse.Namespace,
-) -> Iterator[tuple[psycopg.Connection[Any], dict[str, str], _Database]]:
-    """(connection, the schema's queries, database) once the schema is known to be current."""
+) -> Iterator[tuple[psycopg.Connection[Any], AdminStore, _Database]]:
+    """(connection, the schema's operator statements, database) once the schema is known to be current."""
     db = _database(args)
     with _connect(db) as conn:
         check_schema(conn, args.schema, url=db.shown, fix_url=db.fix_url)
-        yield conn, queries_for_schema(args.schema), db
+        yield conn, AdminStore(args.schema), db
 
 
 # -- output helpers ---------------------------------------------------------------------
@@ -398,7 +399,7 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], numeric: Sequen
         print(line.rstrip())
 
 
-def _duration(seconds: float | None) -> str:
+def _duration(seconds: float | decimal.Decimal | None) -> str:
     """``0.4s``, ``42s``, ``5m03s``, ``2h05m``, ``3d04h``."""
     if seconds is None:
         return ""

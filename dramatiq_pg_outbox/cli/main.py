@@ -48,6 +48,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..options import HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS
 from . import dashboard, periodic
 from .commands import (
     _failed,
@@ -176,9 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     metrics.add_argument(
         "--heartbeat-timeout",
         type=_positive_int,
-        default=20_000,
+        default=HEARTBEAT_TIMEOUT_MS,
         metavar="MS",
-        help="a worker is live if it heartbeat within this many ms (default: 20000, the broker's)",
+        help="a worker is live if it heartbeat within this many ms (default: %(default)s, the broker's)",
     )
     metrics.set_defaults(run=_metrics)
     relay = sub.add_parser(
@@ -214,14 +215,18 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics-host", default="127.0.0.1", help="address of --metrics-port (default: 127.0.0.1)"
     )
     relay.add_argument(
-        "--heartbeat-interval", type=_positive_int, default=5_000, metavar="MS", help="(default: 5000)"
+        "--heartbeat-interval",
+        type=_positive_int,
+        default=HEARTBEAT_INTERVAL_MS,
+        metavar="MS",
+        help="(default: %(default)s, the broker's)",
     )
     relay.add_argument(
         "--heartbeat-timeout",
         type=_positive_int,
-        default=20_000,
+        default=HEARTBEAT_TIMEOUT_MS,
         metavar="MS",
-        help="a dead relay's claims are released after this (default: 20000)",
+        help="a dead relay's claims are released after this (default: %(default)s, the broker's)",
     )
     relay.set_defaults(run=_relay)
     periodic.add_parser(sub)

@@ -21,6 +21,7 @@ from ..periodic import (
     Periodic,
     Scheduler,
 )
+from ..store.periodic import PeriodicStore
 from .common import (
     EXIT_USAGE,
     CliError,
@@ -192,49 +193,33 @@ def _load_app(spec: str) -> tuple[PostgresBroker, Periodic | None]:
 def run_schedules(args: argparse.Namespace) -> int:
     """``dramatiq-pg-outbox schedules``: one table, active schedules first."""
 
-    with _checked_connection(args) as (conn, queries, _db):
-        rows = conn.execute(queries["periodic_list"]).fetchall()
+    with _checked_connection(args) as (conn, _store, _db):
+        rows = PeriodicStore(args.schema).list_schedules(conn)
     if not rows:
         print(f"no schedules in schema {args.schema!r}: declare them with @periodic and run a scheduler")
         return 0
     table = []
-    for (
-        name,
-        actor,
-        queue,
-        cron,
-        every_ms,
-        tz,
-        missed,
-        grace_ms,
-        last_run_at,
-        next_run_at,
-        runs,
-        missed_ticks,
-        late_s,
-        removed_s,
-        disabled_at,
-    ) in rows:
-        if removed_s is not None:
-            status = f"removed {_duration(removed_s)} ago"
-        elif disabled_at is not None:
-            status = f"disabled since {_utc(disabled_at)} (enable it in the dashboard)"
-        elif late_s * 1000 > grace_ms:
-            status = f"late {_duration(late_s)}: is a scheduler running?"
+    for row in rows:
+        if row.removed_s is not None:
+            status = f"removed {_duration(row.removed_s)} ago"
+        elif row.disabled_at is not None:
+            status = f"disabled since {_utc(row.disabled_at)} (enable it in the dashboard)"
+        elif row.late_s * 1000 > row.grace_ms:
+            status = f"late {_duration(row.late_s)}: is a scheduler running?"
         else:
             status = "ok"
         table.append(
             (
-                name,
-                actor,
-                queue,
-                cron if cron is not None else f"every {every_ms} ms",
-                tz,
-                missed,
-                _utc(last_run_at),
-                "" if removed_s is not None else _utc(next_run_at),
-                runs,
-                missed_ticks,
+                row.name,
+                row.actor_name,
+                row.queue_name,
+                row.cron if row.cron is not None else f"every {row.every_ms} ms",
+                row.tz,
+                row.missed,
+                _utc(row.last_run_at),
+                "" if row.removed_s is not None else _utc(row.next_run_at),
+                row.runs,
+                row.missed_ticks,
                 status,
             )
         )

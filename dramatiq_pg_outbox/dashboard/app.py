@@ -64,16 +64,16 @@ from starlette.templating import Jinja2Templates
 from ..urls import mask_password
 from . import charts
 from .security import (
-    _SESSION_COOKIE,
     LOOPBACK_HOSTS,
+    SESSION_COOKIE,
+    Guard,
     Settings,
-    _action_form,
-    _base_context,
-    _checked_form,
-    _flash,
-    _Guard,
-    _same,
-    _token_mark,
+    action_form,
+    base_context,
+    checked_form,
+    flash,
+    same_secret,
+    token_mark,
 )
 from .store import MIN_SCHEMA_REVISION, FailedFilter, Store, decode_payload
 
@@ -219,7 +219,7 @@ class Dashboard:
 
     def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
         return self.templates.TemplateResponse(
-            request, name, _base_context(request, self.settings, **context), status_code=status_code
+            request, name, base_context(request, self.settings, **context), status_code=status_code
         )
 
     async def healthz(self, request: Request) -> Response:
@@ -287,6 +287,7 @@ class Dashboard:
         return self.render(
             request, "workers.html", page="workers", workers=await self.store.workers(),
             running=await self.store.running(), refresh=self.refresh(request),
+            heartbeat_timeout_s=self.store.heartbeat_timeout / 1000,
         )  # fmt: skip
 
     async def schedules(self, request: Request) -> Response:
@@ -349,66 +350,66 @@ class Dashboard:
 
     # -- actions ----------------------------------------------------------------
     async def retry(self, request: Request) -> Response:
-        form = await _action_form(request)
+        form = await action_form(request)
         where = _failed_filter(form)
         if form.get("all") == "1":
             moved = await self.store.retry_failed(None, where)
         else:
             ids = _ids(form)
             if not ids:
-                _flash(request, "Nothing selected: tick the dead letters to retry.")
+                flash(request, "Nothing selected: tick the dead letters to retry.")
                 return RedirectResponse(
                     f"{request.url_for('failed')}?{_failed_query(where)}", status_code=303
                 )
             moved = await self.store.retry_failed(ids, FailedFilter())
         count = sum(moved.values())
         per_queue = ", ".join(f"{n} on {q}" for q, n in moved.items())
-        _flash(request, f"Re-enqueued {count} dead letter(s)" + (f": {per_queue}." if per_queue else "."))
+        flash(request, f"Re-enqueued {count} dead letter(s)" + (f": {per_queue}." if per_queue else "."))
         logger.info("dashboard: re-enqueued %d dead letter(s) %s", count, moved)
         return RedirectResponse(f"{request.url_for('failed')}?{_failed_query(where)}", status_code=303)
 
     async def discard(self, request: Request) -> Response:
-        form = await _action_form(request)
+        form = await action_form(request)
         where = _failed_filter(form)
         back = RedirectResponse(f"{request.url_for('failed')}?{_failed_query(where)}", status_code=303)
         if form.get("confirm") != "yes":
-            _flash(request, "Not discarded: tick the box to confirm (discarding deletes for good).")
+            flash(request, "Not discarded: tick the box to confirm (discarding deletes for good).")
             return back
         if form.get("all") == "1":
             gone = await self.store.discard_failed(None, where)
         else:
             ids = _ids(form)
             if not ids:
-                _flash(request, "Nothing selected: tick the dead letters to discard.")
+                flash(request, "Nothing selected: tick the dead letters to discard.")
                 return back
             gone = await self.store.discard_failed(ids, FailedFilter())
         count = sum(gone.values())
-        _flash(request, f"Discarded {count} dead letter(s) for good.")
+        flash(request, f"Discarded {count} dead letter(s) for good.")
         logger.info("dashboard: discarded %d dead letter(s) %s", count, gone)
         return back
 
     async def run_now(self, request: Request) -> Response:
         row_id = int(request.path_params["id"])
-        await _action_form(request)
+        await action_form(request)
         queue_name = await self.store.run_now(row_id)
         if queue_name is None:
-            _flash(request, f"Message {row_id} was not delayed any more (due, running or gone): unchanged.")
+            flash(request, f"Message {row_id} was not delayed any more (due, running or gone): unchanged.")
             return RedirectResponse(request.url_for("queues"), status_code=303)
-        _flash(request, f"Message {row_id} is due now: its workers were woken.")
+        flash(request, f"Message {row_id} is due now: its workers were woken.")
         logger.info("dashboard: ran message %d of queue %r now", row_id, queue_name)
         return RedirectResponse(request.url_for("queue", queue_name=queue_name), status_code=303)
 
     async def toggle_schedule(self, request: Request) -> Response:
-        form = await _action_form(request)
+        form = await action_form(request)
         name, enabled = form.get("name"), form.get("enabled") == "1"
         if not isinstance(name, str) or not name:
             raise HTTPException(400, "Which schedule? The form names none.")
         if await self.store.set_schedule_enabled(name, enabled):
             done = "Enabled" if enabled else "Disabled"
-            _flash(request, f"{done} schedule {name}." + ("" if enabled else " Schedulers skip its ticks."))
+            flash(request, f"{done} schedule {name}." + ("" if enabled else " Schedulers skip its ticks."))
             logger.info("dashboard: %s schedule %r", done.lower(), name)
         else:
-            _flash(
+            flash(
                 request,
                 f"Schedule {name} was already {'enabled' if enabled else 'disabled'} (or is removed).",
             )
@@ -416,49 +417,47 @@ class Dashboard:
 
     async def purge(self, request: Request) -> Response:
         name = _queue_name(request)
-        form = await _action_form(request)
+        form = await action_form(request)
         if form.get("confirm") != "yes":
-            _flash(request, "Not purged: tick the box to confirm.")
+            flash(request, "Not purged: tick the box to confirm.")
             return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
         n = await self.store.purge_queue(name)
-        _flash(request, f"Purged {n} waiting message(s) from queue {name}.")
+        flash(request, f"Purged {n} waiting message(s) from queue {name}.")
         logger.info("dashboard: purged %d waiting message(s) of queue %r", n, name)
         return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
 
     async def pause(self, request: Request) -> Response:
         name = _queue_name(request)
-        await _action_form(request)
+        await action_form(request)
         if await self.store.pause_queue(name):
-            _flash(
-                request, f"Paused queue {name}: workers stop claiming it; messages keep arriving and wait."
-            )
+            flash(request, f"Paused queue {name}: workers stop claiming it; messages keep arriving and wait.")
             logger.info("dashboard: paused queue %r", name)
         else:
-            _flash(request, f"Queue {name} was already paused.")
+            flash(request, f"Queue {name} was already paused.")
         return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
 
     async def resume(self, request: Request) -> Response:
         name = _queue_name(request)
-        await _action_form(request)
+        await action_form(request)
         if await self.store.resume_queue(name):
-            _flash(request, f"Resumed queue {name}: its workers were woken.")
+            flash(request, f"Resumed queue {name}: its workers were woken.")
             logger.info("dashboard: resumed queue %r", name)
         else:
-            _flash(request, f"Queue {name} was not paused.")
+            flash(request, f"Queue {name} was not paused.")
         return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
 
     async def cancel(self, request: Request) -> Response:
         row_id = int(request.path_params["id"])
-        await _action_form(request)
+        await action_form(request)
         reason = f"canceled from the dashboard at {format_time(dt.datetime.now(dt.timezone.utc))}"
         queue_name = await self.store.cancel_message(row_id, reason)
         if queue_name is None:
-            _flash(
+            flash(
                 request,
                 f"Message {row_id} was not waiting any more (running, finished or gone): not canceled.",
             )
             return RedirectResponse(request.url_for("queues"), status_code=303)
-        _flash(request, f"Canceled message {row_id}: it is now a dead letter (Canceled) and can be retried.")
+        flash(request, f"Canceled message {row_id}: it is now a dead letter (Canceled) and can be retried.")
         logger.info("dashboard: canceled message %d of queue %r", row_id, queue_name)
         return RedirectResponse(request.url_for("queue", queue_name=queue_name), status_code=303)
 
@@ -469,20 +468,20 @@ class Dashboard:
         return self.render(request, "login.html", next=_safe_next(request.query_params.get("next")))
 
     async def login(self, request: Request) -> Response:
-        form = await _checked_form(request)
+        form = await checked_form(request)
         token = form.get("token")
         target = _safe_next(form.get("next"))
         if self.settings.token is None:
             return RedirectResponse(target, status_code=303)
-        if isinstance(token, str) and _same(token, self.settings.token):
+        if isinstance(token, str) and same_secret(token, self.settings.token):
             # A fresh CSRF token with the new privilege (no fixation of the old one).
             request.session.clear()
-            request.session["authenticated"] = _token_mark(self.settings.token)
+            request.session["authenticated"] = token_mark(self.settings.token)
             return RedirectResponse(target, status_code=303)
         return self.render(request, "login.html", status_code=401, next=target, error="Wrong token.")
 
     async def logout(self, request: Request) -> Response:
-        await _checked_form(request)
+        await checked_form(request)
         request.session.clear()
         return RedirectResponse(request.url_for("queues"), status_code=303)
 
@@ -522,14 +521,20 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
     """The dashboard as an ASGI application (serve it with uvicorn or any ASGI server).
 
     Parameters:
-      settings(Settings): Database, schema, auth and read-only mode.
+      settings(Settings): Database, schema, auth, read-only mode, the workers' heartbeat_timeout.
       store(Store|None): The database layer; by default a pool of 4 connections
-        opened and closed with the application (its lifespan).
+        opened and closed with the application (its lifespan), judging workers by
+        ``settings.heartbeat_timeout`` (a store given here judges by its own).
 
     Returns:
       Starlette: The application.
     """
-    store = store or Store(settings.url, settings.schema, broker_channel(settings.url, settings.schema))
+    store = store or Store(
+        settings.url,
+        settings.schema,
+        broker_channel(settings.url, settings.schema),
+        heartbeat_timeout=settings.heartbeat_timeout,
+    )
     dashboard = Dashboard(settings, store)
 
     @asynccontextmanager
@@ -570,13 +575,13 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
         Middleware(
             SessionMiddleware,
             secret_key=settings.session_secret or secrets.token_urlsafe(32),
-            session_cookie=_SESSION_COOKIE,
+            session_cookie=SESSION_COOKIE,
             max_age=12 * 3600,
             # lax: a link from elsewhere (an alert) opens the dashboard logged in; POSTs
             # from other sites still carry no cookie, and need the CSRF token anyway.
             same_site="lax",
         ),
-        Middleware(_Guard, settings=settings, templates=dashboard.templates),
+        Middleware(Guard, settings=settings, templates=dashboard.templates),
     ]
     app = Starlette(
         routes=routes,

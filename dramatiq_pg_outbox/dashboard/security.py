@@ -22,8 +22,10 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.templating import Jinja2Templates
 
 from ..names import DEFAULT_SCHEMA, validate_schema_name
+from ..options import HEARTBEAT_TIMEOUT_MS, check_positive_ints
 
-_SESSION_COOKIE = "dpo_dashboard"
+#: Name of the dashboard's signed session cookie.
+SESSION_COOKIE = "dpo_dashboard"
 _SECURITY_HEADERS = {
     # No script may run at all: the dashboard has none.
     "Content-Security-Policy": (
@@ -61,10 +63,15 @@ class Settings:
         :data:`LOOPBACK_HOSTS`; the CLI adds its ``--host`` and ``--allowed-host`` values.
       refresh(int): Seconds between reloads of the live pages (queues, a queue, workers,
         schedules); 0 for none.  Default 5.
+      heartbeat_timeout(int): The workers' ``heartbeat_timeout``, in milliseconds, by which
+        the dashboard judges them: one silent for longer counts as dead (its messages are
+        not running).  Default :data:`~dramatiq_pg_outbox.options.HEARTBEAT_TIMEOUT_MS`, the
+        broker's default; pass the workers' value if they are configured otherwise.
 
     Raises:
       ValueError: If both ``token`` and ``basic_auth`` are given, either is empty,
-        ``refresh`` is negative, or ``schema`` is invalid.
+        ``refresh`` is negative, ``heartbeat_timeout`` is not an integer >= 1, or
+        ``schema`` is invalid.
     """
 
     url: str
@@ -75,6 +82,7 @@ class Settings:
     session_secret: str | None = None
     allowed_hosts: tuple[str, ...] = ()
     refresh: int = 5
+    heartbeat_timeout: int = HEARTBEAT_TIMEOUT_MS
 
     def __post_init__(self) -> None:
         if not self.allowed_hosts:
@@ -88,6 +96,7 @@ class Settings:
             raise ValueError("basic auth needs a non-empty user and password (USER:PASSWORD)")
         if isinstance(self.refresh, bool) or not isinstance(self.refresh, int) or self.refresh < 0:
             raise ValueError(f"refresh must be a whole number of seconds >= 0, not {self.refresh!r}")
+        check_positive_ints(heartbeat_timeout=self.heartbeat_timeout)
 
     @property
     def auth(self) -> str:
@@ -96,11 +105,12 @@ class Settings:
 
 
 # -- auth ---------------------------------------------------------------------
-def _same(given: str, expected: str) -> bool:
+def same_secret(given: str, expected: str) -> bool:
+    """Whether two secrets are equal, compared in constant time."""
     return secrets.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
 
 
-def _token_mark(token: str) -> str:
+def token_mark(token: str) -> str:
     """What a logged-in session stores: a keyed digest of the token it logged in with.
 
     The session cookie is signed, not encrypted, so the token itself is never put
@@ -115,10 +125,10 @@ def _authorized(request: Request, settings: Settings) -> bool:
     header = request.headers.get("authorization", "")
     scheme, _, credentials = header.partition(" ")
     if settings.token is not None:
-        if scheme.lower() == "bearer" and _same(credentials.strip(), settings.token):
+        if scheme.lower() == "bearer" and same_secret(credentials.strip(), settings.token):
             return True
         mark = request.session.get("authenticated")
-        return isinstance(mark, str) and _same(mark, _token_mark(settings.token))
+        return isinstance(mark, str) and same_secret(mark, token_mark(settings.token))
     if settings.basic_auth is not None:
         if scheme.lower() != "basic":
             return False
@@ -129,13 +139,13 @@ def _authorized(request: Request, settings: Settings) -> bool:
         except (binascii.Error, UnicodeDecodeError):
             return False
         # Both compared, always, so the time taken does not tell which one was wrong.
-        user_ok = _same(user, settings.basic_auth[0])
-        password_ok = _same(password, settings.basic_auth[1])
+        user_ok = same_secret(user, settings.basic_auth[0])
+        password_ok = same_secret(password, settings.basic_auth[1])
         return user_ok and password_ok
     return True
 
 
-class _Guard(BaseHTTPMiddleware):
+class Guard(BaseHTTPMiddleware):
     """401 for requests without the configured credentials; security headers on every response."""
 
     def __init__(self, app: Any, settings: Settings, templates: Jinja2Templates) -> None:
@@ -160,7 +170,7 @@ class _Guard(BaseHTTPMiddleware):
             response = self.templates.TemplateResponse(
                 request,
                 "login.html",
-                _base_context(request, self.settings, next=path),
+                base_context(request, self.settings, next=path),
                 status_code=401,
                 headers={"WWW-Authenticate": 'Bearer realm="dramatiq-pg-outbox"'},
             )
@@ -176,31 +186,33 @@ def _csrf_token(request: Request) -> str:
     return token
 
 
-async def _checked_form(request: Request) -> FormData:
+async def checked_form(request: Request) -> FormData:
     """The form of a POST, after the CSRF check (403 when the token is missing or wrong)."""
     form = await request.form()
     given = form.get("csrf_token")
     expected = request.session.get("csrf")
-    if not isinstance(given, str) or not isinstance(expected, str) or not _same(given, expected):
+    if not isinstance(given, str) or not isinstance(expected, str) or not same_secret(given, expected):
         raise HTTPException(
             403, "The form's CSRF token is missing or out of date: reload the page and try again."
         )
     return form
 
 
-async def _action_form(request: Request) -> FormData:
+async def action_form(request: Request) -> FormData:
     """The form of an action: 403 in read-only mode, then the CSRF check."""
     settings: Settings = request.app.state.settings
     if settings.read_only:
         raise HTTPException(403, "This dashboard is read-only (--read-only): actions are disabled.")
-    return await _checked_form(request)
+    return await checked_form(request)
 
 
-def _flash(request: Request, text: str) -> None:
+def flash(request: Request, text: str) -> None:
+    """Keep ``text`` in the session for the next page to show once."""
     request.session["flash"] = text
 
 
-def _base_context(request: Request, settings: Settings, **extra: Any) -> dict[str, Any]:
+def base_context(request: Request, settings: Settings, **extra: Any) -> dict[str, Any]:
+    """What every template gets (mode, schema, CSRF token, the flashed message), plus ``extra``."""
     return {
         "read_only": settings.read_only,
         "auth": settings.auth,

@@ -24,13 +24,11 @@ from psycopg_pool import AsyncConnectionPool
 from .._isolation import read_committed_async
 from .._queries import CHANGED_ROWS_ROUNDS, DASHBOARD_SQL, file_queries
 from .._queries import queries_for_schema as all_queries_for_schema
-from ..options import BrokerOptions
+from ..options import HEARTBEAT_TIMEOUT_MS
 from ..urls import libpq_url
 
 #: The oldest schema revision the dashboard reads: the analytics views of migration 0003.
 MIN_SCHEMA_REVISION = 3
-#: The workers' heartbeat_timeout the dashboard judges them by (the broker's default), in milliseconds.
-HEARTBEAT_TIMEOUT = BrokerOptions().heartbeat_timeout
 
 T = TypeVar("T")
 
@@ -128,7 +126,7 @@ class WorkerRow:
     started_at: dt.datetime
     heartbeat_age_s: float
     processing: int
-    #: Whether it counts as alive for workers on the default ``heartbeat_timeout`` (the rule
+    #: Whether it counts as alive by the store's ``heartbeat_timeout`` (the rule
     #: ``worker_alive`` of queries.sql, the one the rescuer applies).
     alive: bool
 
@@ -267,11 +265,24 @@ class Store:
       channel(str): The broker's NOTIFY channel (workers are woken after a retry).
       max_size(int): Most pooled connections.  Default 4.
       timeout(float): Longest wait for a connection, in seconds (then the page answers 503).  Default 10.
+      heartbeat_timeout(int): The workers' ``heartbeat_timeout``, in milliseconds: a worker
+        silent for longer counts as dead.  Default
+        :data:`~dramatiq_pg_outbox.options.HEARTBEAT_TIMEOUT_MS`, the broker's default.
     """
 
-    def __init__(self, url: str, schema: str, channel: str, max_size: int = 4, timeout: float = 10) -> None:
+    def __init__(
+        self,
+        url: str,
+        schema: str,
+        channel: str,
+        max_size: int = 4,
+        timeout: float = 10,
+        *,
+        heartbeat_timeout: int = HEARTBEAT_TIMEOUT_MS,
+    ) -> None:
         self.schema = schema
         self.channel = channel
+        self.heartbeat_timeout = heartbeat_timeout
         self.queries = queries_for_schema(schema)
         self.pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
             libpq_url(url),
@@ -340,7 +351,7 @@ class Store:
     async def running(self) -> dict[uuid.UUID, list[int]] | None:
         """Row ids each live worker process runs now; None on a schema older than migration 0011."""
         try:
-            rows = await self._tuples("running", {"heartbeat_timeout_ms": HEARTBEAT_TIMEOUT})
+            rows = await self._tuples("running", {"heartbeat_timeout_ms": self.heartbeat_timeout})
         except psycopg.errors.UndefinedColumn:
             return None
         return {worker: list(ids) for worker, ids in rows}
@@ -350,7 +361,7 @@ class Store:
         return rows[0] if rows else None
 
     async def workers(self) -> list[WorkerRow]:
-        return await self._rows(WorkerRow, "workers", {"heartbeat_timeout_ms": HEARTBEAT_TIMEOUT})
+        return await self._rows(WorkerRow, "workers", {"heartbeat_timeout_ms": self.heartbeat_timeout})
 
     async def failed(self, where: FailedFilter, limit: int, offset: int) -> list[FailedRow]:
         return await self._rows(FailedRow, "failed", {**where.params(), "limit": limit, "offset": offset})

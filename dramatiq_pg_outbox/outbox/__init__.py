@@ -2,16 +2,17 @@
 
 Usage::
 
-    with Session(engine) as session:
-        with outbox(session):
-            session.add(user)
-            send_welcome_email.send(user.id)
-        session.commit()          # the message exists iff this commits
+    with Session(engine) as session, session.begin(), outbox(session):
+        session.add(user)
+        send_welcome_email.send(user.id)
+    # committed as the block ends: the message exists iff this commits
 
-    async with AsyncSession(async_engine) as session:
-        async with outbox(session):
-            ...
-        await session.commit()
+    async with AsyncSession(async_engine) as session, session.begin(), outbox(session):
+        ...
+
+Committing with ``session.begin()`` as the blocks end leaves no room for a ``send()``
+between the end of ``outbox()`` and the commit, which would run outside the outbox
+(docs/guides/sqlalchemy.md).
 
 How a message follows its transaction
 -------------------------------------
@@ -101,13 +102,11 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from .._binding import Binding, _bindings
+from .._binding import Binding, active_bindings
 from .._binding import outside_outbox as outside_outbox
 from .._runtime import StoredMessage
 from ..broker import PostgresBroker
 from ..errors import OutboxError
-
-#: What :func:`outbox` binds to.
 from .hooks import (
     _connection_add,
     _connection_joinable,
@@ -116,6 +115,7 @@ from .hooks import (
     _session_joinable,
 )
 
+#: What :func:`outbox` binds to.
 Bind = Session | Connection | AsyncSession | AsyncConnection
 
 
@@ -195,12 +195,12 @@ class Outbox:
     def _push(self) -> None:
         _install_session_listeners()
         self.ended = False
-        self._token = _bindings.set((*_bindings.get(), self))
+        self._token = active_bindings.set((*active_bindings.get(), self))
 
     def _pop(self) -> None:
         self.ended = True
         if self._token is not None:
-            _bindings.reset(self._token)
+            active_bindings.reset(self._token)
             self._token = None
 
     def __enter__(self) -> Outbox:

@@ -21,14 +21,11 @@ from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.orm.session import SessionTransactionState
 from sqlalchemy.pool import PoolProxiedConnection
 
-from .._binding import outside_outbox as outside_outbox
-from .._queries import queries_for_schema
 from .._runtime import StoredMessage
 from ..broker import PostgresBroker
 from ..errors import OutboxError
-
-#: What :func:`outbox` binds to.
-from .writes import _after_enqueue, _by_broker, _wants_after_enqueue, _write, _Written
+from ..store.messages import message_store
+from .writes import DriverCursor, _after_enqueue, _by_broker, _wants_after_enqueue, _write, _Written
 
 
 @dataclass
@@ -448,14 +445,13 @@ def _connection_commit(conn: Connection) -> None:
             after_commit_notify = w.notify_after_commit
             if w.ids and (announce or after_commit_notify):
                 # Written inside a savepoint: keep only the rows that survived it.
-                query = queries_for_schema(w.broker.schema)["surviving_ids"]
-                rows = conn.exec_driver_sql(query, {"ids": [row_id for row_id, _ in w.ids]}).fetchall()
-                alive = {int(r[0]) for r in rows}
+                alive = message_store(w.broker.schema).surviving_ids(
+                    DriverCursor(conn), ids=[row_id for row_id, _ in w.ids]
+                )
                 surviving = {message_id for row_id, message_id in w.ids if row_id in alive}
                 w.stored = [item for item in w.stored if item.message.message_id in surviving]
             if after_commit_notify and w.payloads and w.stored:
-                xid = conn.exec_driver_sql(queries_for_schema(w.broker.schema)["current_xact_id"]).scalar()
-                w.xid = str(xid)
+                w.xid = message_store(w.broker.schema).current_xact_id(DriverCursor(conn))
             if announce and w.stored:
                 announced.append(w)
     except BaseException:

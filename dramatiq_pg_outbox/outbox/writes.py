@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import shlex
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from dramatiq import Middleware
 from sqlalchemy.engine import Connection
 from sqlalchemy.engine.base import TwoPhaseTransaction
 
-from .._binding import outside_outbox as outside_outbox
-from .._queries import queries_for_schema
 from .._runtime import StoredMessage, enqueue_result, enqueue_statement
 from ..broker import PostgresBroker
 from ..migrations import schema_not_ready
-from ..names import quote_ident
+from ..store.messages import message_store
 from ..urls import safe_url
-
-#: What :func:`outbox` binds to.
 
 
 @dataclass
@@ -45,6 +42,26 @@ class _Written:
         return notify == "after_commit" or (self.twophase and notify != "off")
 
 
+class DriverCursor:
+    """A SQLAlchemy connection seen as a DB-API cursor (``exec_driver_sql``), for the stores.
+
+    The statement runs through SQLAlchemy, so its events and the connection's
+    transaction apply as to any other statement of the application.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.rows: Sequence[Sequence[Any]] = []
+
+    def execute(self, query: str, params: Mapping[str, Any] | None = None, /) -> DriverCursor:
+        result = self.conn.exec_driver_sql(query, dict(params) if params is not None else None)
+        self.rows = result.fetchall() if result.returns_rows else []
+        return self
+
+    def fetchall(self) -> Sequence[Sequence[Any]]:
+        return self.rows
+
+
 #: (engine URL, schema) pairs whose revision was checked, per broker.
 _schema_checked: weakref.WeakKeyDictionary[PostgresBroker, set[str]] = weakref.WeakKeyDictionary()
 
@@ -55,8 +72,7 @@ def _check_schema(conn: Connection, broker: PostgresBroker) -> None:
     checked = _schema_checked.setdefault(broker, set())
     if key in checked:
         return
-    table = f"{quote_ident(broker.schema)}.messages"
-    row = conn.exec_driver_sql(queries_for_schema(broker.schema)["schema_revision"], {"table": table}).first()
+    row = message_store(broker.schema).schema_revision(DriverCursor(conn))
     # The command names the bind's database (its secrets masked, to be filled in by the reader).
     error = schema_not_ready(broker.schema, row, url=key, fix_url=shlex.quote(key))
     if error is not None:
@@ -70,15 +86,15 @@ def _write(
     """Insert ``items`` through ``conn``, in its transaction, with one statement."""
     _check_schema(conn, broker)
     twophase = isinstance(conn.get_transaction(), TwoPhaseTransaction)
-    name, params = enqueue_statement(
+    statement = enqueue_statement(
         items,
         broker.channel,
         broker.options.notify == "transaction" and not twophase,
         broker.options.max_fetch_interval,
         return_ids,
     )
-    rows = conn.exec_driver_sql(queries_for_schema(broker.schema)[name], params).fetchall()
-    result = enqueue_result(name, items, rows)
+    rows = message_store(broker.schema).enqueue(DriverCursor(conn), statement)
+    result = enqueue_result(statement.name, items, rows)
     return _Written(broker, result.stored, result.payloads, result.ids, twophase=twophase)
 
 

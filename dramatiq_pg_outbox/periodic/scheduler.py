@@ -14,22 +14,22 @@ import psycopg
 from dramatiq.logging import get_logger
 from dramatiq.middleware import Middleware
 
-from .._queries import queries_for_schema
 from .._runtime import Service, StoredMessage, enqueue_result, enqueue_statement
 from ..broker import PostgresBroker
+from ..store.periodic import PeriodicStore, Rules
 
 if TYPE_CHECKING:
     from dramatiq import Broker, Worker
 
 
 from .schedules import (
-    _MS,
     CLAIM_BATCH,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_POLL_INTERVAL,
     DEFAULT_REMOVED_AFTER,
     DEFAULT_SYNC_INTERVAL,
     LOCKED_RETRY,
+    ONE_MS,
     REMOVED_RETENTION,
     Schedule,
     declared_schedules,
@@ -138,13 +138,13 @@ class Scheduler(Service):
         self.schedules = declared_schedules(broker, schedules)
         ordered = list(self.schedules.values())
         #: The declared rules, as the parallel arrays of the periodic_* queries.
-        self._rules: dict[str, Any] = {
-            "names": [s.key for s in ordered],
-            "crons": [s.cron for s in ordered],
-            "every_ms": [s.every for s in ordered],
-            "tzs": [s.tz for s in ordered],
-        }
-        self._queries = queries_for_schema(broker.schema)
+        self._rules = Rules(
+            names=[s.key for s in ordered],
+            crons=[s.cron for s in ordered],
+            every_ms=[s.every for s in ordered],
+            tzs=[s.tz for s in ordered],
+        )
+        self._store = PeriodicStore(broker.schema)
         self._created = time.monotonic()
         self._defined = False
         self._next_sync = 0.0
@@ -219,44 +219,39 @@ class Scheduler(Service):
         ordered = list(self.schedules.values())
         with self.broker.runtime.connection() as conn, conn.transaction():
             now = self._begin(conn)
-            rows = conn.execute(
-                self._queries["periodic_declare"],
-                {
-                    **self._rules,
-                    "actor_names": [s.actor_name for s in ordered],
-                    "queue_names": [self.broker.get_actor(s.actor_name).queue_name for s in ordered],
-                    "missed": [s.missed for s in ordered],
-                    "grace_ms": [s.grace for s in ordered],
-                    "first_runs": [s.next_after(now) for s in ordered],
-                    "define": define,
-                    "stale": now - 2 * self.sync_interval * _MS,
-                },
-            ).fetchall()
+            rows = self._store.declare(
+                conn,
+                rules=self._rules,
+                actor_names=[s.actor_name for s in ordered],
+                queue_names=[self.broker.get_actor(s.actor_name).queue_name for s in ordered],
+                missed=[s.missed for s in ordered],
+                grace_ms=[s.grace for s in ordered],
+                first_runs=[s.next_after(now) for s in ordered],
+                define=define,
+                stale=now - 2 * self.sync_interval * ONE_MS,
+            )
             removed = deleted = 0
             if time.monotonic() - self._created >= self.removed_after / 1000:
-                counts = conn.execute(
-                    self._queries["periodic_remove"],
-                    {"removed_after": self.removed_after, "retention": REMOVED_RETENTION},
-                ).fetchone()
-                assert counts is not None
-                removed, deleted = int(counts[0]), int(counts[1])
+                removed, deleted = self._store.remove(
+                    conn, removed_after=self.removed_after, retention=REMOVED_RETENTION
+                )
         if define:
             self._defined = True
         result = SyncResult(
-            added=sum(1 for r in rows if r[1]),
-            changed=sum(1 for r in rows if r[2]),
-            revived=sum(1 for r in rows if r[3] and not r[2]),
+            added=sum(1 for r in rows if r.added),
+            changed=sum(1 for r in rows if r.changed),
+            revived=sum(1 for r in rows if r.revived and not r.changed),
             removed=removed,
             deleted=deleted,
         )
-        for name, added, changed, revived in rows:
-            if added or changed or revived:
-                what = "new" if added else "rule changed" if changed else "declared again"
+        for r in rows:
+            if r.added or r.changed or r.revived:
+                what = "new" if r.added else "rule changed" if r.changed else "declared again"
                 self.logger.info(
                     "Schedule %r (%s): first tick %s",
-                    name,
+                    r.name,
                     what,
-                    format_tick(self.schedules[name].next_after(now)),
+                    format_tick(self.schedules[r.name].next_after(now)),
                 )
         if removed:
             self.logger.info("Marked %d schedule(s) that no scheduler declares as removed", removed)
@@ -280,9 +275,7 @@ class Scheduler(Service):
         missed = 0
         with runtime.connection() as conn, conn.transaction():
             self._begin(conn)
-            claimed = conn.execute(
-                self._queries["periodic_claim"], {**self._rules, "limit": CLAIM_BATCH}
-            ).fetchall()
+            claimed = self._store.claim(conn, rules=self._rules, limit=CLAIM_BATCH)
             if not claimed:
                 return PassResult(0, 0, 0, 0)
             advance: dict[str, list[Any]] = {
@@ -292,9 +285,10 @@ class Scheduler(Service):
                 "runs": [],
                 "missed": [],
             }
-            for name, next_run_at, now in claimed:
+            for row in claimed:
+                name = row.name
                 schedule = self.schedules[name]
-                due = schedule.due(next_run_at, now)
+                due = schedule.due(row.next_run_at, row.now)
                 for tick in due.ticks:
                     message = schedule.message(broker, tick)
                     broker.emit_before("enqueue", message, None)
@@ -315,12 +309,14 @@ class Scheduler(Service):
                 advance["missed"].append(due.missed)
             if items:
                 options = broker.options
-                query, params = enqueue_statement(
+                statement = enqueue_statement(
                     items, broker.channel, options.notify == "transaction", options.max_fetch_interval
                 )
-                result = enqueue_result(query, items, conn.execute(self._queries[query], params).fetchall())
+                result = enqueue_result(
+                    statement.name, items, runtime.store.enqueue(conn.cursor(), statement)
+                )
                 stored, payloads = result.stored, result.payloads
-            conn.execute(self._queries["periodic_advance"], advance)
+            self._store.advance(conn, **advance)
         # Committed: the ticks are enqueued and the schedules advanced, together.
         for item in stored:
             broker.emit_after("enqueue", item.message, None)
@@ -339,18 +335,15 @@ class Scheduler(Service):
 
     def _begin(self, conn: psycopg.Connection[Any]) -> dt.datetime:
         """Start a transaction's work: bound its idle time (see ``periodic_begin``); return ``now()``."""
-        row = conn.execute(self._queries["periodic_begin"], {"idle_timeout": self.idle_timeout}).fetchone()
-        assert row is not None
-        return row[0]  # type: ignore[no-any-return]
+        return self._store.begin(conn, idle_timeout=self.idle_timeout)
 
     def next_due_in(self) -> float | None:
         """Milliseconds until the earliest next tick of this scheduler's schedules, or None.
 
         Negative or zero when one is due now (typically being enqueued by another scheduler).
         """
-        rows = self.broker.runtime.execute("periodic_next_due", self._rules)
-        value = rows[0][0] if rows else None
-        return None if value is None else float(value)
+        with self.broker.runtime.connection() as conn:
+            return self._store.next_due_in(conn, rules=self._rules)
 
 
 class Periodic(Middleware):
@@ -395,6 +388,11 @@ class Periodic(Middleware):
         }
         #: The running scheduler of each process (by pid: a fork gets its own).
         self._schedulers: dict[int, Scheduler] = {}
+
+    @property
+    def running_scheduler(self) -> Scheduler | None:
+        """This process's scheduler, from the worker's boot to its shutdown (else None)."""
+        return self._schedulers.get(os.getpid())
 
     def scheduler(self, broker: Broker) -> Scheduler:
         """A new scheduler of this middleware's schedules on ``broker``.

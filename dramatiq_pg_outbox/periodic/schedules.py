@@ -51,7 +51,8 @@ _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 #: Attribute of an actor's function that holds the schedules of ``@periodic``.
 _ATTRIBUTE = "_dramatiq_pg_outbox_schedules"
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
-_MS = dt.timedelta(milliseconds=1)
+#: One millisecond: every=, grace= and the intervals are in milliseconds.
+ONE_MS = dt.timedelta(milliseconds=1)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -204,8 +205,8 @@ class Schedule:
     def next_after(self, after: dt.datetime) -> dt.datetime:
         """The first tick strictly after ``after`` (an aware datetime), in UTC."""
         if self.every is not None:
-            ms = (after - _EPOCH) // _MS
-            return _EPOCH + (ms // self.every + 1) * self.every * _MS
+            ms = (after - _EPOCH) // ONE_MS
+            return _EPOCH + (ms // self.every + 1) * self.every * ONE_MS
         assert self.cron is not None
         for tick in _cron_ticks(self.cron, after.astimezone(ZoneInfo(self.tz))):
             # cronsim evaluates 5-field expressions with fixed hours on naive local
@@ -218,8 +219,8 @@ class Schedule:
     def previous_before(self, before: dt.datetime) -> dt.datetime:
         """The last tick strictly before ``before`` (an aware datetime), in UTC."""
         if self.every is not None:
-            ms = (before - _EPOCH) // _MS
-            return _EPOCH + ((ms - 1) // self.every) * self.every * _MS
+            ms = (before - _EPOCH) // ONE_MS
+            return _EPOCH + ((ms - 1) // self.every) * self.every * ONE_MS
         assert self.cron is not None
         for tick in _cron_ticks(self.cron, before.astimezone(ZoneInfo(self.tz)), reverse=True):
             if tick < before:
@@ -242,7 +243,7 @@ class Schedule:
           Due: The ticks to enqueue, the next tick, and the count of missed
           ticks that got no message (counted up to ``MAX_COUNTED_MISSED``).
         """
-        cutoff = now - self.grace * _MS
+        cutoff = now - self.grace * ONE_MS
         tick = next_run_at
         newest_missed: dt.datetime | None = None
         missed = 0

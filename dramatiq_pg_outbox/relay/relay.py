@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from dramatiq import Broker, Message
 from dramatiq.errors import DecodeError
@@ -17,7 +18,8 @@ from .._runtime.listener import subscribe
 from .._runtime.watermark import Watermark
 from ..broker import PostgresBroker
 from ..names import validate_queue_name
-from .targets import TargetError, TargetUnusable, _publisher_for, refused_credentials
+from ..store.relay import RelayStore
+from .targets import TargetError, TargetUnusable, publisher_for, refused_credentials
 
 #: Messages per claim (default).
 DEFAULT_BATCH_SIZE = 500
@@ -97,10 +99,11 @@ class Relay(Service):
         )
         self.broker = broker
         self.target = target
-        self._publisher = _publisher_for(target)
+        self._publisher = publisher_for(target)
         self.queues = sorted({validate_queue_name(q) for q in queues})
         self.batch_size = batch_size
         self.stats = RelayStats()
+        self._store = RelayStore(broker.schema)
         self._unarchived: list[tuple[int, uuid.UUID]] = []
         self._maintenance: _Maintenance | None = None
         #: Messages relayed by the latest batch (a full batch: the next one starts at once).
@@ -144,37 +147,41 @@ class Relay(Service):
         lease = uuid.uuid4()
         sent = time.monotonic()
         sweep, bound = self.watermark.start(sent)
-        rows = runtime.execute(
-            "relay_claim",
-            {
-                "queues": self.queues,
-                "limit": self.batch_size,
-                "lease": lease,
-                "owner": runtime.worker_id,
-                **bound,
-            },
-        )
-        rows.sort(key=lambda r: (r[2], r[0]))
+        with runtime.connection() as conn:
+            rows = self._store.claim(
+                conn,
+                queues=self.queues,
+                limit=self.batch_size,
+                lease=lease,
+                owner=runtime.worker_id,
+                # The watermark's key (see _runtime/watermark.py), both None for a sweep.
+                from_at=cast("datetime.datetime | None", bound["from_at"]),
+                from_id=cast("int | None", bound["from_id"]),
+            )
+        rows.sort(key=lambda r: (r.next_attempt_at, r.id))
         self.watermark.claimed(
-            [(r[2], int(r[0])) for r in rows], full=len(rows) >= self.batch_size, sweep=sweep, sent=sent
+            [(r.next_attempt_at, int(r.id)) for r in rows],
+            full=len(rows) >= self.batch_size,
+            sweep=sweep,
+            sent=sent,
         )
         if not rows:
             return 0
-        runtime.track(rows, lease)
+        runtime.track([r.id for r in rows], lease)
         batch: list[tuple[int, Message[Any]]] = []
         dead: set[int] = set()
         confirmed: set[int] = set()
         try:
-            for row_id, queue_name, _, payload in rows:
+            for row in rows:
                 try:
-                    message = Message.decode(bytes(payload))
+                    message = Message.decode(bytes(row.payload))
                 except DecodeError as e:
-                    self._dead_letter(row_id, lease, e)
-                    dead.add(row_id)
+                    self._dead_letter(row.id, lease, e)
+                    dead.add(row.id)
                     continue
-                if message.queue_name != queue_name:
-                    message = message.copy(queue_name=queue_name)
-                batch.append((row_id, message))
+                if message.queue_name != row.queue_name:
+                    message = message.copy(queue_name=row.queue_name)
+                batch.append((row.id, message))
             confirmed = self._publisher.publish([message for _, message in batch])
         except BaseException as e:
             if isinstance(e, TargetError):
@@ -183,7 +190,7 @@ class Relay(Service):
             self.stats.confirmed.update(batch[i][1].queue_name for i in confirmed)
             published = [(row_id, lease) for i, (row_id, _) in enumerate(batch) if i in confirmed]
             done = {row_id for row_id, _ in published} | dead
-            rest = [(r[0], lease) for r in rows if r[0] not in done]
+            rest = [(r.id, lease) for r in rows if r.id not in done]
             try:
                 self._release(rest)
             finally:
@@ -200,7 +207,9 @@ class Relay(Service):
             return
         try:
             # The consumers' own ack: fenced by lease, moved to history as completed.
-            self.broker.runtime.execute("ack", fence_params(items))
+            runtime = self.broker.runtime
+            with runtime.connection() as conn:
+                runtime.store.ack(conn, **fence_params(items))
         except BaseException:
             if not retry:
                 self._unarchived.extend(items)
@@ -217,7 +226,8 @@ class Relay(Service):
         if not items:
             return
         try:
-            self.broker.runtime.execute("relay_release", fence_params(items))
+            with self.broker.runtime.connection() as conn:
+                self._store.release(conn, **fence_params(items))
             self.stats.released += len(items)
         finally:
             self.broker.runtime.untrack(items)
@@ -225,27 +235,29 @@ class Relay(Service):
     def _dead_letter(self, row_id: int, lease: uuid.UUID, error: DecodeError) -> None:
         self.logger.error("Dead-lettering undecodable message %d: %s", row_id, error)
         _, text = format_error(error.__cause__ or error)
-        self.broker.runtime.execute(
-            "archive",
-            {
+        runtime = self.broker.runtime
+        with runtime.connection() as conn:
+            runtime.store.archive(
+                conn,
                 **fence_params([(row_id, lease)]),
-                "state": "failed",
-                "error_types": ["DecodeError"],
-                "errors": [text],
-            },
-        )
+                state="failed",
+                error_types=["DecodeError"],
+                errors=[text],
+            )
         self.broker.runtime.untrack([(row_id, lease)])
         self.stats.dead_lettered += 1
 
     # -- observing ---------------------------------------------------------------------
     def lag(self) -> dict[str, tuple[float, int]]:
         """Per queue: (seconds the oldest due unrelayed message has waited, due messages waiting)."""
-        rows = self.broker.runtime.execute("relay_lag", {"queues": self.queues})
-        return {str(q): (float(age), int(n)) for q, age, n in rows}
+        with self.broker.runtime.connection() as conn:
+            rows = self._store.lag(conn, queues=self.queues)
+        return {str(r.queue_name): (float(r.age_s), int(r.due)) for r in rows}
 
     def _next_due_s(self) -> float | None:
-        rows = self.broker.runtime.execute("relay_next_due", {"queues": self.queues})
-        return None if not rows or rows[0][0] is None else max(0.0, float(rows[0][0]) / 1000)
+        with self.broker.runtime.connection() as conn:
+            due_ms = self._store.next_due_ms(conn, queues=self.queues)
+        return None if due_ms is None else max(0.0, due_ms / 1000)
 
     # -- the loop ----------------------------------------------------------------------
     def run(self, *, report_every: float = 0) -> None:

@@ -219,7 +219,7 @@ class _RedisPublisher(_Publisher):
         return set(range(len(messages)))
 
 
-def _publisher_for(target: Broker) -> _Publisher:
+def publisher_for(target: Broker) -> _Publisher:
     """The fastest publisher that knows ``target``'s class; ``enqueue()`` one by one otherwise."""
     kind = f"{type(target).__module__}.{type(target).__name__}"
     if kind == "dramatiq.brokers.rabbitmq.RabbitmqBroker":

@@ -89,8 +89,8 @@ from .encoding import (
     NAMESPACE,
     EnqueueError,
     EnqueueResult,
-    _encode_rows,
-    _Plan,
+    Plan,
+    encode_rows,
     idempotency_key_for,
     message_id_for,
 )
@@ -100,9 +100,9 @@ __all__ = [
     "NAMESPACE",
     "EnqueueError",
     "EnqueueResult",
-    "_Plan",
-    "_encode_rows",
+    "Plan",
     "cluster_session",
+    "encode_rows",
     "enqueue_dataframe",
     "idempotency_key_for",
     "jdbc_jar",
@@ -199,7 +199,7 @@ def enqueue_dataframe(
         encoder.encode({"options": dict(options or {})})
     except Exception as e:
         raise ValueError(f"options cannot be encoded with {type(encoder).__name__}: {e}") from e
-    plan = _Plan.build(
+    plan = Plan.build(
         key=key,
         args=plan_args,
         kwargs=dict(plan_kwargs),
@@ -253,9 +253,7 @@ def enqueue_dataframe(
     )
 
 
-#: Spark types whose JSON (``to_json``) decodes to what Dramatiq's JSON encoder would write.
-
-
+#: Where Debian's ``libpostgresql-jdbc-java`` puts the PostgreSQL JDBC driver.
 DEBIAN_JDBC_JAR = "/usr/share/java/postgresql.jar"
 #: Environment variable naming another JDBC driver jar.
 JDBC_JAR_ENV_VAR = "DRAMATIQ_PG_OUTBOX_JDBC_JAR"

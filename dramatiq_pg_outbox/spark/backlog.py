@@ -34,7 +34,7 @@ from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from .._queries import queries_for_schema
+from ..store.spark import SparkStore
 from .options import connect, given_options
 
 SCHEMA = (
@@ -80,22 +80,20 @@ class _Reader(DataSourceReader):
         self.scan = scan
 
     def partitions(self) -> list[_Slice]:
-        queries = queries_for_schema(self.scan.schema)
         with connect(self.scan.conninfo) as conn:
-            row = conn.execute(queries["backlog_id_range"]).fetchone()
-        if row is None or row[0] is None:
+            ids = SparkStore(self.scan.schema).backlog_id_range(conn)
+        if ids is None:
             return [_Slice(0, 0)]  # Spark needs one partition at least; this one reads nothing
-        return slices(int(row[0]), int(row[1]) + 1, self.scan.partitions)
+        return slices(ids.lo, ids.hi + 1, self.scan.partitions)
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, _Slice)
         if partition.lo >= partition.hi:
             return
-        queries = queries_for_schema(self.scan.schema)
         with connect(self.scan.conninfo) as conn:
             with conn.cursor(name="dpo_backlog") as cur:
                 cur.itersize = 10_000
-                cur.execute(queries["backlog_range_messages"], {"lo": partition.lo, "hi": partition.hi})
+                SparkStore(self.scan.schema).backlog_range_messages(cur, lo=partition.lo, hi=partition.hi)
                 yield from cur
 
 

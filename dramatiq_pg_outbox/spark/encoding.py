@@ -55,7 +55,7 @@ def message_id_for(batch_id: str, key: Any) -> str:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """Everything an executor needs, pickled once per task (no Spark objects).
 
     Rows reach the executor as tuples in the order of ``columns``; ``key``,
@@ -88,7 +88,7 @@ class _Plan:
         args: Sequence[str] = (),
         kwargs: Mapping[str, str] | None = None,
         **fields: Any,
-    ) -> _Plan:
+    ) -> Plan:
         columns = tuple(dict.fromkeys([key, *args, *(kwargs or {}).values()]))
         where = {column: i for i, column in enumerate(columns)}
         return cls(
@@ -105,8 +105,8 @@ class _Plan:
 _NEEDS_ESCAPE = r"[^\x20\x21\x23-\x5b\x5d-\x7e]"
 
 
-def _batch_encodable(plan: _Plan, schema: Any) -> bool:
-    """Whether :func:`_encode_batch` encodes rows of this Arrow schema (else: row by row).
+def batch_encodable(plan: Plan, schema: Any) -> bool:
+    """Whether :func:`encode_batch` encodes rows of this Arrow schema (else: row by row).
 
     It does with Dramatiq's own JSON encoder, a string or integer key and arguments of
     string, boolean, integer or floating point columns (the common case).
@@ -127,7 +127,7 @@ def _batch_encodable(plan: _Plan, schema: Any) -> bool:
     return all(any(kind(types[i]) for kind in kinds) for i in (*plan.args, *(i for _, i in plan.kwargs)))
 
 
-def _json_frame(plan: _Plan, dumps: Callable[[Any], str]) -> tuple[str, str]:
+def _json_frame(plan: Plan, dumps: Callable[[Any], str]) -> tuple[str, str]:
     """The constant parts of a payload, as Dramatiq's JSONEncoder writes the message dict.
 
     Returns:
@@ -139,7 +139,7 @@ def _json_frame(plan: _Plan, dumps: Callable[[Any], str]) -> tuple[str, str]:
     return head, options
 
 
-def _null_key(plan: _Plan) -> EnqueueError:
+def _null_key(plan: Plan) -> EnqueueError:
     """The error of a row without a key (its column and the batch are named)."""
     return EnqueueError(
         f"Column {plan.columns[plan.key]!r} (the key) is null in a row of batch {plan.batch_id!r}; "
@@ -174,11 +174,11 @@ def _json_column(column: Any, dumps: Callable[[Any], str]) -> Any:
     return pc.fill_null(text, pa.scalar("null"))
 
 
-def _encode_batch(plan: _Plan, batch: Any, now_ms: int) -> Any:
+def encode_batch(plan: Plan, batch: Any, now_ms: int) -> Any:
     """An Arrow batch of rows (``plan.columns``) as a batch of (message_id, idempotency_key, payload).
 
-    Column at a time with ``pyarrow.compute`` where :func:`_batch_encodable` says so; the
-    payloads are byte for byte those of :func:`_encode_rows` (Dramatiq's JSON encoder), the
+    Column at a time with ``pyarrow.compute`` where :func:`batch_encodable` says so; the
+    payloads are byte for byte those of :func:`encode_rows` (Dramatiq's JSON encoder), the
     message ids its uuid5 ids (one SHA-1 per row in Python: Arrow has no SHA-1).
 
     Raises:
@@ -217,7 +217,7 @@ def _encode_batch(plan: _Plan, batch: Any, now_ms: int) -> Any:
     )
 
 
-def _arrow_rows(batches: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
+def arrow_rows(batches: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
     for batch in batches:
         yield from zip(*(column.to_pylist() for column in batch.columns), strict=True)
 
@@ -260,7 +260,7 @@ def _json_dumps() -> Callable[[Any], str]:
     return dumps
 
 
-def _encode_rows(plan: _Plan, rows: Iterable[Any], now_ms: int) -> Iterator[tuple[str, str, bytes]]:
+def encode_rows(plan: Plan, rows: Iterable[Any], now_ms: int) -> Iterator[tuple[str, str, bytes]]:
     """(message id, idempotency key, payload) per row; raises EnqueueError naming the bad column."""
     import hashlib
 
@@ -306,7 +306,7 @@ def _encode_rows(plan: _Plan, rows: Iterable[Any], now_ms: int) -> Iterator[tupl
         yield message_id, ikey, payload
 
 
-def _explain(plan: _Plan, row: Any, key: Any, error: Exception) -> str:
+def _explain(plan: Plan, row: Any, key: Any, error: Exception) -> str:
     key_name = plan.columns[plan.key]
     for i in (*plan.args, *(i for _, i in plan.kwargs)):
         try:

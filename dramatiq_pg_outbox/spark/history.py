@@ -53,7 +53,7 @@ from pyspark.sql.datasource import (
     LessThanOrEqual,
 )
 
-from .._queries import queries_for_schema
+from ..store.spark import SparkStore
 from .options import connect, given_options
 
 SCHEMA = (
@@ -119,9 +119,8 @@ class _Reader(DataSourceReader):
         self.scan = scan
 
     def partitions(self) -> list[_Day]:
-        queries = queries_for_schema(self.scan.schema)
         with connect(self.scan.conninfo) as conn:
-            days = [row[0] for row in conn.execute(queries["history_days"])]
+            days = SparkStore(self.scan.schema).history_days(conn)
         epoch = datetime.date(1970, 1, 1)
         parts = []
         for day in days:
@@ -136,15 +135,21 @@ class _Reader(DataSourceReader):
         assert isinstance(partition, _Day)
         if partition.lo >= partition.hi:
             return
-        queries = queries_for_schema(self.scan.schema)
-        params: dict[str, Any] = {"lo": partition.lo, "hi": partition.hi}
+        values: dict[str, list[str] | None] = {}
         for column, name in _PUSHED_COLUMNS.items():
             allowed = self.scan.values[column]
-            params[name] = None if allowed is None else sorted(allowed)
+            values[name] = None if allowed is None else sorted(allowed)
         with connect(self.scan.conninfo) as conn:
             with conn.cursor(name="dpo_history") as cur:
                 cur.itersize = 10_000
-                cur.execute(queries["history_range_rows"], params)
+                SparkStore(self.scan.schema).history_range_rows(
+                    cur,
+                    lo=partition.lo,
+                    hi=partition.hi,
+                    queues=values["queues"],
+                    actors=values["actors"],
+                    states=values["states"],
+                )
                 yield from cur
 
 

@@ -63,7 +63,7 @@ from pyspark.sql.datasource import (
 
 from .._runtime.messages import broker_priority
 from ..names import channel_for, validate_queue_name
-from .encoding import _Plan
+from .encoding import Plan
 from .options import given_options
 from .write import write_arrow_partition
 
@@ -102,14 +102,14 @@ class Written(WriterCommitMessage):
 
 
 class _Writer(DataSourceArrowWriter):
-    def __init__(self, plan: _Plan) -> None:
+    def __init__(self, plan: Plan) -> None:
         self.plan = plan
 
     def write(self, iterator: Iterator[Any]) -> Written:
         return _write(self.plan, iterator)
 
 
-def _write(plan: _Plan, batches: Iterator[Any]) -> Written:
+def _write(plan: Plan, batches: Iterator[Any]) -> Written:
     """One task's Arrow batches, the plan's columns only, written as one transaction."""
     return Written(*write_arrow_partition(plan, batches))
 
@@ -131,7 +131,7 @@ class _StreamWriter(DataSourceStreamArrowWriter):
     from the task's local properties, which micro-batch execution sets for every job.
     """
 
-    def __init__(self, plan: _Plan) -> None:
+    def __init__(self, plan: Plan) -> None:
         self.plan = plan
 
     def write(self, iterator: Iterator[Any]) -> Written:
@@ -158,7 +158,7 @@ class _StreamWriter(DataSourceStreamArrowWriter):
         """Nothing to undo: Spark runs the batch again with the same id, which adds only what is missing."""
 
 
-def plan_from_options(options: Mapping[str, str], columns: list[str]) -> _Plan:
+def plan_from_options(options: Mapping[str, str], columns: list[str]) -> Plan:
     """The write plan of the data source's options against the DataFrame's columns.
 
     Raises:
@@ -206,7 +206,7 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> _Plan:
         priority = broker_priority(message_options)
     except ValueError as e:
         raise ValueError(f"option 'options': {e}") from None
-    return _Plan.build(
+    return Plan.build(
         key=key,
         args=args,
         kwargs=kwargs,

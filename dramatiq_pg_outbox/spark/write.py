@@ -6,17 +6,17 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .._queries import queries_for_schema
-from .encoding import _arrow_rows, _batch_encodable, _encode_batch, _encode_rows, _Plan
+from ..store.spark import SparkStore
+from .encoding import Plan, arrow_rows, batch_encodable, encode_batch, encode_rows
 from .options import connect
 
 
-def write_arrow_partition(plan: _Plan, batches: Iterable[Any]) -> tuple[int, int]:
+def write_arrow_partition(plan: Plan, batches: Iterable[Any]) -> tuple[int, int]:
     """Write one task's Arrow batches (at least ``plan.columns``) in one transaction.
 
     The writer of both ``df.write.format("dramatiq")`` and ``enqueue_dataframe``.  In the
-    common case (:func:`~.encoding._batch_encodable`) each batch is encoded column at a time
-    (:func:`~.encoding._encode_batch`) and goes to COPY as CSV written by Arrow, no Python
+    common case (:func:`~.encoding.batch_encodable`) each batch is encoded column at a time
+    (:func:`~.encoding.encode_batch`) and goes to COPY as CSV written by Arrow, no Python
     per row but one SHA-1; else row by row (:func:`write_partition`).
 
     Returns:
@@ -34,8 +34,8 @@ def write_arrow_partition(plan: _Plan, batches: Iterable[Any]) -> tuple[int, int
     first = next((b for b in iterator if b.num_rows), None)
     if first is None:
         return 0, 0
-    if not _batch_encodable(plan, first.schema):
-        return write_partition(plan, _arrow_rows(_chain(first, iterator)))
+    if not batch_encodable(plan, first.schema):
+        return write_partition(plan, arrow_rows(_chain(first, iterator)))
     now_ms = int(time.time() * 1000)
     options = csv.WriteOptions(include_header=False)
 
@@ -44,15 +44,15 @@ def write_arrow_partition(plan: _Plan, batches: Iterable[Any]) -> tuple[int, int
         for batch in _chain(first, iterator):
             if batch.num_rows:
                 buffer = io.BytesIO()
-                csv.write_csv(_encode_batch(plan, batch, now_ms), buffer, options)
+                csv.write_csv(encode_batch(plan, batch, now_ms), buffer, options)
                 copy.write(buffer.getvalue())
                 read += batch.num_rows
         return read
 
-    return _write_stage(plan, "spark_copy_text", feed)
+    return _write_stage(plan, feed, binary=False)
 
 
-def write_partition(plan: _Plan, rows: Iterable[Any]) -> tuple[int, int]:
+def write_partition(plan: Plan, rows: Iterable[Any]) -> tuple[int, int]:
     """Write one partition's rows (tuples in ``plan.columns`` order) in one transaction.
 
     Runs on an executor; encodes each row in Python with ``plan.encoder``.
@@ -69,15 +69,15 @@ def write_partition(plan: _Plan, rows: Iterable[Any]) -> tuple[int, int]:
     def feed(copy: Any) -> int:
         read = 0
         copy.set_types(["text", "text", "bytea"])
-        for record in _encode_rows(plan, _chain(first, iterator), now_ms):
+        for record in encode_rows(plan, _chain(first, iterator), now_ms):
             copy.write_row(record)
             read += 1
         return read
 
-    return _write_stage(plan, "spark_copy_binary", feed)
+    return _write_stage(plan, feed, binary=True)
 
 
-def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tuple[int, int]:
+def _write_stage(plan: Plan, feed: Callable[[Any], int], *, binary: bool) -> tuple[int, int]:
     """One transaction: COPY into a temporary table, insert what is new, NOTIFY once.
 
     What is new is inserted by a plain INSERT after the staged rows of known keys are
@@ -90,35 +90,26 @@ def _write_stage(plan: _Plan, copy_query: str, feed: Callable[[Any], int]) -> tu
     """
     from psycopg.errors import UniqueViolation
 
-    queries = queries_for_schema(plan.schema)
+    store = SparkStore(plan.schema)
     with connect(plan.conninfo) as conn:
         with conn.cursor() as cur:
-            cur.execute(queries["spark_stage"])
-            with cur.copy(queries[copy_query]) as copy:
+            store.stage(cur)
+            with store.copy_binary(cur) if binary else store.copy_text(cur) as copy:
                 read = feed(copy)
-            params = {
-                "queue_name": plan.queue_name,
-                "actor_name": plan.actor_name,
-                "delay": plan.delay_ms,
-                "priority": plan.priority,
-            }
-            cur.execute(queries["spark_drop_known"])
+            store.drop_known(cur)
+            into = {"queue_name": plan.queue_name, "actor_name": plan.actor_name}
             try:
                 with conn.transaction():
-                    cur.execute(queries["spark_insert_new"], params)
+                    enqueued = store.insert_new(cur, **into, delay_ms=plan.delay_ms, priority=plan.priority)
             except UniqueViolation:
                 # A twin task claimed some of these keys since the check, or the
                 # partition holds a key twice: skip each key claimed elsewhere instead.
-                cur.execute(queries["spark_insert"], params)
-            enqueued = cur.rowcount
+                enqueued = store.insert(cur, **into, delay_ms=plan.delay_ms, priority=plan.priority)
             if enqueued and plan.notify and plan.delay_ms == 0:
-                cur.execute(queries["notify"], {"channel": plan.channel, "queue_names": [plan.queue_name]})
+                store.notify(cur, channel=plan.channel, queue_names=[plan.queue_name])
     return read, enqueued
 
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from rest
-
-
-#: Where Debian's ``libpostgresql-jdbc-java`` puts the PostgreSQL JDBC driver.

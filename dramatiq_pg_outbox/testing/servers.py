@@ -13,9 +13,9 @@ from typing import Any
 
 import psycopg
 
-from .._queries import raw_queries, with_identifiers
+from ..store.admin import ServerStore
 from ..urls import mask_password
-from .binaries import DOCKER_IMAGE, LOCAL_SERVER_URL, _libpq_url
+from .binaries import DOCKER_IMAGE, LOCAL_SERVER_URL, driverless_url
 from .throwaway import ThrowawayPostgres
 
 logger = logging.getLogger(__name__)
@@ -40,16 +40,16 @@ def server_is_reachable(url: str, timeout: float = 2.0) -> bool:
     """
     try:
         with psycopg.connect(
-            _libpq_url(url), connect_timeout=max(1, round(timeout)), autocommit=True
+            driverless_url(url), connect_timeout=max(1, round(timeout)), autocommit=True
         ) as conn:
-            conn.execute(raw_queries()["ping"])
+            ServerStore().ping(conn)
         return True
     except (psycopg.Error, OSError) as exc:
         logger.debug("%s is not reachable: %s", mask_password(url), exc)
         return False
 
 
-def _docker_engine_reachable(timeout: float = 3.0) -> bool:
+def docker_engine_reachable(timeout: float = 3.0) -> bool:
     """Ping the Docker engine (fails fast when there is none)."""
     try:
         docker: Any = importlib.import_module("docker")
@@ -66,7 +66,7 @@ def _docker_engine_reachable(timeout: float = 3.0) -> bool:
 @contextlib.contextmanager
 def _docker_postgres() -> Iterator[str | None]:
     """Yield the URL of a testcontainers PostgreSQL container, or None if none can start."""
-    if not _docker_engine_reachable():
+    if not docker_engine_reachable():
         yield None
         return
     container: Any = None
@@ -172,9 +172,9 @@ def scratch_database(admin_url: str, prefix: str = "scratch") -> Iterator[str]:
     admin_dsn = admin.render_as_string(hide_password=False)
     name = f"{prefix}_{secrets.token_hex(4)}"
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(with_identifiers(raw_queries()["create_database"], database=name))
+        ServerStore().create_database(conn, name=name)
     try:
         yield admin.set(database=name).render_as_string(hide_password=False)
     finally:
         with psycopg.connect(admin_dsn, autocommit=True) as conn:
-            conn.execute(with_identifiers(raw_queries()["drop_database"], database=name))
+            ServerStore().drop_database(conn, name=name)

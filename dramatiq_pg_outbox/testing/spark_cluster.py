@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .binaries import _free_port
+from .binaries import free_port
 
 #: Longest wait for the master to answer and every worker to register, in seconds.
 START_TIMEOUT_S = 120.0
@@ -111,7 +111,7 @@ class SparkStandaloneCluster:
           RuntimeError: If a process exits or the workers do not register within ``timeout``
             seconds (the message ends with the tail of the logs); whatever started is stopped.
         """
-        port, ui_port = _free_port(), _free_port()
+        port, ui_port = free_port(), free_port()
         self.master_url, self.web_url = f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{ui_port}"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -127,7 +127,7 @@ class SparkStandaloneCluster:
                 self._spawn(f"worker-{n}", [
                     "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
                     "--cores", str(self.cores), "--memory", self.memory,
-                    "--webui-port", str(_free_port()), "--work-dir", str(work), self.master_url,
+                    "--webui-port", str(free_port()), "--work-dir", str(work), self.master_url,
                 ])  # fmt: skip
             self._wait(
                 lambda state: state is not None and state.get("aliveworkers") == self.workers,

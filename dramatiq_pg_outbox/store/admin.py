@@ -1,0 +1,300 @@
+"""The operator statements: ``admin.sql`` and the ``queries.sql`` statements the operator code runs.
+
+Used by the CLI (status, pause, resume, failed, retry-failed, maintain, schedules, migrate),
+:mod:`~dramatiq_pg_outbox.partitions`, :mod:`~dramatiq_pg_outbox.metrics`,
+:mod:`~dramatiq_pg_outbox.migrations` and the test servers of
+:mod:`~dramatiq_pg_outbox.testing` (:class:`ServerStore`, no schema).
+
+Rows come back as frozen dataclasses made by column name (psycopg's ``class_row``: a
+column the dataclass lacks, or a field the statement does not return, raises ``TypeError``).
+The schema check, the schedules and the history partitions of today are the runtime's
+statements (:class:`~.messages.MessageStore`, :class:`~.periodic.PeriodicStore`).  Every
+method takes the connection first and runs one statement on it: the caller owns the
+connection, its transaction and any retry.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg.rows import RowFactory, class_row
+
+from .._queries import raw_queries, with_identifiers
+from ..names import quote_ident
+from .base import SchemaStore
+
+T = TypeVar("T")
+
+
+def _fetch(
+    conn: psycopg.Connection[Any], factory: RowFactory[T], query: str, params: dict[str, Any] | None = None
+) -> list[T]:
+    with conn.cursor(row_factory=factory) as cur:
+        cur.execute(query, params)
+        return cur.fetchall()
+
+
+def _scalar(conn: psycopg.Connection[Any], query: str, params: dict[str, Any] | None = None) -> Any:
+    """The first column of the first row, or None without a row."""
+    row = conn.execute(query, params).fetchone()
+    return None if row is None else row[0]
+
+
+# -- rows -------------------------------------------------------------------
+@dataclass(frozen=True)
+class QueueState:
+    """``status``: the live rows of one queue in one state; ``oldest_s``: age of the oldest, seconds."""
+
+    queue_name: str
+    state: str
+    messages: int
+    delayed: int
+    oldest_s: Decimal | float | None
+
+
+@dataclass(frozen=True)
+class QueueDeadLetters:
+    """``status``: the dead letters of one queue, in the last hour and all still in history."""
+
+    queue_name: str
+    last_hour: int
+    in_history: int
+
+
+@dataclass(frozen=True)
+class WorkerHeartbeat:
+    """``status``: a registered consumer process and the age of its heartbeat, in seconds."""
+
+    hostname: str
+    pid: int
+    queues: list[str]
+    heartbeat_age_s: Decimal | float
+
+
+@dataclass(frozen=True)
+class PausedQueue:
+    """A paused queue (delay queues included) and since when (database clock)."""
+
+    queue_name: str
+    paused_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class FailedMessage:
+    """``failed``: a dead letter of ``history``."""
+
+    id: int
+    queue_name: str
+    actor_name: str
+    attempts: int
+    finished_at: dt.datetime
+    error_type: str | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class RetriedQueue:
+    """``retry_failed``: per queue, how many dead letters were moved back, and their history ids."""
+
+    queue_name: str
+    moved: int
+    ids: list[int]
+    #: The ``pg_notify`` column: None without a notification, else "" (``pg_notify`` returns void).
+    notified: Any
+
+
+@dataclass(frozen=True)
+class Gauge:
+    """One value of ``metrics_gauges``: ``kind`` is messages, oldest, dead, workers, paused or dead_total.
+
+    ``queue_name`` is None for ``workers``; ``state`` is set for ``messages`` only.
+    """
+
+    kind: str
+    queue_name: str | None
+    state: str | None
+    value: float
+
+
+# -- the stores ---------------------------------------------------------------
+class AdminStore(SchemaStore):
+    """The operator statements on one schema (see :class:`~.base.SchemaStore`)."""
+
+    # -- migrations ---------------------------------------------------------
+    def table_exists(self, conn: psycopg.Connection[Any], *, table: str) -> bool:
+        """Whether table ``table`` (unquoted) exists in the schema."""
+        params = {"schema": self.schema, "table": table}
+        return bool(_scalar(conn, self.queries["table_exists"], params))
+
+    def applied_revisions(self, conn: psycopg.Connection[Any], *, version_table: str) -> list[str]:
+        """The revisions recorded in alembic's ``version_table`` (unquoted) of the schema, sorted."""
+        query = with_identifiers(self.queries["applied_revisions"], table=version_table)
+        return [str(row[0]) for row in conn.execute(query).fetchall()]
+
+    def create_schema_sql(self) -> str:
+        """The statement that creates the schema if it does not exist yet, for alembic to run."""
+        return self.queries["create_schema"]
+
+    def set_schema_revision(self, execute: Callable[[str], Any], *, revision: int) -> None:
+        """Record ``revision`` in the comment of ``messages`` by ``execute`` (alembic's ``op.execute``)."""
+        execute(self.queries["set_schema_revision"].replace("{revision}", str(int(revision))))
+
+    # -- status, pause, resume ----------------------------------------------
+    def status_messages(self, conn: psycopg.Connection[Any]) -> list[QueueState]:
+        """Live rows per queue and state, by queue then state."""
+        return _fetch(conn, class_row(QueueState), self.queries["status_messages"])
+
+    def status_failed(self, conn: psycopg.Connection[Any]) -> list[QueueDeadLetters]:
+        """Dead letters per queue, by queue."""
+        return _fetch(conn, class_row(QueueDeadLetters), self.queries["status_failed"])
+
+    def status_workers(self, conn: psycopg.Connection[Any]) -> list[WorkerHeartbeat]:
+        """The registered consumer processes, by host then pid."""
+        return _fetch(conn, class_row(WorkerHeartbeat), self.queries["status_workers"])
+
+    def paused_queues(self, conn: psycopg.Connection[Any]) -> list[PausedQueue]:
+        """The paused queues (delay queues included), oldest pause first."""
+        return _fetch(conn, class_row(PausedQueue), self.queries["paused_queues"])
+
+    def pause_queues(self, conn: psycopg.Connection[Any], *, queue_names: Sequence[str]) -> list[str]:
+        """Pause ``queue_names``; those that were not paused yet."""
+        params = {"queue_names": list(queue_names)}
+        return [str(row[0]) for row in conn.execute(self.queries["pause_queues"], params).fetchall()]
+
+    def resume_queues(
+        self, conn: psycopg.Connection[Any], *, queue_names: Sequence[str], channel: str
+    ) -> list[str]:
+        """Resume ``queue_names``, waking their workers on ``channel``; those that were paused."""
+        params = {"queue_names": list(queue_names), "channel": channel}
+        return [str(row[0]) for row in conn.execute(self.queries["resume_queues"], params).fetchall()]
+
+    # -- dead letters -------------------------------------------------------
+    def failed_list(
+        self, conn: psycopg.Connection[Any], *, queue: str | None, limit: int
+    ) -> list[FailedMessage]:
+        """The newest ``limit`` dead letters, of ``queue`` or of all (None)."""
+        params = {"queue": queue, "limit": limit}
+        return _fetch(conn, class_row(FailedMessage), self.queries["failed_list"], params)
+
+    def retry_failed(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        ids: Sequence[int] | None,
+        queue_name: str | None,
+        actor_name: str | None,
+        error_type: str | None,
+        search: str | None,
+        limit: int | None,
+        notify: bool,
+        channel: str,
+    ) -> list[RetriedQueue]:
+        """Move dead letters back to their queues, due now; per queue, by queue name.
+
+        Selected by ``ids`` and the filters (None: any), oldest first, at most ``limit``
+        (None: all); wakes their workers on ``channel`` if ``notify``.
+        """
+        params = {
+            "ids": None if ids is None else list(ids),
+            "queue_name": queue_name,
+            "actor_name": actor_name,
+            "error_type": error_type,
+            "search": search,
+            "limit": limit,
+            "notify": notify,
+            "channel": channel,
+        }
+        return _fetch(conn, class_row(RetriedQueue), self.queries["retry_failed"], params)
+
+    # -- history partitions ---------------------------------------------------
+    def default_partition_rows(self, conn: psycopg.Connection[Any]) -> int:
+        """Rows in ``history_default`` (no day partition existed for them)."""
+        return int(_scalar(conn, self.queries["default_partition_rows"]) or 0)
+
+    def day_partitions(self, conn: psycopg.Connection[Any]) -> list[str]:
+        """The table names of the partitions of ``history`` (day ones and ``history_default``)."""
+        params = {"table": f"{quote_ident(self.schema)}.history"}
+        return [str(row[0]) for row in conn.execute(self.queries["day_partitions"], params).fetchall()]
+
+    def prune_cutoff(self, conn: psycopg.Connection[Any], *, older_than: dt.timedelta) -> dt.datetime:
+        """The database clock's ``now() - older_than``."""
+        cutoff: dt.datetime = _scalar(conn, self.queries["prune_cutoff"], {"older_than": older_than})
+        return cutoff
+
+    def set_lock_timeout(self, conn: psycopg.Connection[Any], *, lock_timeout_ms: int) -> None:
+        """Set ``lock_timeout`` for the rest of the current transaction, in milliseconds."""
+        conn.execute(self.queries["set_lock_timeout"], {"lock_timeout": str(int(lock_timeout_ms))})
+
+    def estimated_rows(self, conn: psycopg.Connection[Any], *, table: str) -> int:
+        """The planner's row estimate of table ``table`` (unquoted) of the schema; 0 if it is missing."""
+        row = _scalar(conn, self.queries["estimated_rows"], {"schema": self.schema, "table": table})
+        return int(row) if row is not None else 0
+
+    def drop_partition(self, conn: psycopg.Connection[Any], *, partition: str) -> None:
+        """Drop partition ``partition`` (a table name) of ``history``."""
+        conn.execute(with_identifiers(self.queries["drop_partition"], partition=partition))
+
+    def delete_history_before(
+        self, conn: psycopg.Connection[Any], *, partition: str, cutoff: dt.datetime
+    ) -> int:
+        """Delete the rows of partition ``partition`` that finished before ``cutoff``; how many."""
+        query = with_identifiers(self.queries["delete_history_before"], partition=partition)
+        return conn.execute(query, {"cutoff": cutoff}).rowcount
+
+    def count_history_before(
+        self, conn: psycopg.Connection[Any], *, partition: str, cutoff: dt.datetime
+    ) -> int:
+        """The rows of partition ``partition`` that finished before ``cutoff``."""
+        query = with_identifiers(self.queries["count_history_before"], partition=partition)
+        return int(_scalar(conn, query, {"cutoff": cutoff}) or 0)
+
+    def prune_idempotency_keys(self, conn: psycopg.Connection[Any]) -> int:
+        """Free the idempotency keys no row of messages or history holds; how many."""
+        return conn.execute(self.queries["prune_idempotency_keys"]).rowcount
+
+    def count_idempotency_keys_before(self, conn: psycopg.Connection[Any], *, cutoff: dt.datetime) -> int:
+        """The keys a prune at ``cutoff`` would free."""
+        return int(_scalar(conn, self.queries["count_idempotency_keys_before"], {"cutoff": cutoff}) or 0)
+
+    # -- metrics ------------------------------------------------------------
+    def metrics_gauges(self, conn: psycopg.Connection[Any], *, heartbeat_timeout_ms: int) -> list[Gauge]:
+        """Every Prometheus gauge of the schema; a worker counts as live within ``heartbeat_timeout_ms``."""
+        params = {"heartbeat_timeout_ms": heartbeat_timeout_ms}
+        return _fetch(conn, class_row(Gauge), self.queries["metrics_gauges"], params)
+
+
+class ServerStore:
+    """The statements on a server rather than a schema: the test servers' probe and scratch databases."""
+
+    def __init__(self) -> None:
+        self.queries = raw_queries()
+
+    def ping(self, conn: psycopg.Connection[Any]) -> None:
+        """Run ``SELECT 1`` (raises if the server does not answer)."""
+        conn.execute(self.queries["ping"])
+
+    def create_database(self, conn: psycopg.Connection[Any], *, name: str) -> None:
+        """Create database ``name`` (on an autocommit connection)."""
+        conn.execute(with_identifiers(self.queries["create_database"], database=name))
+
+    def drop_database(self, conn: psycopg.Connection[Any], *, name: str) -> None:
+        """Drop database ``name`` if it exists, closing its connections (on an autocommit connection)."""
+        conn.execute(with_identifiers(self.queries["drop_database"], database=name))
+
+
+__all__ = [
+    "AdminStore",
+    "FailedMessage",
+    "Gauge",
+    "PausedQueue",
+    "QueueDeadLetters",
+    "QueueState",
+    "RetriedQueue",
+    "ServerStore",
+    "WorkerHeartbeat",
+]

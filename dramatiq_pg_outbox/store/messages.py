@@ -1,0 +1,523 @@
+"""The messages store: every statement of ``queries.sql`` that the broker's runtime runs.
+
+Enqueue (the broker's ``send()``, the flusher's follow-ups, the outboxes), the claim and
+the consumer's rank, the fenced decisions (ack, archive, requeue), wake-ups, the
+maintenance loop's heartbeat, rescue and orphans, the reclaimer, a queue's size and purge,
+the schema check.  :class:`MessageStore` fills the schema in once; each method takes the
+connection first (the caller's: a pooled autocommit connection, or one in a transaction)
+and returns typed rows.
+
+The rows of the hot path (the claim, the fenced archives, the enqueue) are
+:class:`~typing.NamedTuple` classes built by :func:`named_rows`, a row factory that
+costs one C call per row (``tuple.__new__``), no Python frame.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import psycopg
+
+from .._queries import raw_queries, with_identifiers
+from ..names import quote_ident
+from .base import SchemaStore, named_rows
+
+#: The names of the enqueue statements (see :class:`EnqueueStatement`).
+ENQUEUE_STATEMENTS = frozenset({"enqueue", "enqueue_unkeyed", "enqueue_one"})
+
+
+class Cursor(Protocol):
+    """A DB-API cursor: psycopg's, Django's, or an adapter of SQLAlchemy's ``exec_driver_sql``.
+
+    For the statements that an application's own connection runs (the outboxes).
+    """
+
+    def execute(self, query: str, params: Mapping[str, Any] | None = None, /) -> object: ...
+
+    def fetchall(self) -> Sequence[Sequence[Any]]: ...
+
+
+class Statement(NamedTuple):
+    """A statement of a store, with its parameters, to run later in an outcome's transaction.
+
+    Made by a store method (``ResultStore.store_statement``,
+    ``RateLimitStore.group_barrier_count_down``); run by :meth:`MessageStore.holds` or
+    :meth:`MessageStore.run_many`, or alone by :meth:`MessageStore.run`.
+    """
+
+    query: str
+    params: dict[str, Any]
+
+
+# -- rows -------------------------------------------------------------------------------
+class EnqueueStatement(NamedTuple):
+    """Which enqueue statement stores a batch and its parameters (``_runtime.enqueue_statement``).
+
+    ``name``: ``enqueue`` (a batch with idempotency keys), ``enqueue_unkeyed`` or
+    ``enqueue_one`` (one message without a key).
+    """
+
+    name: str
+    params: dict[str, Any]
+
+
+class EnqueueRow(NamedTuple):
+    """A row of an enqueue statement: each fills one part, the others are None.
+
+    ``payload``/``notified``: a wake-up payload (``"<queue>"``, ``"<queue>@<due>"``, with a
+    ``!`` for a prioritized message) and ``pg_notify``'s result (None when not sent);
+    ``key``: an idempotency key actually inserted; ``id``/``message_id``: an inserted row
+    (with ``return_ids``).
+    """
+
+    payload: str | None
+    notified: object
+    key: str | None
+    id: int | None
+    message_id: str | None
+
+
+class ClaimRow(NamedTuple):
+    """A message claimed by :meth:`MessageStore.claim`, with the claim's clock columns."""
+
+    #: Row id in ``messages``.
+    id: int
+    #: Claims of the row so far, this one included.
+    attempts: int
+    #: The encoded message.
+    payload: bytes
+    #: Until the consumer's next due time, ms from the statement's ``now()`` (None: none upcoming).
+    next_due_in_ms: float | None
+    #: The statement's ``now()``, epoch milliseconds (database clock).
+    db_now_ms: float
+    #: Its ``broker_priority`` (0: none).
+    priority: int
+    #: Whether the queue has prioritized rows pending.
+    prioritized: bool
+    #: Its due time (``next_attempt_at``), the watermark's key with ``id``.
+    due_at: dt.datetime
+
+
+class Claim(NamedTuple):
+    """What one claim returned: the rows claimed and when to claim next."""
+
+    #: The claimed rows, in the statement's order (may be empty).
+    rows: list[ClaimRow]
+    #: Until the earliest upcoming due time of this consumer, in ms from the statement's
+    #: ``now()``; None: nothing of its own is upcoming.
+    next_due_in_ms: float | None
+    #: The statement's ``now()``, epoch milliseconds.
+    db_now_ms: float
+    #: Whether the queue has prioritized rows pending (then claim with ``prioritized=True``).
+    prioritized: bool
+
+
+class ConsumerRank(NamedTuple):
+    """Live worker processes consuming a queue, and how many have a smaller id than this one."""
+
+    consumers: int
+    rank: int
+    #: Whether this process's heartbeat names the queue yet.
+    listed: bool
+
+
+class Fence(NamedTuple):
+    """A row archived by a fenced statement: its id and the lease of the delivery that decided."""
+
+    id: int
+    lease: uuid.UUID
+
+
+class Requeued(NamedTuple):
+    """Rows handed back to one queue by :meth:`MessageStore.requeue`."""
+
+    queue_name: str
+    n: int
+    notified: object
+
+
+class CommitNotification(NamedTuple):
+    """A wake-up waiting for its transaction (``notify_committed``): ``status`` from ``pg_xact_status``."""
+
+    xid: str
+    payload: str
+    #: ``committed`` (sent now), ``aborted`` (dropped), ``in progress`` (keep for the next flush).
+    status: str | None
+
+
+class RescueCounts(NamedTuple):
+    """What one rescue pass did."""
+
+    released: int
+    quarantined: int
+    dead_workers: int
+    woken: int
+
+
+class ReclaimRow(NamedTuple):
+    """What one call of ``reclaim_messages`` did."""
+
+    slot: int
+    rotated: bool
+    moved: int
+    truncated: int
+    busy: int
+
+
+class SchemaRevision(NamedTuple):
+    """``schema_revision``: whether the messages table exists, and its comment (which names the revision).
+
+    Another driver's row of that statement (SQLAlchemy's, Django's) converts with ``SchemaRevision(*row)``.
+    """
+
+    exists: bool
+    comment: str | None
+
+
+_CLAIM_ROWS = named_rows(ClaimRow)
+_FENCES = named_rows(Fence)
+
+
+def listen(conn: psycopg.Connection[Any], *, channel: str) -> None:
+    """``LISTEN`` to ``channel`` on ``conn`` (the name quoted as an identifier)."""
+    conn.execute(with_identifiers(raw_queries()["listen"], channel=channel))
+
+
+class MessageStore(SchemaStore):
+    """The ``queries.sql`` statements of the runtime, the broker and the outboxes (:class:`SchemaStore`)."""
+
+    def __init__(self, schema: str) -> None:
+        super().__init__(schema)
+        queries = self.queries
+        # The hot path's statements, looked up once.
+        self._claim = queries["claim"]
+        self._claim_prioritized = queries["claim_prioritized"]
+        self._ack = queries["ack"]
+        self._archive = queries["archive"]
+        self._requeue = queries["requeue"]
+
+    # -- statements run later (an outcome's) --------------------------------------------
+    def holds(self, conn: psycopg.Connection[Any], statement: Statement) -> bool:
+        """Run ``statement`` (one row of one boolean column); whether it returned true."""
+        row = conn.execute(statement.query, statement.params).fetchone()
+        return row is not None and row[0] is True
+
+    def run(self, conn: psycopg.Connection[Any], statement: Statement) -> None:
+        """Run ``statement``, its rows ignored."""
+        conn.execute(statement.query, statement.params)
+
+    def run_many(self, conn: psycopg.Connection[Any], statements: Sequence[Statement]) -> None:
+        """Run ``statements``: one ``executemany`` per statement text (psycopg pipelines it)."""
+        grouped: dict[str, list[dict[str, Any]]] = {}
+        for query, params in statements:
+            grouped.setdefault(query, []).append(params)
+        for query, many in grouped.items():
+            conn.cursor().executemany(query, many)
+
+    # -- connections ----------------------------------------------------------------------
+    def generic_plans(self, conn: psycopg.Connection[Any]) -> None:
+        """Make ``conn``'s prepared statements run one generic plan (``generic_plans``)."""
+        conn.execute(self.queries["generic_plans"])
+
+    def schema_revision(self, cursor: Cursor) -> SchemaRevision:
+        """Whether the schema's ``messages`` table exists, and its comment (which holds the revision).
+
+        Parameters:
+          cursor(Cursor): Any DB-API cursor (an outbox checks the application's database).
+        """
+        cursor.execute(self.queries["schema_revision"], {"table": f"{quote_ident(self.schema)}.messages"})
+        rows = cursor.fetchall()
+        return SchemaRevision(*rows[0]) if rows else SchemaRevision(False, None)
+
+    # -- enqueue ----------------------------------------------------------------------------
+    def enqueue(self, cursor: Cursor, statement: EnqueueStatement) -> list[EnqueueRow]:
+        """Store a batch of messages with one statement (see ``_runtime.enqueue_statement``).
+
+        Parameters:
+          cursor(Cursor): A psycopg cursor, or the application's (an outbox's transaction).
+          statement(EnqueueStatement): The statement chosen for the batch and its parameters.
+
+        Raises:
+          ValueError: If ``statement.name`` is not an enqueue statement.
+        """
+        if statement.name not in ENQUEUE_STATEMENTS:
+            raise ValueError(f"not an enqueue statement: {statement.name!r}")
+        cursor.execute(self.queries[statement.name], statement.params)
+        return [EnqueueRow._make(row) for row in cursor.fetchall()]
+
+    def enqueue_query(self, statement: EnqueueStatement) -> Statement:
+        """``statement`` as a :class:`Statement`, to be run alone later (:meth:`run`)."""
+        if statement.name not in ENQUEUE_STATEMENTS:
+            raise ValueError(f"not an enqueue statement: {statement.name!r}")
+        return Statement(self.queries[statement.name], statement.params)
+
+    def notify(self, conn: psycopg.Connection[Any], *, channel: str, queue_names: Sequence[str]) -> None:
+        """Send each payload of ``queue_names`` (``"<queue>"`` or ``"<queue>@<due>"``) on ``channel``."""
+        conn.execute(self.queries["notify"], {"channel": channel, "queue_names": list(queue_names)})
+
+    def notify_committed(
+        self, conn: psycopg.Connection[Any], *, channel: str, xids: Sequence[str], payloads: Sequence[str]
+    ) -> list[CommitNotification]:
+        """Send the payloads whose transaction committed; each pair with its transaction's status."""
+        params = {"channel": channel, "xids": list(xids), "payloads": list(payloads)}
+        return (
+            conn.cursor(row_factory=named_rows(CommitNotification))
+            .execute(self.queries["notify_committed"], params)
+            .fetchall()
+        )
+
+    def current_xact_id(self, cursor: Cursor) -> str:
+        """The id of the transaction of ``cursor`` (``pg_current_xact_id()``), as text."""
+        cursor.execute(self.queries["current_xact_id"])
+        ((xid,),) = cursor.fetchall()
+        return str(xid)
+
+    def surviving_ids(self, cursor: Cursor, *, ids: Sequence[int]) -> set[int]:
+        """Which of ``ids``, rows written earlier in this transaction, still exist."""
+        cursor.execute(self.queries["surviving_ids"], {"ids": list(ids)})
+        return {int(row_id) for (row_id,) in cursor.fetchall()}
+
+    # -- claims -----------------------------------------------------------------------------
+    def claim(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        prioritized: bool,
+        queue_name: str,
+        limit: int,
+        lease: uuid.UUID,
+        owner: uuid.UUID,
+        consumers: int,
+        rank: int,
+        look_ahead: int,
+        from_at: dt.datetime | None,
+        from_id: int | None,
+    ) -> Claim:
+        """Claim up to ``limit`` due messages of ``queue_name`` under ``lease`` (``claim``).
+
+        Parameters:
+          prioritized(bool): Claim the prioritized rows first (``claim_prioritized``).
+          owner(uuid.UUID): This process's worker id.
+          consumers(int), rank(int): Of the consumer (see ``consumer_rank``): which due
+            times the returned ``next_due_in_ms`` is about.
+          look_ahead(int): Upcoming delayed rows read at most to find it.
+          from_at(datetime|None), from_id(int|None): The watermark (both None: a sweep).
+        """
+        params = {
+            "queue_name": queue_name,
+            "limit": limit,
+            "lease": lease,
+            "owner": owner,
+            "consumers": consumers,
+            "rank": rank,
+            "look_ahead": look_ahead,
+            "from_at": from_at,
+            "from_id": from_id,
+        }
+        query = self._claim_prioritized if prioritized else self._claim
+        rows = conn.cursor(row_factory=_CLAIM_ROWS).execute(query, params).fetchall()
+        # Every row carries the clock columns; a claim of nothing is one row with a NULL id.
+        clock = rows[0]
+        if clock.id is None:
+            rows = []
+        return Claim(rows, clock.next_due_in_ms, clock.db_now_ms, bool(clock.prioritized))
+
+    def consumer_rank(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        queue_name: str,
+        worker_id: uuid.UUID,
+        heartbeat_timeout_ms: int,
+    ) -> ConsumerRank:
+        """How many live processes consume ``queue_name`` and this one's rank among them."""
+        params = {
+            "queue_name": queue_name,
+            "worker_id": worker_id,
+            "heartbeat_timeout_ms": heartbeat_timeout_ms,
+        }
+        row = conn.cursor(row_factory=named_rows(ConsumerRank)).execute(self.queries["consumer_rank"], params)
+        found = row.fetchone()
+        assert found is not None  # an aggregate: always one row
+        return found
+
+    # -- decisions ----------------------------------------------------------------------------
+    def ack(self, conn: psycopg.Connection[Any], *, ids: Sequence[int], fences: Sequence[str]) -> int:
+        """Archive completed messages whose lease still holds (``ack``); how many were archived.
+
+        Parameters:
+          ids(list[int]), fences(list[str]): See ``_runtime.fence_params``.
+        """
+        return conn.execute(self._ack, {"ids": ids, "fences": fences}).rowcount
+
+    def ack_fenced(
+        self, conn: psycopg.Connection[Any], *, ids: Sequence[int], fences: Sequence[str]
+    ) -> list[Fence]:
+        """:meth:`ack`, returning the (id, lease) of each row archived."""
+        cur = conn.cursor(row_factory=_FENCES)
+        return cur.execute(self._ack, {"ids": ids, "fences": fences}).fetchall()
+
+    def archive(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        ids: Sequence[int],
+        fences: Sequence[str],
+        state: str,
+        error_types: Sequence[str | None],
+        errors: Sequence[str | None],
+    ) -> int:
+        """Move messages to history in ``state`` with their errors (``archive``); how many moved.
+
+        Parameters:
+          state(str): ``failed`` (a dead letter) or ``completed`` (acked after an error).
+          error_types(list[str]), errors(list[str]): One per fence, in the same order.
+        """
+        params = {"ids": ids, "fences": fences, "state": state, "error_types": error_types, "errors": errors}
+        return conn.execute(self._archive, params).rowcount
+
+    def archive_fenced(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        ids: Sequence[int],
+        fences: Sequence[str],
+        state: str,
+        error_types: Sequence[str | None],
+        errors: Sequence[str | None],
+    ) -> list[Fence]:
+        """:meth:`archive`, returning the (id, lease) of each row archived."""
+        params = {"ids": ids, "fences": fences, "state": state, "error_types": error_types, "errors": errors}
+        return conn.cursor(row_factory=_FENCES).execute(self._archive, params).fetchall()
+
+    def requeue(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        ids: Sequence[int],
+        fences: Sequence[str],
+        notify: bool,
+        channel: str,
+    ) -> list[Requeued]:
+        """Hand claimed, unstarted messages back without charging the attempt (``requeue``).
+
+        Returns:
+          list[Requeued]: The rows released per queue (their consumers were woken if ``notify``).
+        """
+        params = {"ids": ids, "fences": fences, "notify": notify, "channel": channel}
+        return conn.cursor(row_factory=named_rows(Requeued)).execute(self._requeue, params).fetchall()
+
+    # -- maintenance ----------------------------------------------------------------------------
+    def heartbeat(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        id: uuid.UUID,
+        hostname: str,
+        pid: int,
+        queues: Sequence[str],
+        running: Sequence[int],
+    ) -> None:
+        """Insert or refresh the ``workers`` row of process ``id`` (its queues and running row ids)."""
+        params = {
+            "id": id,
+            "hostname": hostname,
+            "pid": pid,
+            "queues": list(queues),
+            "running": list(running),
+        }
+        conn.execute(self.queries["heartbeat"], params)
+
+    def unregister_worker(self, conn: psycopg.Connection[Any], *, id: uuid.UUID) -> None:
+        """Delete the ``workers`` row of process ``id``."""
+        conn.execute(self.queries["unregister_worker"], {"id": id})
+
+    def rescue(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        heartbeat_timeout_ms: int,
+        max_lease_ms: int | None,
+        max_deliveries: int,
+        channel: str,
+    ) -> RescueCounts:
+        """Release (or quarantine) the claims of dead workers and those older than ``max_lease_ms``."""
+        params = {
+            "heartbeat_timeout_ms": heartbeat_timeout_ms,
+            "max_lease_ms": max_lease_ms,
+            "max_deliveries": max_deliveries,
+            "channel": channel,
+        }
+        row = conn.execute(self.queries["rescue"], params).fetchone()
+        assert row is not None
+        return RescueCounts(*(int(n) for n in row))
+
+    def release_orphans(
+        self, conn: psycopg.Connection[Any], *, owner: uuid.UUID, grace_ms: int, known_ids: Sequence[int]
+    ) -> int:
+        """Release the claims of ``owner`` older than ``grace_ms`` ms and not in ``known_ids``; how many."""
+        params = {"owner": owner, "grace_ms": grace_ms, "known_ids": list(known_ids)}
+        return self._count(conn, self.queries["release_orphans"], params)
+
+    def create_history_partitions(self, conn: psycopg.Connection[Any], *, days: int) -> int:
+        """Create the history partitions of the next ``days`` days; how many were created."""
+        return self._count(conn, self.queries["create_history_partitions"], {"days": days})
+
+    def reclaim_messages(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        rotate_ms: int,
+        park_after_ms: int,
+        max_slots: int,
+        channel: str,
+        max_moved: int,
+    ) -> ReclaimRow | None:
+        """One call of ``reclaim_messages()``; None when another process held the ring."""
+        params = {
+            "rotate_ms": rotate_ms,
+            "park_after_ms": park_after_ms,
+            "max_slots": max_slots,
+            "channel": channel,
+            "max_moved": max_moved,
+        }
+        cur = conn.cursor(row_factory=named_rows(ReclaimRow))
+        return cur.execute(self.queries["reclaim_messages"], params).fetchone()
+
+    # -- queues ------------------------------------------------------------------------------------
+    def queue_size(self, conn: psycopg.Connection[Any], *, queue_names: Sequence[str]) -> int:
+        """Stored messages of ``queue_names``, in one snapshot."""
+        return self._count(conn, self.queries["queue_size"], {"queue_names": list(queue_names)})
+
+    def purge(
+        self, conn: psycopg.Connection[Any], *, queue_names: Sequence[str], ids: Sequence[int] | None
+    ) -> list[int]:
+        """Delete the messages of ``queue_names`` (only ``ids``, if given).
+
+        Returns:
+          list[int]: Ids of rows it saw but did not delete (moved meanwhile): purge them again.
+        """
+        row = conn.execute(self.queries["purge"], {"queue_names": list(queue_names), "ids": ids}).fetchone()
+        assert row is not None
+        return list(row[0] or [])
+
+    @staticmethod
+    def _count(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> int:
+        """The one integer that ``query`` returns."""
+        row = conn.execute(query, params).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+@functools.lru_cache(maxsize=16)
+def message_store(schema: str) -> MessageStore:
+    """The :class:`MessageStore` of ``schema``, made once (for the outboxes, which hold no runtime).
+
+    Raises:
+      ValueError: If ``schema`` is not a valid schema name.
+    """
+    return MessageStore(schema)

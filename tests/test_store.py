@@ -1,0 +1,105 @@
+"""The typed stores (``dramatiq_pg_outbox/store``): each row type is its statement's columns, by name."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any, NamedTuple
+
+import psycopg
+import pytest
+
+from dramatiq_pg_outbox.store.messages import (
+    ClaimRow,
+    Fence,
+    MessageStore,
+    Requeued,
+    named_rows,
+)
+from dramatiq_pg_outbox.store.periodic import PeriodicStore, Rules
+
+
+class Pair(NamedTuple):
+    a: int
+    b: int
+
+
+def test_a_row_type_takes_its_statements_columns_by_name(db: psycopg.Connection[Any]) -> None:
+    # Given a row type of two fields
+    rows = named_rows(Pair)
+    # When a statement returns those columns, they fill the fields (a NamedTuple per row, by position)
+    got = db.cursor(row_factory=rows).execute("SELECT 1 AS a, 2 AS b").fetchall()
+    assert got == [Pair(1, 2)] and got[0].b == 2
+    # Then a statement whose columns moved, or that has one more, is refused, not shifted
+    with pytest.raises(TypeError, match=r"\['b', 'a'\], not those of Pair"):
+        db.cursor(row_factory=rows).execute("SELECT 2 AS b, 1 AS a").fetchall()
+    with pytest.raises(TypeError):
+        db.cursor(row_factory=rows).execute("SELECT 1 AS a, 2 AS b, 3 AS c").fetchall()
+
+
+def test_the_statements_of_the_hot_path_return_the_columns_of_their_row_types(
+    db: psycopg.Connection[Any],
+) -> None:
+    # Given the messages store of the test schema and an empty queue
+    store = MessageStore("dramatiq")
+    lease, owner = uuid.uuid4(), uuid.uuid4()
+    bound: dict[str, Any] = {"from_at": None, "from_id": None}
+    # When each statement runs once (named_rows checks the column names of each)
+    for prioritized in (False, True):
+        claim = store.claim(
+            db,
+            prioritized=prioritized,
+            queue_name="default",
+            limit=8,
+            lease=lease,
+            owner=owner,
+            consumers=1,
+            rank=0,
+            look_ahead=64,
+            **bound,
+        )
+        # Then a claim of nothing is no row, with the clock
+        assert claim.rows == [] and claim.next_due_in_ms is None and claim.prioritized is False
+        assert claim.db_now_ms > 0
+    fence: dict[str, Any] = {"ids": [1], "fences": [f"1/{lease}"]}
+    assert store.ack_fenced(db, **fence) == []
+    errors: dict[str, Any] = {"error_types": ["E"], "errors": ["e"]}
+    assert store.archive_fenced(db, **fence, state="failed", **errors) == []
+    assert store.requeue(db, **fence, notify=False, channel="c") == []
+    assert store.notify_committed(db, channel="c", xids=[], payloads=[]) == []
+    rank = store.consumer_rank(db, queue_name="default", worker_id=owner, heartbeat_timeout_ms=1_000)
+    assert (rank.consumers, rank.rank, rank.listed) == (0, 0, False)
+    reclaimed = store.reclaim_messages(
+        db, rotate_ms=60_000, park_after_ms=60_000, max_slots=8, channel="c", max_moved=10
+    )
+    assert reclaimed is None or reclaimed.slot >= 0
+    # And the row types are the statements' columns, in order
+    assert ClaimRow._fields[:3] == ("id", "attempts", "payload")
+    assert Fence._fields == ("id", "lease") and Requeued._fields[:2] == ("queue_name", "n")
+
+
+def test_the_periodic_statements_return_the_columns_of_their_row_types(db: psycopg.Connection[Any]) -> None:
+    # Given no schedule left by an earlier test in this database (the db fixture keeps them)
+    db.execute("DELETE FROM dramatiq.schedules")
+    store = PeriodicStore("dramatiq")
+    rules = Rules(names=["s"], crons=[None], every_ms=[60_000], tzs=["UTC"])
+    now = dt.datetime.now(dt.timezone.utc)
+    with db.transaction():
+        assert store.begin(db, idle_timeout=1_000) <= dt.datetime.now(dt.timezone.utc)
+        declared = store.declare(
+            db,
+            rules=rules,
+            actor_names=["a"],
+            queue_names=["default"],
+            missed=["skip"],
+            grace_ms=[1_000],
+            first_runs=[now],
+            define=True,
+            stale=now,
+        )
+        assert [(d.name, d.added) for d in declared] == [("s", True)]
+        assert [d.name for d in store.claim(db, rules=rules, limit=4)] == ["s"]
+        assert [row.name for row in store.list_schedules(db)] == ["s"]
+        assert store.remove(db, removed_after=3_600_000, retention=3_600_000) == (0, 0)
+        assert store.next_due_in(db, rules=rules) is not None
+        raise psycopg.Rollback()
