@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from .bench_common import OURS, RABBITMQ, REDIS, Context, markdown_table, percentile
-from .bench_systems import ACTOR, QUEUE, Shared, WorkerGroup, _record, install, make_broker
+from .bench_systems import ACTOR, QUEUE, Shared, WorkerGroup, install, make_broker, record_start
 
 #: Delays of part 1, in milliseconds.
 DELAYS = (100, 500, 1_000, 5_000, 10_000)
@@ -85,7 +85,7 @@ def delay_worker_process(
         if retry and shared.raised[i] == 0.0:
             shared.raised[i] = time.time()
             raise dramatiq.Retry(delay=RETRY_DELAY_MS)
-        _record(shared, i)
+        record_start(shared, i)
 
     broker.declare_queue(QUEUE)
     worker = Worker(broker, worker_threads=threads, worker_timeout=worker_timeout)

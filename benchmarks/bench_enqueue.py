@@ -104,12 +104,12 @@ def _ours_cases(url: str, n_single: int, n_batch: int) -> dict[str, float]:
         # _Runtime._getconn looks the probe up in its module (_runtime.process) at every checkout.
         from dramatiq_pg_outbox._runtime import process
 
-        probe = process._has_input
-        process._has_input = lambda conn: True  # every checkout runs ConnectionPool.check_connection
+        probe = process.has_input
+        process.has_input = lambda conn: True  # every checkout runs ConnectionPool.check_connection
         try:
             send_outside()
         finally:
-            process._has_input = probe
+            process.has_input = probe
 
     def outbox_many(per_txn: int) -> Callable[[], None]:
         def body() -> None:

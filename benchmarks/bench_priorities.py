@@ -36,7 +36,7 @@ from typing import Any
 
 import psycopg
 
-from dramatiq_pg_outbox._queries import _HEADER, queries_for_schema
+from dramatiq_pg_outbox._queries import STATEMENT_HEADER, queries_for_schema
 
 from .bench_common import DEFAULT_CAP_S, OURS, Context, Series, fmt_rate, markdown_table
 from .bench_systems import ACTOR, QUEUE, WorkerGroup, getenv_int, install, make_message
@@ -60,7 +60,7 @@ def baseline_claim(rev: str) -> str:
         capture_output=True,
         text=True,
     ).stdout
-    parts = _HEADER.split(text)
+    parts = STATEMENT_HEADER.split(text)
     for kind, name, body in zip(parts[1::3], parts[2::3], parts[3::3], strict=True):
         if kind == "name" and name == "claim":
             lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]

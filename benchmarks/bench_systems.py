@@ -185,7 +185,7 @@ class Shared:
         self.stop = ctx.Event()
 
 
-def _record(shared: Shared, i: int) -> None:
+def record_start(shared: Shared, i: int) -> None:
     if 0 <= i < len(shared.started):
         shared.started[i] = time.time()
     with shared.counter.get_lock():
@@ -209,7 +209,7 @@ def worker_process(
 
     @dramatiq.actor(queue_name=QUEUE, actor_name=ACTOR, max_retries=0)
     def noop(i: int) -> None:
-        _record(shared, i)
+        record_start(shared, i)
 
     broker.declare_queue(QUEUE)
     if stub_prefill:
@@ -240,7 +240,7 @@ async def _pgqueuer_worker(url: str, shared: Shared, opts: dict[str, Any]) -> No
 
     @qm.entrypoint(ACTOR)
     async def noop(job: Job) -> None:
-        _record(shared, int(job.payload or b"-1"))
+        record_start(shared, int(job.payload or b"-1"))
 
     shared.ready.release()
     loop = asyncio.get_running_loop()

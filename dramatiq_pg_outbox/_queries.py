@@ -29,7 +29,7 @@ from importlib import resources
 
 from .names import quote_ident
 
-_HEADER = re.compile(r"^-- (name|fragment): ([a-z_]+) --$", re.MULTILINE)
+STATEMENT_HEADER = re.compile(r"^-- (name|fragment): ([a-z_]+) --$", re.MULTILINE)
 
 #: Most runs of a statement that runs again for the rows changed under it (a purge, a cancel:
 #: a row the reclaimer moved between partitions while the statement waited on it).
@@ -44,7 +44,7 @@ DASHBOARD_SQL = "dashboard/queries.sql"
 def _parse(path: str) -> tuple[dict[str, str], dict[str, str]]:
     """(queries, fragments) of one ``.sql`` file, comments and the trailing ``;`` dropped."""
     text = resources.files(__package__).joinpath(path).read_text(encoding="utf-8")
-    parts = _HEADER.split(text)
+    parts = STATEMENT_HEADER.split(text)
     # parts = [preamble, kind1, name1, body1, kind2, name2, body2, ...]
     found: dict[str, dict[str, str]] = {"name": {}, "fragment": {}}
     for kind, name, body in zip(parts[1::3], parts[2::3], parts[3::3], strict=True):

@@ -257,6 +257,11 @@ class DatabaseCollector:
             paused.add_metric([queue_name], 1.0 if queue_name in snap.paused else 0.0)
         yield paused
 
+    @property
+    def connection(self) -> psycopg.Connection[Any] | None:
+        """The collector's autocommit connection: None before the first read, or after a failed one."""
+        return self._conn
+
     def close(self) -> None:
         """Close the connection (a later read opens a new one)."""
         with self._lock:

@@ -186,7 +186,7 @@ def check_schema(
     return parse_schema_revision(found.comment) or 0
 
 
-def _config(schema: str, url: str | None = None) -> Any:
+def alembic_config(schema: str, url: str | None = None) -> Any:
     from alembic.config import Config
 
     cfg = Config()
@@ -243,7 +243,7 @@ def _run_alembic(
     """Run an alembic command on a Connection (caller commits), an Engine or a URL (committed here)."""
     validate_schema_name(schema)
     if isinstance(connection_or_url, Connection):
-        cfg = _config(schema)
+        cfg = alembic_config(schema)
         cfg.attributes["connection"] = connection_or_url
         run(cfg, revision)
         return
@@ -266,4 +266,4 @@ def upgrade_sql(schema: str = DEFAULT_SCHEMA, revision: str = "head") -> None:
     """Print the SQL of an upgrade to standard output without connecting (alembic offline mode)."""
     from alembic import command
 
-    command.upgrade(_config(validate_schema_name(schema), "postgresql+psycopg://"), revision, sql=True)
+    command.upgrade(alembic_config(validate_schema_name(schema), "postgresql+psycopg://"), revision, sql=True)

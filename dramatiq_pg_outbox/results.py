@@ -235,7 +235,7 @@ class PostgresBackend(ResultBackend):
                 listener.remove(message_key, wakeup)
 
     def _get(self, message_key: str) -> Any:
-        with self._connection() as conn:
+        with self.connection() as conn:
             stored = self._result_store.get(conn, message_key=message_key)
         if stored is None:
             return Missing
@@ -258,7 +258,7 @@ class PostgresBackend(ResultBackend):
             # written with its ack or nack, in one transaction (PostgresBroker.emit_after).
             finishing.statements.append(statement)
         else:
-            with self._connection() as conn:
+            with self.connection() as conn:
                 self._result_store.store(conn, statement)
         if self.cleanup_interval is not None:
             self._state().start_cleaner()
@@ -283,7 +283,7 @@ class PostgresBackend(ResultBackend):
         limit = batch_size or self.cleanup_batch_size
         total = 0
         while True:
-            with self._connection() as conn:
+            with self.connection() as conn:
                 deleted = self._result_store.delete_expired(conn, limit=limit)
             total += deleted
             if deleted < limit:
@@ -325,8 +325,14 @@ class PostgresBackend(ResultBackend):
         return process
 
     @contextmanager
-    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection of the broker's runtime (connection errors become Dramatiq's)."""
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection of the broker's runtime, as a context manager (returned after the block).
+
+        The backend's own statements run on it; the tests read its session settings through it.
+
+        Raises:
+          SchemaNotReady: If the results table does not exist.
+          dramatiq.errors.ConnectionClosed: If the database cannot be reached."""
         try:
             with self._broker.runtime.connection() as conn:
                 yield conn

@@ -102,7 +102,7 @@ from dramatiq.middleware import Middleware
 
 from ._binding import current_binding
 from .broker import PostgresBroker
-from .broker.consumer import _PostgresMessage, deciding
+from .broker.consumer import PostgresMessage, deciding
 from .errors import OutboxError
 
 try:
@@ -265,7 +265,7 @@ class TracingMiddleware(Middleware):
             "messaging.message.id": message.message_id,
             ACTOR_NAME: message.actor_name,
         }
-        if isinstance(message, _PostgresMessage):
+        if isinstance(message, PostgresMessage):
             # Charged by the claim, before any middleware or the actor ran.
             attributes[DELIVERY_COUNT] = message.attempts
         span = self._tracer.start_span(

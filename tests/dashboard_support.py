@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ pytest.importorskip("starlette", reason="the dashboard extra is not installed: p
 
 from dramatiq_pg_outbox.dashboard.app import Settings, create_app  # noqa: E402
 from dramatiq_pg_outbox.dashboard.store import Store  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
 
 _CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
 
@@ -35,11 +35,8 @@ class DashboardServer:
 
     def start(self) -> DashboardServer:
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise AssertionError("the dashboard server did not start")
-            time.sleep(0.02)
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), 30, "the dashboard server", 0.02)
+        assert self.server.started, "the dashboard server's thread ended before it listened"
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
         self.url = f"http://{host}:{port}"
         return self

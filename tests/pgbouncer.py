@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -27,7 +26,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from dramatiq_pg_outbox.testing import free_port
 
-from .helpers import TEST_MARK
+from .helpers import TEST_MARK, wait_for
 
 #: Skip reason where the binary is missing (Debian and Ubuntu put it in /usr/sbin).
 PGBOUNCER_MISSING = "pgbouncer is not installed: apt-get install -y pgbouncer"
@@ -166,15 +165,28 @@ class PgBouncer:
             self.proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=self.dir
             )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.proc = None
-                return False
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return True
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"PgBouncer did not listen within {START_TIMEOUT_S} s:\n{self.log()}")
+        proc = self.proc
+        try:
+            wait_for(
+                lambda: proc.poll() is not None or self._listening(),
+                START_TIMEOUT_S,
+                "PgBouncer to listen",
+                0.02,
+            )
+        except AssertionError:
+            self.stop()
+            raise RuntimeError(
+                f"PgBouncer did not listen within {START_TIMEOUT_S} s:\n{self.log()}"
+            ) from None
+        if proc.poll() is not None:
+            self.proc = None
+            return False
+        return True
+
+    def _listening(self) -> bool:
+        """Whether PgBouncer accepts connections on its port."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False

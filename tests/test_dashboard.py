@@ -804,11 +804,11 @@ def test_a_request_for_another_host_name_is_refused_so_dns_rebinding_reads_nothi
 def test_the_operator_names_the_hosts_of_a_dashboard_on_every_interface(
     database_url: str, db: Any, serve_dashboard: Serve
 ) -> None:
-    from dramatiq_pg_outbox.cli.dashboard import _allowed_hosts
+    from dramatiq_pg_outbox.cli.dashboard import allowed_host_names
 
-    allowed = _allowed_hosts("0.0.0.0", ["Dashboard.Example.com", "*.ops.example.com"])
+    allowed = allowed_host_names("0.0.0.0", ["Dashboard.Example.com", "*.ops.example.com"])
     assert "dashboard.example.com" in allowed and "127.0.0.1" in allowed and "0.0.0.0" not in allowed
-    assert "10.0.0.5" in _allowed_hosts("10.0.0.5", [])
+    assert "10.0.0.5" in allowed_host_names("10.0.0.5", [])
     server = serve_dashboard(allowed_hosts=allowed)
     with httpx.Client(base_url=server.url) as browser:
         assert browser.get("/", headers={"Host": "dashboard.example.com"}).status_code == 200

@@ -164,7 +164,7 @@ def test_a_claim_returns_when_the_next_delayed_message_is_due(make_broker: Any) 
     before = time.monotonic()
     assert next(consumer) is None
     # Then its next claim is planned at the earlier due time, not at its poll deadline
-    assert 25 <= min(consumer._poll_at, consumer._due_at) - before <= 31
+    assert 25 <= consumer.next_claim_at - before <= 31
     consumer.close()
 
 
@@ -194,8 +194,8 @@ def two_consumers(make_broker: Any) -> list[Any]:
     consumers = [broker.consume("default", prefetch=1, timeout=100) for broker in brokers]
     for consumer in consumers:
         assert next(consumer) is None
-        consumer._refresh_rank()
-    assert sorted((c._consumers, c._rank) for c in consumers) == [(2, 0), (2, 1)]
+        consumer.refresh_rank()
+    assert sorted(c.rank for c in consumers) == [(2, 0), (2, 1)]
     return consumers
 
 

@@ -247,7 +247,7 @@ def test_a_group_completion_callback_survives_an_outage(
 def test_a_worker_back_from_an_outage_judges_no_other_worker_dead_for_a_heartbeat_timeout(
     db: Any, make_broker: Any, outage: Outage
 ) -> None:
-    from dramatiq_pg_outbox._runtime import _Maintenance
+    from dramatiq_pg_outbox._runtime import Maintenance
 
     # Given a message running on another worker process, whose heartbeat is stale because
     # the database was out of reach for everybody (here: 30 s old)
@@ -263,7 +263,7 @@ def test_a_worker_back_from_an_outage_judges_no_other_worker_dead_for_a_heartbea
         "lease, owner, acquired_at) VALUES ('q', 'a', 'm', '\\x00', 'processing', 1, %s, %s, now())",
         (uuid.uuid4(), other),
     )
-    maintenance = _Maintenance(broker.runtime)
+    maintenance = Maintenance(broker.runtime)
     # When this worker's own maintenance pass fails during the outage, then succeeds
     outage.proxy.block()
     with pytest.raises(ConnectionFailed):

@@ -12,7 +12,6 @@ that the two functions refuse any other level.  docs/guarantees.md, "Isolation l
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 import uuid
@@ -33,8 +32,8 @@ from sqlalchemy.orm import Session
 from dramatiq_pg_outbox import PostgresBroker, outbox, upgrade
 from dramatiq_pg_outbox import rate_limits as rate_limits_module
 from dramatiq_pg_outbox import results as results_module
-from dramatiq_pg_outbox._runtime.listener import _listeners, subscribe
-from dramatiq_pg_outbox._runtime.reclaimer import _Reclaimer
+from dramatiq_pg_outbox._runtime.listener import subscribe
+from dramatiq_pg_outbox._runtime.reclaimer import Reclaimer
 from dramatiq_pg_outbox.migrations import downgrade, normalize_sqlalchemy_url
 from dramatiq_pg_outbox.testing import scratch_database
 
@@ -129,7 +128,7 @@ class RingTurner(threading.Thread):
     def __init__(self, broker: PostgresBroker, actor: Any, url: str) -> None:
         super().__init__(daemon=True)
         self.broker, self.actor, self.url = broker, actor, url
-        self.reclaimer = _Reclaimer(broker.runtime)
+        self.reclaimer = Reclaimer(broker.runtime)
         self.sent: list[str] = []
         self.turns = 0
         self.passes = 0
@@ -442,9 +441,8 @@ def _listener_level(url: str) -> str:
     sub = subscribe(conninfo, "iso_channel", lambda payload: None, lambda: None)
     try:
         wait_for(sub.connected.is_set, 15, "the LISTEN connection")
-        listener = _listeners[(os.getpid(), conninfo)]
-        assert listener.connection is not None
-        return _show(listener.connection)
+        assert sub.listener.connection is not None
+        return _show(sub.listener.connection)
     finally:
         sub.close()
 
@@ -452,7 +450,7 @@ def _listener_level(url: str) -> str:
 def _results_level(url: str) -> str:
     backend = results_module.PostgresBackend(url=url)
     try:
-        with backend._connection() as conn:
+        with backend.connection() as conn:
             return _show(conn)
     finally:
         backend.close()
@@ -511,19 +509,19 @@ def _metrics_level(url: str) -> str:
 
     collector = DatabaseCollector(url, SCHEMA)
     collector.read()
-    assert collector._conn is not None, collector.last_error
+    assert collector.connection is not None, collector.last_error
     try:
-        return _show(collector._conn)
+        return _show(collector.connection)
     finally:
-        collector._conn.close()
+        collector.close()
 
 
 def _cli_level(url: str) -> str:
     import argparse
 
-    from dramatiq_pg_outbox.cli.common import _connect, _database
+    from dramatiq_pg_outbox.cli.common import database_from, open_connection
 
-    with _connect(_database(argparse.Namespace(url=url))) as conn:
+    with open_connection(database_from(argparse.Namespace(url=url))) as conn:
         return _show(conn)
 
 
@@ -559,9 +557,9 @@ def _migrations_engine_level(url: str) -> str:
 
 def _alembic_env_level(url: str) -> str:
     from alembic import command
-    from dramatiq_pg_outbox.migrations import _config
+    from dramatiq_pg_outbox.migrations import alembic_config
 
-    config = _config(SCHEMA, normalize_sqlalchemy_url(url).render_as_string(hide_password=False))
+    config = alembic_config(SCHEMA, normalize_sqlalchemy_url(url).render_as_string(hide_password=False))
     return _first_migration_statement_level(lambda: command.upgrade(config, "head"))
 
 
@@ -675,7 +673,7 @@ def test_a_broker_behind_pgbouncer_runs_read_committed_on_server_connections_tha
                         assert _show(conn) == "read committed"
                 assert _show(plain) == "repeatable read"
             # And the ring's call runs there
-            assert _Reclaimer(broker.runtime).run_once() is not None
+            assert Reclaimer(broker.runtime).run_once() is not None
 
 
 def test_no_connection_of_the_package_is_opened_without_read_committed() -> None:

@@ -118,7 +118,7 @@ def test_a_send_on_an_async_bind_runs_no_sql_and_opens_no_broker_connection(
 ) -> None:
     # Given an async bind whose engine records every statement, and a broker that never connected
     broker = actor.broker
-    assert broker._runtime is None
+    assert not broker.has_runtime
     engine = create_async_engine(normalize_sqlalchemy_url(database_url))
     statements: list[str] = []
     event.listen(
@@ -144,7 +144,7 @@ def test_a_send_on_an_async_bind_runs_no_sql_and_opens_no_broker_connection(
     # Then the sends ran no statement (the event loop never blocked on them), the broker opened
     # no connection of its own, and the commit stored both messages
     assert during_sends == []
-    assert broker._runtime is None
+    assert not broker.has_runtime
     assert any("INSERT INTO" in s and "messages" in s for s in statements)
     assert stored(db) == ["welcome", "welcome"]
 
@@ -325,7 +325,7 @@ def test_the_outbox_path_opens_no_broker_connection(db: Any, engine: Any, actor:
             actor.send(1)
         session.commit()
     assert stored(db) == ["welcome"]
-    assert broker._runtime is None
+    assert not broker.has_runtime
 
 
 def test_enqueue_many_inside_the_outbox_commits_and_rolls_back_with_the_transaction(

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from dramatiq_pg_outbox import PostgresBroker, SchemaNotReady, outbox, upgrade
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
-from dramatiq_pg_outbox.outbox.hooks import _install_engine_listeners
+from dramatiq_pg_outbox.outbox.hooks import install_engine_listeners
 
 KINDS = ["Session", "AsyncSession", "Connection", "AsyncConnection"]
 
@@ -778,7 +778,7 @@ def test_a_send_from_a_listener_of_the_transactions_end_is_stored_once(
                 # The outbox listens on each engine from its first send there: this one is new.
                 target = binds.engine.sync_engine if isinstance(binds.engine, AsyncEngine) else binds.engine
                 if order == "after":
-                    _install_engine_listeners(target)
+                    install_engine_listeners(target)
                 event.listen(target, hook, listener)
             try:
                 # When a transaction inside outbox() sends a message and ends

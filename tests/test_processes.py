@@ -48,6 +48,11 @@ def test_a_killed_workers_messages_are_delivered_again(producer: Any, worker_pro
     rescuer.stop(signal.SIGKILL)
 
 
+def failed(db: Any) -> int:
+    """Dead letters in history."""
+    return count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'")
+
+
 def test_a_message_that_kills_its_worker_is_quarantined_after_max_deliveries(
     producer: Any, worker_process: Any, db: Any
 ) -> None:
@@ -60,10 +65,12 @@ def test_a_message_that_kills_its_worker_is_quarantined_after_max_deliveries(
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         wp = worker_process(threads=2, env={"DPO_MAX_DELIVERIES": "3"})
-        while wp.proc.poll() is None and time.monotonic() < deadline:
-            if count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'failed'") == 1:
-                break
-            time.sleep(0.1)
+        wait_for(
+            lambda wp=wp: wp.proc.poll() is not None or failed(db) == 1,
+            max(0.0, deadline - time.monotonic()),
+            "the poison to kill its worker or to be failed",
+            0.1,
+        )
         if wp.proc.poll() is None:
             wp.stop()
             break

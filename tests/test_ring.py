@@ -1,6 +1,6 @@
 """The ring of message partitions (migration 0013): where rows go, how the ring turns, what it empties.
 
-Each test calls the reclaim loop's pass (``_Reclaimer.run_once``) itself, with no
+Each test calls the reclaim loop's pass (``Reclaimer.run_once``) itself, with no
 consumer running (a consumer's process would start its own loop), and reads the
 partitions back from the catalog.
 """
@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from dramatiq_pg_outbox import downgrade, upgrade
-from dramatiq_pg_outbox._runtime.reclaimer import ReclaimResult, _Reclaimer
+from dramatiq_pg_outbox._runtime.reclaimer import Reclaimer, ReclaimResult
 from dramatiq_pg_outbox.dashboard.store import Store
 from tests.helpers import count, wait_for
 
@@ -49,7 +49,7 @@ def partitions(db: Any) -> set[str]:
     }
 
 
-def rotate(reclaimer: _Reclaimer, db: Any) -> ReclaimResult:
+def rotate(reclaimer: Reclaimer, db: Any) -> ReclaimResult:
     """One pass after the ring's current partition is old enough to turn."""
     db.execute("UPDATE dramatiq.message_ring SET rotated_at = now() - interval '1 hour'")
     result = reclaimer.run_once()
@@ -65,7 +65,7 @@ def reclaimer(make_broker: Any) -> Any:
     def noop(n: int) -> None:
         pass
 
-    return broker, noop, _Reclaimer(broker.runtime)
+    return broker, noop, Reclaimer(broker.runtime)
 
 
 def test_keyed_and_far_delayed_messages_go_to_the_vacuumed_partition(reclaimer: Any, db: Any) -> None:

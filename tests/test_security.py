@@ -201,7 +201,7 @@ def test_the_spark_role_writes_a_partition_idempotently(secured: Secured) -> Non
 
 def test_the_backlog_reader_needs_only_the_columns_its_readme_grants(secured: Secured) -> None:
     pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[dev]')")
-    from dramatiq_pg_outbox.spark.backlog import _Reader as BacklogReader
+    from dramatiq_pg_outbox.spark.backlog import BacklogReader as BacklogReader
     from dramatiq_pg_outbox.spark.backlog import scan_from_options
 
     # Given the column grant of examples/spark_pipeline/README.md ("The backlog as a table")

@@ -39,6 +39,7 @@ from dramatiq_pg_outbox.spark import (  # noqa: E402
     message_id_for,
     write_partition,
 )
+from tests.helpers import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -641,7 +642,6 @@ def test_a_streaming_query_killed_mid_batch_writes_every_row_once_after_its_rest
     import signal
     import subprocess
     import sys
-    import time
 
     # Given 4 files of 5,000 rows, one micro-batch each, written by two tasks per batch, and a
     # database URL with a password in it
@@ -670,11 +670,13 @@ def test_a_streaming_query_killed_mid_batch_writes_every_row_once_after_its_rest
 
     # When the query (driver, executors, Python workers) is killed -9 once rows are committed
     query = start()
-    deadline = time.monotonic() + 180
-    while (written := count(db)) == 0:
+
+    def wrote() -> bool:
         assert query.poll() is None, "the query ended before it wrote anything"
-        assert time.monotonic() < deadline, "the query wrote nothing in 180 s"
-        time.sleep(0.05)
+        return count(db) > 0
+
+    wait_for(wrote, 180, "the query's first committed rows")
+    written = count(db)
     os.killpg(query.pid, signal.SIGKILL)
     query.wait(30)
     at_kill = count(db)

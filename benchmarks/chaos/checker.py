@@ -672,11 +672,11 @@ class Run:
             conn.rollback()
 
     def _second_reclaimer(self) -> None:
-        from dramatiq_pg_outbox._runtime.reclaimer import _Reclaimer
+        from dramatiq_pg_outbox._runtime.reclaimer import Reclaimer
 
         broker = PostgresBroker(url=self.url, rotate_interval=WORKER_SETTINGS["rotate_interval"])
         try:
-            reclaimer = _Reclaimer(broker.runtime)
+            reclaimer = Reclaimer(broker.runtime)
             while not self.stop_faults.wait(random.uniform(0.05, 0.25)):
                 try:
                     reclaimer.run_once()

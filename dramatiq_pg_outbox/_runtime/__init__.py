@@ -1,6 +1,6 @@
 """What a :class:`~dramatiq_pg_outbox.PostgresBroker` runs in one process.
 
-- ``process``: ``_Runtime``, one per broker per process (a fork gets a fresh one):
+- ``process``: ``ProcessRuntime``, one per broker per process (a fork gets a fresh one):
   the connection pool, the consumers and the claims they hold.
 - ``service``: :class:`~.service.Service`, the one shape of every background loop
   (start/stop, ``run_once`` returning counts, a ``ticked`` test signal, backoff).
@@ -20,7 +20,7 @@ Connections per consuming process: ``pool_size`` (pool) + 1 (LISTEN, shared).
 from __future__ import annotations
 
 from .host import Runtime, RuntimeHost, Wakeable
-from .maintenance import RescueResult, _Maintenance
+from .maintenance import Maintenance, RescueResult
 from .messages import (
     Conditional,
     EnqueueResult,
@@ -33,22 +33,22 @@ from .messages import (
     idempotency_key,
     parse_notification,
 )
-from .process import _Runtime
+from .process import ProcessRuntime
 from .service import Every, Service
 
 __all__ = [
     "Conditional",
     "EnqueueResult",
     "Every",
+    "Maintenance",
     "Outcome",
+    "ProcessRuntime",
     "RescueResult",
     "Runtime",
     "RuntimeHost",
     "Service",
     "StoredMessage",
     "Wakeable",
-    "_Maintenance",
-    "_Runtime",
     "enqueue_result",
     "enqueue_statement",
     "fence_params",

@@ -37,7 +37,7 @@ from .service import Service
 #: and class 23 (integrity constraint violation), and psycopg's own refusals of a value
 #: (a NUL character in a text).  When a batch of outcomes fails with one of these, its
 #: outcomes are written one at a time, and one that fails alone is quarantined (see
-#: ``_Flusher._quarantine``).  Any other error (a lost connection, a missing grant, a
+#: ``Flusher._quarantine``).  Any other error (a lost connection, a missing grant, a
 #: schema not migrated yet) keeps the batch for a retry, as it may pass.
 UNWRITABLE = (psycopg.DataError, psycopg.IntegrityError)
 
@@ -45,7 +45,7 @@ UNWRITABLE = (psycopg.DataError, psycopg.IntegrityError)
 FOLLOW_UP_NOT_WRITABLE = "FollowUpNotWritable"
 
 
-class _Flusher(Service):
+class Flusher(Service):
     """The flush loop of a process (a :class:`~.service.Service`, started by the first decision).
 
     Parameters:

@@ -31,7 +31,7 @@ class RescueResult:
     dead_workers: int
 
 
-class _Maintenance(Service):
+class Maintenance(Service):
     """The maintenance loop of a process, every ``heartbeat_interval`` ms (a :class:`~.service.Service`).
 
     Each pass heartbeats; about every ``rescue_interval`` ms (+-20 %) it releases the

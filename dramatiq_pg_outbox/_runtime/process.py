@@ -1,6 +1,6 @@
-"""What a :class:`~dramatiq_pg_outbox.PostgresBroker` opens in one process: ``_Runtime``.
+"""What a :class:`~dramatiq_pg_outbox.PostgresBroker` opens in one process: ``ProcessRuntime``.
 
-One ``_Runtime`` per broker per process (a fork gets a fresh one): the connection
+One ``ProcessRuntime`` per broker per process (a fork gets a fresh one): the connection
 pool, the registry of consumers and the claims they hold, and the process's
 services (``flusher``, ``maintenance``, and a subscription to the process's one
 LISTEN connection, ``listener.subscribe``).
@@ -26,10 +26,10 @@ from .._isolation import read_committed
 from ..errors import ConnectionRejected, describe_rejection, translate_errors
 from ..migrations import check_schema
 from ..store.messages import MessageStore
-from .flusher import _Flusher
+from .flusher import Flusher
 from .host import RuntimeHost, Wakeable
 from .listener import Subscription, subscribe
-from .maintenance import _Maintenance
+from .maintenance import Maintenance
 from .messages import (
     StoredMessage,
     enqueue_result,
@@ -37,7 +37,7 @@ from .messages import (
     parse_notification,
     prioritized_notification,
 )
-from .reclaimer import _Reclaimer
+from .reclaimer import Reclaimer
 
 #: conninfo -> why the server refused the latest connection attempt of this process to it, when
 #: retrying cannot help (see errors.rejection_reason); cleared by a successful connection.
@@ -45,7 +45,7 @@ _rejected: dict[str, str] = {}
 
 
 class _PoolConnection(psycopg.Connection[Any]):
-    """The pool's connections: a refusal that retrying cannot fix is recorded for ``_Runtime._checkout``.
+    """The pool's connections: a refusal that retrying cannot fix is recorded for the runtime's checkout.
 
     psycopg_pool retries failed connection attempts in the background and
     only logs them; a caller waiting for a connection would learn nothing
@@ -67,7 +67,7 @@ class _PoolConnection(psycopg.Connection[Any]):
         return conn
 
 
-class _Runtime:
+class ProcessRuntime:
     def __init__(self, broker: RuntimeHost) -> None:
         self.logger = get_logger(__name__, type(self))
         self.broker = broker
@@ -110,9 +110,9 @@ class _Runtime:
         #: Database clock minus this process's time.monotonic(), in milliseconds,
         #: as seen by the latest claim (see observe_clock); until then, the wall clock's.
         self.clock_offset_ms = (time.time() - time.monotonic()) * 1000
-        self.flusher = _Flusher(self)
-        self.maintenance: _Maintenance | None = None
-        self.reclaimer: _Reclaimer | None = None
+        self.flusher = Flusher(self)
+        self.maintenance: Maintenance | None = None
+        self.reclaimer: Reclaimer | None = None
         #: This runtime's subscription to the process's LISTEN connection (consumers only).
         self.listener: Subscription | None = None
         self.closed = False
@@ -139,7 +139,7 @@ class _Runtime:
         # idle connections have nothing to read and cost no round trip.
         for _ in range(self.broker.options.pool_size + 1):
             conn = self._checkout()
-            if not _has_input(conn):
+            if not has_input(conn):
                 return conn
             try:
                 ConnectionPool.check_connection(conn)
@@ -206,7 +206,7 @@ class _Runtime:
         with self._lock:
             self.consumers[consumer.queue_name].add(consumer)
             if self.maintenance is None:
-                maintenance = _Maintenance(self)
+                maintenance = Maintenance(self)
                 # The workers row must exist before this process claims anything: a rescue
                 # pass elsewhere releases the claims of an owner it has no heartbeat from.
                 try:
@@ -217,7 +217,7 @@ class _Runtime:
                 self.maintenance = maintenance
                 self.maintenance.start()
                 if self.broker.options.rotate_interval:
-                    self.reclaimer = _Reclaimer(self)
+                    self.reclaimer = Reclaimer(self)
                     self.reclaimer.start()
             if self.listener is None and self.broker.options.listen:
                 # Anything sent while not listening was missed: every consumer polls then.
@@ -329,7 +329,7 @@ class _Runtime:
         self.pool.close(timeout=5)
 
 
-def _has_input(conn: psycopg.Connection[Any]) -> bool:
+def has_input(conn: psycopg.Connection[Any]) -> bool:
     """Whether an idle pooled connection is closed or has unread input, without a round trip.
 
     ``poll()``: ``select()`` raises ``ValueError`` for a descriptor >= 1024.

@@ -22,7 +22,7 @@ PASSES_PER_ROTATION = 5
 
 @dataclass(frozen=True)
 class ReclaimResult:
-    """What one call of ``reclaim_messages`` did (``None`` from :meth:`_Reclaimer.run_once`
+    """What one call of ``reclaim_messages`` did (``None`` from :meth:`Reclaimer.run_once`
     when another process held the ring)."""
 
     #: The ring's current slot after the call.
@@ -37,7 +37,7 @@ class ReclaimResult:
     busy: int
 
 
-class _Reclaimer(Service):
+class Reclaimer(Service):
     """Calls ``<schema>.reclaim_messages`` 5 times per ``rotate_interval`` (a :class:`~.service.Service`).
 
     Any number of processes may run it: the function takes the ring's row with

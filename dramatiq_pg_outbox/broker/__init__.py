@@ -7,8 +7,8 @@ from .consumer import (
     LOOK_AHEAD,
     SUSPECT_AT_DELIVERY,
     ConsumerHost,
-    _PostgresConsumer,
-    _PostgresMessage,
+    PostgresConsumer,
+    PostgresMessage,
     deciding,
 )
 
@@ -18,8 +18,8 @@ __all__ = [
     "SUSPECT_AT_DELIVERY",
     "ConsumerHost",
     "PostgresBroker",
-    "_PostgresConsumer",
-    "_PostgresMessage",
+    "PostgresConsumer",
+    "PostgresMessage",
     "broker_for_backend",
     "deciding",
 ]

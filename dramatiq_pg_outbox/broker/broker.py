@@ -26,7 +26,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from .._binding import current_binding
 from .._isolation import connect
 from .._queries import CHANGED_ROWS_ROUNDS
-from .._runtime import StoredMessage, _Runtime
+from .._runtime import ProcessRuntime, StoredMessage
 from ..errors import describe_rejection, libpq_detail
 from ..names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
 from ..options import (
@@ -53,7 +53,7 @@ from ..options import (
     options_docstring,
 )
 from ..urls import libpq_url, percent_encode, safe_url
-from .consumer import _deciding, _PostgresConsumer, _PostgresMessage, deciding
+from .consumer import PostgresConsumer, PostgresMessage, deciding, deciding_on
 
 #: Signals whose middleware hooks run while a delivery's outcome is decided:
 #: what they enqueue or store is written with the ack or nack (see PostgresBroker.emit_after).
@@ -153,22 +153,32 @@ class PostgresBroker(Broker):
         #: The validated tuning options (also readable as attributes: ``broker.max_fetch_interval``).
         self.options = options
         self.queues: set[str] = set()
-        self._runtime: _Runtime | None = None
+        self._runtime: ProcessRuntime | None = None
         self._runtime_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<PostgresBroker {self.safe_url} schema={self.schema!r}>"
 
     @property
-    def runtime(self) -> _Runtime:
+    def runtime(self) -> ProcessRuntime:
         """This process's pool and background loops, created on first use (again after a fork)."""
         runtime = self._runtime
         if runtime is None or runtime.pid != os.getpid() or runtime.closed:
             with self._runtime_lock:
                 runtime = self._runtime
                 if runtime is None or runtime.pid != os.getpid() or runtime.closed:
-                    runtime = self._runtime = _Runtime(self)
+                    runtime = self._runtime = ProcessRuntime(self)
         return runtime
+
+    @property
+    def has_runtime(self) -> bool:
+        """True while this process has the broker's runtime open (its pool and loops).
+
+        A broker opens it on first use (a consumer, a send outside an outbox) and
+        :meth:`close` closes it; a send inside an ``outbox()`` never opens it.
+        """
+        runtime = self._runtime
+        return runtime is not None and runtime.pid == os.getpid() and not runtime.closed
 
     def close(self) -> None:
         """Flush buffered acks, hand back unstarted messages, unregister this worker, close connections."""
@@ -194,7 +204,7 @@ class PostgresBroker(Broker):
         validate_queue_name(queue_name)
         if queue_name not in self.queues and queue_name not in self.delay_queues:
             raise QueueNotFound(queue_name)
-        return _PostgresConsumer(self, queue_name, prefetch, timeout)
+        return PostgresConsumer(self, queue_name, prefetch, timeout)
 
     def declare_queue(self, queue_name: str) -> None:
         """Declare a queue (and its delay queue).  Idempotent; stores the canonical name.
@@ -316,10 +326,10 @@ class PostgresBroker(Broker):
         # Dramatiq's worker calls emit_before("ack"/"nack"), then Consumer.ack/nack, then
         # emit_after: the decision waits for emit_after, so what after_ack/after_nack
         # hooks store (Results stores a failure in after_nack) is written with it.
-        if signal in ("ack", "nack") and args and isinstance(args[0], _PostgresMessage):
+        if signal in ("ack", "nack") and args and isinstance(args[0], PostgresMessage):
             args[0].deferred = True
         super().emit_before(signal, *args, **kwargs)
-        if signal == "process_message" and args and isinstance(args[0], _PostgresMessage):
+        if signal == "process_message" and args and isinstance(args[0], PostgresMessage):
             # Running, not prefetched any more: the heartbeat tells the dashboard.
             self.runtime.started(args[0].row_id)
 
@@ -345,19 +355,15 @@ class PostgresBroker(Broker):
         message = args[0] if args else None
         if (
             signal not in FOLLOW_UP_SIGNALS
-            or not isinstance(message, _PostgresMessage)
+            or not isinstance(message, PostgresMessage)
             or message.consumer.broker is not self
         ):
             super().emit_after(signal, *args, **kwargs)
             return
         if signal in ("process_message", "skip_message"):
             self.runtime.finished(message.row_id)
-        previous = deciding()
-        _deciding.message = message
-        try:
+        with deciding_on(message):
             super().emit_after(signal, *args, **kwargs)
-        finally:
-            _deciding.message = previous
         if signal in ("ack", "nack") and message.deferred:
             message.deferred = False
             if message.outcome is not None:

@@ -1,7 +1,7 @@
 """The consumer side of :class:`~.broker.PostgresBroker`: claims, the hand-off, and the message being decided.
 
-``_PostgresConsumer`` runs Dramatiq's fetch loop (``__next__``, batched claims,
-wake-ups) and takes acks and nacks from any thread; ``_PostgresMessage`` is a
+``PostgresConsumer`` runs Dramatiq's fetch loop (``__next__``, batched claims,
+wake-ups) and takes acks and nacks from any thread; ``PostgresMessage`` is a
 claimed message with its row id and lease; :func:`deciding` names the message
 whose follow-ups this thread collects.  The consumer sees its broker through
 :class:`ConsumerHost`, so this module never imports the broker's.
@@ -24,7 +24,7 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import DecodeError
 from dramatiq.logging import get_logger
 
-from .._runtime import Conditional, RuntimeHost, StoredMessage, _Runtime, format_error
+from .._runtime import Conditional, ProcessRuntime, RuntimeHost, StoredMessage, format_error
 from .._runtime.watermark import Watermark
 from ..store.messages import ClaimRow, Statement
 
@@ -33,7 +33,7 @@ class ConsumerHost(RuntimeHost, Protocol):
     """What a consumer uses of its broker (:class:`~.broker.PostgresBroker`)."""
 
     @property
-    def runtime(self) -> _Runtime: ...
+    def runtime(self) -> ProcessRuntime: ...
 
 
 #: Delivery number from which a message runs alone in its consumer (or at its last allowed delivery).
@@ -45,7 +45,7 @@ LOOK_AHEAD = 64
 _deciding = threading.local()
 
 
-def deciding() -> _PostgresMessage | None:
+def deciding() -> PostgresMessage | None:
     """The message whose follow-ups this thread is collecting, if any.
 
     Set by :meth:`PostgresBroker.emit_after` while the ``after_process_message``,
@@ -53,8 +53,22 @@ def deciding() -> _PostgresMessage | None:
     message run on a worker thread; None elsewhere (in particular inside the
     actor's own body).  Its broker is ``message.consumer.broker``.
     """
-    message: _PostgresMessage | None = getattr(_deciding, "message", None)
+    message: PostgresMessage | None = getattr(_deciding, "message", None)
     return message
+
+
+@contextlib.contextmanager
+def deciding_on(message: PostgresMessage) -> Iterator[None]:
+    """Make :func:`deciding` return ``message`` on this thread inside the block.
+
+    Nests: the message decided on before the block is restored after it.
+    """
+    previous = deciding()
+    _deciding.message = message
+    try:
+        yield
+    finally:
+        _deciding.message = previous
 
 
 #: A consumer's first buffer size, in multiples of Dramatiq's prefetch (the fixed size of
@@ -110,11 +124,11 @@ def _hand_off_order(row: ClaimRow) -> tuple[int, int]:
     return -row.priority, row.id
 
 
-class _PostgresMessage(MessageProxy):
+class PostgresMessage(MessageProxy):
     """A claimed message: carries its row id and lease for fenced acks."""
 
     def __init__(
-        self, message: Message[Any], row_id: int, lease: uuid.UUID, attempts: int, consumer: _PostgresConsumer
+        self, message: Message[Any], row_id: int, lease: uuid.UUID, attempts: int, consumer: PostgresConsumer
     ) -> None:
         super().__init__(message)
         #: The consumer that claimed it: its buffer slot is freed on ack, even when
@@ -153,7 +167,7 @@ class _PostgresMessage(MessageProxy):
             self.sending_to = self.follow_ups
 
 
-class _PostgresConsumer(Consumer):
+class PostgresConsumer(Consumer):
     """Fetch loop + hand-off.  ``__next__`` runs on Dramatiq's consumer thread
     and claims in batches; ack/nack may come from any thread.
 
@@ -180,7 +194,7 @@ class _PostgresConsumer(Consumer):
         #: 4 x prefetch (within the bounds) and adapts after each claim of a backlog.
         #: Changed by the consumer thread only, under _lock (_release reads it there).
         self.limit = min(self._cap, INITIAL_OVERFETCH * prefetch)
-        self._buffer: deque[_PostgresMessage] = deque()
+        self._buffer: deque[PostgresMessage] = deque()
         self._outstanding = 0
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -365,7 +379,7 @@ class _PostgresConsumer(Consumer):
         interval = options.min_fetch_interval if self._more else options.max_fetch_interval
         self._poll_at = now + interval / 1000
         if not self._more and now >= self._rank_at:
-            self._refresh_rank()
+            self.refresh_rank()
         # The claim returned our next due time (see _mine), relative to its now(),
         # which is ~one-way latency after `sent`: sent at sent + next_due_in, the
         # next claim reaches the server when the row is due.
@@ -394,10 +408,30 @@ class _PostgresConsumer(Consumer):
                 message = dataclasses.replace(message, queue_name=self.queue_name)
             with self._lock:
                 self._outstanding += 1
-            self._buffer.append(_PostgresMessage(message, row_id, lease, row.attempts, self))
+            self._buffer.append(PostgresMessage(message, row_id, lease, row.attempts, self))
         return len(rows)
 
-    def _refresh_rank(self) -> None:
+    @property
+    def next_claim_at(self) -> float:
+        """When this consumer plans its next claim, in ``time.monotonic()`` seconds.
+
+        The earlier of its poll deadline (``max_fetch_interval`` after the last claim)
+        and the due time of the next delayed message it saw; a notification, a
+        watermark wake-up or a due-time hint from a send can bring a claim forward.
+        """
+        return min(self._poll_at, self._due_at)
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """``(consumers, rank)``: live processes consuming this queue, and this one's rank among them.
+
+        A delayed message due at ``due_ms`` wakes the process whose rank is
+        ``due_ms % consumers`` (``(1, 0)`` until this process's heartbeat lists the
+        queue).  Learnt once per ``heartbeat_interval``, or by :meth:`refresh_rank`.
+        """
+        return self._consumers, self._rank
+
+    def refresh_rank(self) -> None:
         """Learn how many live processes consume this queue and this one's rank (see ``_mine``)."""
         self._rank_at = time.monotonic() + self.broker.options.heartbeat_interval / 1000
         with self.runtime.connection() as conn:
@@ -449,7 +483,7 @@ class _PostgresConsumer(Consumer):
             self._wakeup.set()
 
     def ack(self, message: MessageProxy) -> None:
-        assert isinstance(message, _PostgresMessage)
+        assert isinstance(message, PostgresMessage)
         exception = getattr(message, "_exception", None)
         if exception is None:
             message.outcome = ("ack", None, None)
@@ -462,19 +496,19 @@ class _PostgresConsumer(Consumer):
             self.broker._metrics.acked.labels(self.queue_name).inc()
 
     def nack(self, message: MessageProxy) -> None:
-        assert isinstance(message, _PostgresMessage)
+        assert isinstance(message, PostgresMessage)
         message.outcome = ("nack", *format_error(getattr(message, "_exception", None)))
         self._decided(message)
         if self.broker._metrics is not None:
             self.broker._metrics.nacked.labels(self.queue_name).inc()
 
-    def _decided(self, message: _PostgresMessage) -> None:
+    def _decided(self, message: PostgresMessage) -> None:
         message.consumer._release(message.row_id)
         if not message.deferred:
             # Called outside Dramatiq's worker (no emit_before): write it now.
             self.submit(message)
 
-    def submit(self, message: _PostgresMessage) -> None:
+    def submit(self, message: PostgresMessage) -> None:
         """Hand a decided message, with its follow-ups, to the flusher."""
         assert message.outcome is not None
         follow_ups, statements, conditional = message.follow_ups, message.statements, message.conditional
@@ -486,7 +520,7 @@ class _PostgresConsumer(Consumer):
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Hand unstarted messages back at once, without charging them an attempt."""
-        claimed = [m for m in messages if isinstance(m, _PostgresMessage)]
+        claimed = [m for m in messages if isinstance(m, PostgresMessage)]
         if not claimed:
             return
         for message in claimed:

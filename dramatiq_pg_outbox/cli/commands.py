@@ -28,24 +28,24 @@ from .common import (
     PROG,
     URL_ENV_VAR,
     CliError,
-    _checked_connection,
-    _clip,
-    _connect,
-    _database,
-    _duration,
-    _queue_list,
-    _table,
+    checked_connection,
+    clip,
+    database_from,
     exception_line,
+    format_duration,
+    format_queue_list,
+    open_connection,
+    print_table,
     server_down,
 )
 
 
-def _migrate(args: argparse.Namespace) -> int:
+def migrate_command(args: argparse.Namespace) -> int:
     if args.sql:
         upgrade_sql(args.schema, args.revision)
         return 0
-    db = _database(args)
-    with _connect(db) as conn:
+    db = database_from(args)
+    with open_connection(db) as conn:
         before = _applied_revisions(conn, args.schema)
         if before is None:
             if AdminStore(args.schema).table_exists(conn, table="messages"):
@@ -98,8 +98,8 @@ def _applied_revisions(conn: psycopg.Connection[Any], schema: str) -> list[str] 
     return store.applied_revisions(conn, version_table=VERSION_TABLE)
 
 
-def _status(args: argparse.Namespace) -> int:
-    with _checked_connection(args) as (conn, store, _):
+def status_command(args: argparse.Namespace) -> int:
+    with checked_connection(args) as (conn, store, _):
         messages = store.status_messages(conn)
         failed = store.status_failed(conn)
         workers = store.status_workers(conn)
@@ -140,8 +140,8 @@ def _status(args: argparse.Namespace) -> int:
         )
         return 0
     if messages:
-        _table(
-            [(m.queue_name, m.state, m.messages, m.delayed, _duration(m.oldest_s)) for m in messages],
+        print_table(
+            [(m.queue_name, m.state, m.messages, m.delayed, format_duration(m.oldest_s)) for m in messages],
             ["queue", "state", "messages", "delayed", "oldest"],
             numeric=(2, 3, 4),
         )
@@ -149,7 +149,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"no messages waiting or running in schema {args.schema!r}")
     print()
     if failed:
-        _table(
+        print_table(
             [(f.queue_name, f.last_hour, f.in_history) for f in failed],
             ["queue", "failed last hour", "failed in history"],
             numeric=(1, 2),
@@ -165,9 +165,9 @@ def _status(args: argparse.Namespace) -> int:
         print(f"paused: {since}")
         print()
     if workers:
-        _table(
+        print_table(
             [
-                (w.hostname, w.pid, _queue_list(w.queues), f"{_duration(w.heartbeat_age_s)} ago")
+                (w.hostname, w.pid, format_queue_list(w.queues), f"{format_duration(w.heartbeat_age_s)} ago")
                 for w in workers
             ],
             ["host", "pid", "queues", "last heartbeat"],
@@ -191,9 +191,9 @@ def _print_json(value: Any) -> None:
     print(json.dumps(value, default=convert, indent=2))
 
 
-def _pause(args: argparse.Namespace) -> int:
+def pause_command(args: argparse.Namespace) -> int:
     names = _queue_names(args.queues)
-    with _checked_connection(args) as (conn, store, _):
+    with checked_connection(args) as (conn, store, _):
         paused = store.pause_queues(conn, queue_names=names)
     _say_each(
         args.queues,
@@ -204,9 +204,9 @@ def _pause(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume(args: argparse.Namespace) -> int:
+def resume_command(args: argparse.Namespace) -> int:
     names = _queue_names(args.queues)
-    with _checked_connection(args) as (conn, store, _):
+    with checked_connection(args) as (conn, store, _):
         resumed = store.resume_queues(conn, queue_names=names, channel=channel_for(args.schema))
     _say_each(args.queues, resumed, "resumed queue {!r}: its workers were woken", "queue {!r} was not paused")
     return 0
@@ -227,7 +227,7 @@ def _queue_names(queues: list[str]) -> list[str]:
     return [name for queue in queues for name in (queue, dq_name(queue))]
 
 
-def _metrics(args: argparse.Namespace) -> int:
+def metrics_command(args: argparse.Namespace) -> int:
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError:
@@ -239,9 +239,9 @@ def _metrics(args: argparse.Namespace) -> int:
 
     from ..metrics import PREFIX, DatabaseCollector
 
-    db = _database(args)
+    db = database_from(args)
     try:
-        with _checked_connection(args):
+        with checked_connection(args):
             pass  # the server, the credentials and the schema are fine: serve
     except CliError as e:
         if not server_down(e.__cause__):
@@ -283,7 +283,7 @@ def _metrics(args: argparse.Namespace) -> int:
     return 0
 
 
-def _relay(args: argparse.Namespace) -> int:
+def relay_command(args: argparse.Namespace) -> int:
     import logging
     import signal
 
@@ -305,9 +305,9 @@ def _relay(args: argparse.Namespace) -> int:
     except ImportError as e:
         extra = "rabbitmq" if args.to.lower().startswith("amqp") else "redis"
         raise CliError(f"the relay to {extra} needs {e.name}: pip install 'dramatiq[{extra}]'") from None
-    with _checked_connection(args):
+    with checked_connection(args):
         pass  # the server, the credentials and the schema are fine
-    db = _database(args)
+    db = database_from(args)
     try:
         check_target(target, mask_password(args.to))
     except TargetUnusable as e:
@@ -367,8 +367,8 @@ def _serve_relay_metrics(relay: Any, host: str, port: int) -> Any:
     return server
 
 
-def _failed(args: argparse.Namespace) -> int:
-    with _checked_connection(args) as (conn, store, _):
+def failed_command(args: argparse.Namespace) -> int:
+    with checked_connection(args) as (conn, store, _):
         rows = store.failed_list(conn, queue=args.queue, limit=args.limit)
     if args.json:
         _print_json(
@@ -405,15 +405,15 @@ def _failed(args: argparse.Namespace) -> int:
     header = ["id", "queue", "actor", "attempts", "finished (UTC)", "error"]
     used = sum(max(len(str(r[i])) for r in [header, *table]) + 2 for i in range(len(header) - 1))
     width = max(MIN_ERROR_WIDTH, shutil.get_terminal_size((120, 24)).columns - used)
-    _table([(*line[:-1], _clip(line[-1], width)) for line in table], header, numeric=(0, 3))
+    print_table([(*line[:-1], clip(line[-1], width)) for line in table], header, numeric=(0, 3))
     return 0
 
 
-def _retry_failed(args: argparse.Namespace) -> int:
+def retry_failed_command(args: argparse.Namespace) -> int:
     # The dashboard's Retry runs the same statement: back on the queue, due now, workers woken.
     # --dry-run runs it too, in a transaction rolled back (and without its NOTIFY): the same
     # selection, nothing changed.
-    with _checked_connection(args) as (conn, store, db):
+    with checked_connection(args) as (conn, store, db):
         with conn.transaction(force_rollback=args.dry_run):
             rows = store.retry_failed(
                 conn,
@@ -444,14 +444,14 @@ def _retry_failed(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prune(args: argparse.Namespace) -> int:
+def prune_command(args: argparse.Namespace) -> int:
     from ..partitions import prune
 
-    with _checked_connection(args) as (conn, _, _):
+    with checked_connection(args) as (conn, _, _):
         result = prune(
             conn, args.schema, args.older_than, lock_timeout=args.lock_timeout, dry_run=args.dry_run
         )
-    age = _duration(args.older_than.total_seconds())
+    age = format_duration(args.older_than.total_seconds())
     days = f" ({result.dropped[0].day} to {result.dropped[-1].day})" if result.dropped else ""
     would = "would drop" if args.dry_run else "dropped"
     deleted = "would delete" if args.dry_run else "deleted"
@@ -469,10 +469,10 @@ def _prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _maintain(args: argparse.Namespace) -> int:
+def maintain_command(args: argparse.Namespace) -> int:
     from ..partitions import create_partitions, day_partitions
 
-    with _checked_connection(args) as (conn, store, _):
+    with checked_connection(args) as (conn, store, _):
         created = create_partitions(conn, args.schema, args.days_ahead)
         parts = day_partitions(conn, args.schema)
         in_default = store.default_partition_rows(conn)

@@ -64,7 +64,7 @@ class CliError(Exception):
         self.prog = prog
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse, with its errors reported on one line (no usage block) by :func:`main`."""
 
     def error(self, message: str) -> NoReturn:
@@ -74,7 +74,7 @@ class _Parser(argparse.ArgumentParser):
 # -- argument types (argparse ``type=``) --------------------------------------
 
 
-def _positive_int(text: str) -> int:
+def parse_positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -84,7 +84,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def parse_non_negative_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -94,14 +94,14 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _port(text: str) -> int:
-    port = _positive_int(text)
+def parse_port(text: str) -> int:
+    port = parse_positive_int(text)
     if port > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 1-65535, got {port}")
     return port
 
 
-def _non_negative_float(text: str) -> float:
+def parse_non_negative_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -113,7 +113,7 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _queue_name(text: str) -> str:
+def parse_queue_name(text: str) -> str:
     """A valid queue name (letters, digits, ``_ . -``), for argparse."""
     try:
         return validate_queue_name(text)
@@ -121,7 +121,7 @@ def _queue_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
 
 
-def _age(text: str) -> datetime.timedelta:
+def parse_age(text: str) -> datetime.timedelta:
     """``30`` (days), ``30d``, ``12h``, ``90m`` or ``45s``: a positive age."""
     found = _AGE.match(text)
     if not found:
@@ -163,12 +163,12 @@ def common_options() -> argparse.ArgumentParser:
     return common
 
 
-def _report(prog: str, message: str, secrets: Sequence[str]) -> None:
-    line = " ".join(_scrub(message, secrets).split())
+def report_error(prog: str, message: str, secrets: Sequence[str]) -> None:
+    line = " ".join(scrub(message, secrets).split())
     print(f"{prog}: error: {line}", file=sys.stderr)
 
 
-def _explain(e: BaseException) -> CliError:
+def explain(e: BaseException) -> CliError:
     """The one line (and exit code) that reports ``e``."""
     import sqlalchemy.exc
     from alembic.util import CommandError
@@ -180,31 +180,31 @@ def _explain(e: BaseException) -> CliError:
     if isinstance(e, SchemaNotReady):
         return CliError(str(e))
     if isinstance(e, CommandError):
-        return CliError(f"alembic: {_one_line(e)}", EXIT_USAGE)
+        return CliError(f"alembic: {one_line(e)}", EXIT_USAGE)
     if isinstance(e, psycopg.errors.InsufficientPrivilege):
         return CliError(
-            f"permission denied: {_one_line(e)}. Use a role with the privileges this command needs "
+            f"permission denied: {one_line(e)}. Use a role with the privileges this command needs "
             "(see docs/security.md)"
         )
     if isinstance(e, psycopg.OperationalError) and (e.sqlstate or "08").startswith(("08", "57P")):
         return CliError(f"lost the connection to PostgreSQL: {libpq_detail(e)}. Run the command again")
     if isinstance(e, psycopg.Error):
         state = f" (SQLSTATE {e.sqlstate})" if e.sqlstate else ""
-        return CliError(f"database error{state}: {_one_line(e)}. Run with --debug for the traceback")
+        return CliError(f"database error{state}: {one_line(e)}. Run with --debug for the traceback")
     return CliError(
-        f"unexpected error: {type(e).__name__}: {_one_line(e)}. "
+        f"unexpected error: {type(e).__name__}: {one_line(e)}. "
         "Run with --debug for the traceback, and please report it"
     )
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
 # -- passwords --------------------------------------------------------------------
 
 
-def _secrets_in(argv: Sequence[str], env_url: str | None) -> list[str]:
+def secrets_in(argv: Sequence[str], env_url: str | None) -> list[str]:
     """Every password of the URLs in ``argv`` and ``$DATABASE_URL``, to scrub them from any output."""
     urls = [env_url] if env_url else []
     for i, arg in enumerate(argv):
@@ -231,7 +231,7 @@ def _secrets_in(argv: Sequence[str], env_url: str | None) -> list[str]:
     return sorted((s for s in found if len(s) >= 3), key=len, reverse=True)
 
 
-def _scrub(text: str, secrets: Sequence[str]) -> str:
+def scrub(text: str, secrets: Sequence[str]) -> str:
     for secret in secrets:
         text = text.replace(secret, "***")
     return text
@@ -248,7 +248,7 @@ def _shown(url: str) -> str:
 
 
 @dataclass(frozen=True)
-class _Database:
+class Database:
     """Where a subcommand connects, and how to name it without the password."""
 
     #: libpq URL (holds the password).
@@ -266,7 +266,7 @@ class _Database:
         return f"{host}:{self.params.get('port') or 5432}"
 
 
-def _database(args: argparse.Namespace) -> _Database:
+def database_from(args: argparse.Namespace) -> Database:
     """The validated URL of ``--url`` or ``$DATABASE_URL``.
 
     Raises:
@@ -306,14 +306,14 @@ def _database(args: argparse.Namespace) -> _Database:
         params = conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as e:
         raise CliError(
-            f"cannot use the database URL of {source} ({shown}): {_one_line(e)}; expected {URL_SHAPE}",
+            f"cannot use the database URL of {source} ({shown}): {one_line(e)}; expected {URL_SHAPE}",
             EXIT_USAGE,
         ) from None
     fix_url = f'"${URL_ENV_VAR}"' if from_env else shlex.quote(shown)
-    return _Database(conninfo, shown, fix_url, params)
+    return Database(conninfo, shown, fix_url, params)
 
 
-def _connect(db: _Database) -> psycopg.Connection[Any]:
+def open_connection(db: Database) -> psycopg.Connection[Any]:
     """An autocommit connection.
 
     Raises:
@@ -327,7 +327,7 @@ def _connect(db: _Database) -> psycopg.Connection[Any]:
         raise _connection_error(e, db) from e
 
 
-def _connection_error(e: psycopg.OperationalError, db: _Database) -> CliError:
+def _connection_error(e: psycopg.OperationalError, db: Database) -> CliError:
     detail = libpq_detail(e)
     text = str(e)
     user = db.params.get("user") or login_name()
@@ -374,12 +374,12 @@ def server_down(error: BaseException | None) -> bool:
 
 
 @contextmanager
-def _checked_connection(
+def checked_connection(
     args: argparse.Namespace,
-) -> Iterator[tuple[psycopg.Connection[Any], AdminStore, _Database]]:
+) -> Iterator[tuple[psycopg.Connection[Any], AdminStore, Database]]:
     """(connection, the schema's operator statements, database) once the schema is known to be current."""
-    db = _database(args)
-    with _connect(db) as conn:
+    db = database_from(args)
+    with open_connection(db) as conn:
         check_schema(conn, args.schema, url=db.shown, fix_url=db.fix_url)
         yield conn, AdminStore(args.schema), db
 
@@ -387,7 +387,7 @@ def _checked_connection(
 # -- output helpers ---------------------------------------------------------------------
 
 
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], numeric: Sequence[int] = ()) -> None:
+def print_table(rows: Sequence[Sequence[Any]], header: Sequence[str], numeric: Sequence[int] = ()) -> None:
     """Print ``rows`` under ``header`` in aligned columns; the ``numeric`` columns right-aligned."""
     cells = [list(header)] + [["" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -399,7 +399,7 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str], numeric: Sequen
         print(line.rstrip())
 
 
-def _duration(seconds: float | decimal.Decimal | None) -> str:
+def format_duration(seconds: float | decimal.Decimal | None) -> str:
     """``0.4s``, ``42s``, ``5m03s``, ``2h05m``, ``3d04h``."""
     if seconds is None:
         return ""
@@ -416,12 +416,12 @@ def _duration(seconds: float | decimal.Decimal | None) -> str:
     return f"{whole // 86_400}d{whole % 86_400 // 3_600:02d}h"
 
 
-def _queue_list(queues: Sequence[str]) -> str:
+def format_queue_list(queues: Sequence[str]) -> str:
     """``default, emails``: Dramatiq's delay queues (``emails.DQ``) are the same rows as their queue."""
     return ", ".join(dict.fromkeys(q_name(q) for q in queues))
 
 
-def _clip(text: str, width: int) -> str:
+def clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(0, width - 3)].rstrip() + "..."
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..dashboard import BASIC_AUTH_ENV, TOKEN_ENV
 from ..migrations import check_schema
-from .common import EXIT_USAGE, CliError, _connect, _database
+from .common import EXIT_USAGE, CliError, database_from, open_connection
 
 _INSTALL_HINT = "pip install 'dramatiq-pg-outbox[dashboard]'"
 
@@ -112,14 +112,14 @@ def run(args: argparse.Namespace) -> int:
         if not sep or not user or not password:
             raise CliError("basic auth must be USER:PASSWORD, both non-empty", EXIT_USAGE)
         basic_auth = (user, password)
-    db = _database(args)
+    db = database_from(args)
     try:
         import uvicorn
 
         from ..dashboard.app import MIN_SCHEMA_REVISION, Settings, create_app
     except ImportError as e:
         raise CliError(f"the dashboard needs its extra ({e.name} is missing): {_INSTALL_HINT}") from None
-    allowed_hosts = _allowed_hosts(args.host, args.allowed_host)
+    allowed_hosts = allowed_host_names(args.host, args.allowed_host)
     try:
         settings = Settings(
             url=db.conninfo,
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise CliError(str(e).rstrip("."), EXIT_USAGE) from None
-    with _connect(db) as conn:
+    with open_connection(db) as conn:
         check_schema(
             conn,
             settings.schema,
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
-def _allowed_hosts(host: str, given: list[str]) -> tuple[str, ...]:
+def allowed_host_names(host: str, given: list[str]) -> tuple[str, ...]:
     """The Host names answered: the loopback names, ``--host`` unless a wildcard, ``--allowed-host``.
 
     Raises:

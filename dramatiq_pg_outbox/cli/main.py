@@ -51,16 +51,16 @@ from typing import Any
 from ..options import HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS
 from . import dashboard, periodic
 from .commands import (
-    _failed,
-    _maintain,
-    _metrics,
-    _migrate,
-    _pause,
-    _prune,
-    _relay,
-    _resume,
-    _retry_failed,
-    _status,
+    failed_command,
+    maintain_command,
+    metrics_command,
+    migrate_command,
+    pause_command,
+    prune_command,
+    relay_command,
+    resume_command,
+    retry_failed_command,
+    status_command,
 )
 from .common import (
     DEBUG_ENV_VAR,
@@ -69,23 +69,23 @@ from .common import (
     PROG,
     URL_ENV_VAR,
     CliError,
-    _age,
-    _explain,
-    _non_negative_float,
-    _non_negative_int,
-    _Parser,
-    _port,
-    _positive_int,
-    _queue_name,
-    _report,
-    _scrub,
-    _secrets_in,
+    Parser,
     common_options,
+    explain,
+    parse_age,
+    parse_non_negative_float,
+    parse_non_negative_int,
+    parse_port,
+    parse_positive_int,
+    parse_queue_name,
+    report_error,
+    scrub,
+    secrets_in,
 )
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog=PROG,
         description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog="exit codes: 0 success, 1 runtime failure (server, credentials, database, schema), "
@@ -98,90 +98,90 @@ def _parser() -> argparse.ArgumentParser:
     migrate = sub.add_parser("migrate", parents=[common], help="create or upgrade the tables")
     migrate.add_argument("--revision", default="head", help="target revision (default: head)")
     migrate.add_argument("--sql", action="store_true", help="print the SQL instead of running it")
-    migrate.set_defaults(run=_migrate)
+    migrate.set_defaults(run=migrate_command)
 
     status = sub.add_parser("status", parents=[common], help="messages, dead letters and workers")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    status.set_defaults(run=_status)
+    status.set_defaults(run=status_command)
 
     failed = sub.add_parser("failed", parents=[common], help="newest dead letters")
-    failed.add_argument("--queue", type=_queue_name, help="only this queue")
+    failed.add_argument("--queue", type=parse_queue_name, help="only this queue")
     failed.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    failed.add_argument("--limit", type=_positive_int, default=20, help="rows to show (default: 20)")
-    failed.set_defaults(run=_failed)
+    failed.add_argument("--limit", type=parse_positive_int, default=20, help="rows to show (default: 20)")
+    failed.set_defaults(run=failed_command)
 
     retry = sub.add_parser("retry-failed", parents=[common], help="re-enqueue dead letters")
-    retry.add_argument("--queue", type=_queue_name, help="only this queue")
+    retry.add_argument("--queue", type=parse_queue_name, help="only this queue")
     retry.add_argument("--actor", help="only this actor")
-    retry.add_argument("--limit", type=_positive_int, help="at most this many, the oldest first")
+    retry.add_argument("--limit", type=parse_positive_int, help="at most this many, the oldest first")
     retry.add_argument("--dry-run", action="store_true", help="say what would be re-enqueued, change nothing")
     retry.add_argument(
         "--id",
-        type=_positive_int,
+        type=parse_positive_int,
         action="append",
         dest="ids",
         metavar="ID",
         help="only this history id (repeatable)",
     )
-    retry.set_defaults(run=_retry_failed)
+    retry.set_defaults(run=retry_failed_command)
 
     pause = sub.add_parser("pause", parents=[common], help="stop claiming queues (sends still store)")
-    pause.add_argument("queues", nargs="+", type=_queue_name, metavar="QUEUE", help="a queue name")
-    pause.set_defaults(run=_pause)
+    pause.add_argument("queues", nargs="+", type=parse_queue_name, metavar="QUEUE", help="a queue name")
+    pause.set_defaults(run=pause_command)
     resume = sub.add_parser("resume", parents=[common], help="claim paused queues again")
-    resume.add_argument("queues", nargs="+", type=_queue_name, metavar="QUEUE", help="a queue name")
-    resume.set_defaults(run=_resume)
+    resume.add_argument("queues", nargs="+", type=parse_queue_name, metavar="QUEUE", help="a queue name")
+    resume.set_defaults(run=resume_command)
 
     prune = sub.add_parser("prune", parents=[common], help="drop history older than an age")
     prune.add_argument(
         "--older-than",
-        type=_age,
+        type=parse_age,
         required=True,
         metavar="AGE",
         help="age in days (30), or with a unit: 12h, 90m, 45s",
     )
     prune.add_argument(
         "--lock-timeout",
-        type=_positive_int,
+        type=parse_positive_int,
         default=2_000,
         metavar="MS",
         help="how long each partition DROP may wait for its lock (default: 2000)",
     )
     prune.add_argument("--dry-run", action="store_true", help="say what would go, change nothing")
-    prune.set_defaults(run=_prune)
+    prune.set_defaults(run=prune_command)
     maintain = sub.add_parser(
         "maintain", parents=[common], help="create the history partitions of the next days"
     )
     maintain.add_argument(
         "--days-ahead",
-        type=_non_negative_int,
+        type=parse_non_negative_int,
         default=7,
         metavar="N",
         help="create the partitions of today and the next N days (default: 7; 3660 at most)",
     )
-    maintain.set_defaults(run=_maintain)
+    maintain.set_defaults(run=maintain_command)
     dashboard.add_parser(sub, parents=[common])
     metrics = sub.add_parser(
         "metrics", parents=[common], help="serve the database gauges to Prometheus (extra: metrics)"
     )
     metrics.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     metrics.add_argument(
-        "--port", type=_port, default=9192, help="port to bind (default: 9192; Dramatiq's own is 9191)"
+        "--port", type=parse_port, default=9192, help="port to bind (default: 9192; Dramatiq's own is 9191)"
     )
     metrics.add_argument(
         "--cache-seconds",
-        type=_non_negative_float,
+        type=parse_non_negative_float,
         default=5.0,
         help="seconds a reading is reused by later scrapes (default: 5; 0: read at every scrape)",
     )
     metrics.add_argument(
         "--heartbeat-timeout",
-        type=_positive_int,
+        type=parse_positive_int,
         default=HEARTBEAT_TIMEOUT_MS,
         metavar="MS",
         help="a worker is live if it heartbeat within this many ms (default: %(default)s, the broker's)",
     )
-    metrics.set_defaults(run=_metrics)
+    metrics.set_defaults(run=metrics_command)
     relay = sub.add_parser(
         "relay", parents=[common], help="move the messages of chosen queues to RabbitMQ or Redis"
     )
@@ -195,18 +195,18 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated queues to relay (the others stay local)",
     )
     relay.add_argument(
-        "--batch-size", type=_positive_int, default=500, help="messages per claim (default: 500)"
+        "--batch-size", type=parse_positive_int, default=500, help="messages per claim (default: 500)"
     )
     relay.add_argument(
         "--report-every",
-        type=_non_negative_float,
+        type=parse_non_negative_float,
         default=10.0,
         metavar="SECONDS",
         help="log the relayed count and the lag this often (default: 10; 0: never)",
     )
     relay.add_argument(
         "--metrics-port",
-        type=_port,
+        type=parse_port,
         default=None,
         metavar="PORT",
         help="serve the relay's Prometheus metrics on this port of --metrics-host (extra: metrics)",
@@ -216,19 +216,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     relay.add_argument(
         "--heartbeat-interval",
-        type=_positive_int,
+        type=parse_positive_int,
         default=HEARTBEAT_INTERVAL_MS,
         metavar="MS",
         help="(default: %(default)s, the broker's)",
     )
     relay.add_argument(
         "--heartbeat-timeout",
-        type=_positive_int,
+        type=parse_positive_int,
         default=HEARTBEAT_TIMEOUT_MS,
         metavar="MS",
         help="a dead relay's claims are released after this (default: %(default)s, the broker's)",
     )
-    relay.set_defaults(run=_relay)
+    relay.set_defaults(run=relay_command)
     periodic.add_parser(sub)
     return parser
 
@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       int: The exit code: 0, 1 (runtime failure), 2 (usage error) or 130 (interrupted).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    secrets = _secrets_in(argv, os.environ.get(URL_ENV_VAR))
+    secrets = secrets_in(argv, os.environ.get(URL_ENV_VAR))
     debug = os.environ.get(DEBUG_ENV_VAR, "") not in ("", "0") or "--debug" in argv
     prog = PROG
     try:
@@ -256,12 +256,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         run: Callable[[argparse.Namespace], int] = args.run
         return run(args)
     except KeyboardInterrupt:
-        _report(prog, "interrupted", secrets)
+        report_error(prog, "interrupted", secrets)
         return EXIT_INTERRUPTED
     except Exception as e:
-        error = _explain(e)
+        error = explain(e)
         if debug and not (isinstance(e, CliError) and e.exit_code == EXIT_USAGE):
             text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            print(_scrub(text, secrets), end="", file=sys.stderr)
-        _report(error.prog or prog, error.message, secrets)
+            print(scrub(text, secrets), end="", file=sys.stderr)
+        report_error(error.prog or prog, error.message, secrets)
         return error.exit_code

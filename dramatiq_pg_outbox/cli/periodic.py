@@ -25,14 +25,14 @@ from ..store.periodic import PeriodicStore
 from .common import (
     EXIT_USAGE,
     CliError,
-    _checked_connection,
-    _connect,
-    _Database,
-    _database,
-    _duration,
-    _one_line,
-    _table,
+    Database,
+    checked_connection,
     common_options,
+    database_from,
+    format_duration,
+    one_line,
+    open_connection,
+    print_table,
 )
 
 # -- the command line: ``scheduler`` and ``schedules`` ------------------------------------
@@ -77,7 +77,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     """
     from ..migrations import check_schema
 
-    given = _database(args) if args.url is not None else None
+    given = database_from(args) if args.url is not None else None
     broker, middleware = _load_app(args.app)
     try:
         if given is not None and given.conninfo != broker.conninfo:
@@ -93,7 +93,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
                 EXIT_USAGE,
             )
         db = given or _broker_database(broker, args.app)
-        with _connect(db) as conn:
+        with open_connection(db) as conn:
             check_schema(conn, broker.schema, url=db.shown, fix_url=db.fix_url)
         try:
             if middleware is not None:
@@ -130,7 +130,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
-def _broker_database(broker: PostgresBroker, app: str) -> _Database:
+def _broker_database(broker: PostgresBroker, app: str) -> Database:
     """The CLI's view (``cli.common._Database``) of the database of the broker of ``--app``."""
     import shlex
 
@@ -140,10 +140,10 @@ def _broker_database(broker: PostgresBroker, app: str) -> _Database:
         params = conninfo_to_dict(broker.conninfo)
     except psycopg.ProgrammingError as e:
         raise CliError(
-            f"cannot use the database URL of the broker of --app {app} ({broker.safe_url}): {_one_line(e)}. "
+            f"cannot use the database URL of the broker of --app {app} ({broker.safe_url}): {one_line(e)}. "
             "Fix the application's configuration"
         ) from None
-    return _Database(broker.conninfo, broker.safe_url, shlex.quote(broker.safe_url), params)
+    return Database(broker.conninfo, broker.safe_url, shlex.quote(broker.safe_url), params)
 
 
 def _load_app(spec: str) -> tuple[PostgresBroker, Periodic | None]:
@@ -168,7 +168,7 @@ def _load_app(spec: str) -> tuple[PostgresBroker, Periodic | None]:
     except Exception as e:
         # The application's own code failed (a bad URL or option of its broker, a missing
         # environment variable...): its message, with any URL's password masked.
-        text = _URL_IN_TEXT.sub(lambda found: mask_password(found.group(0)), _one_line(e))
+        text = _URL_IN_TEXT.sub(lambda found: mask_password(found.group(0)), one_line(e))
         raise CliError(
             f"--app {spec} failed while it was imported: {type(e).__name__}: {text}. "
             "Fix the application's configuration (--debug shows where it failed)"
@@ -193,7 +193,7 @@ def _load_app(spec: str) -> tuple[PostgresBroker, Periodic | None]:
 def run_schedules(args: argparse.Namespace) -> int:
     """``dramatiq-pg-outbox schedules``: one table, active schedules first."""
 
-    with _checked_connection(args) as (conn, _store, _db):
+    with checked_connection(args) as (conn, _store, _db):
         rows = PeriodicStore(args.schema).list_schedules(conn)
     if not rows:
         print(f"no schedules in schema {args.schema!r}: declare them with @periodic and run a scheduler")
@@ -201,11 +201,11 @@ def run_schedules(args: argparse.Namespace) -> int:
     table = []
     for row in rows:
         if row.removed_s is not None:
-            status = f"removed {_duration(row.removed_s)} ago"
+            status = f"removed {format_duration(row.removed_s)} ago"
         elif row.disabled_at is not None:
             status = f"disabled since {_utc(row.disabled_at)} (enable it in the dashboard)"
         elif row.late_s * 1000 > row.grace_ms:
-            status = f"late {_duration(row.late_s)}: is a scheduler running?"
+            status = f"late {format_duration(row.late_s)}: is a scheduler running?"
         else:
             status = "ok"
         table.append(
@@ -224,7 +224,7 @@ def run_schedules(args: argparse.Namespace) -> int:
             )
         )
     header = ["name", "actor", "queue", "schedule", "tz", "if missed", "last run (UTC)", "next run (UTC)"]
-    _table(table, [*header, "runs", "missed ticks", "status"], numeric=(8, 9))
+    print_table(table, [*header, "runs", "missed ticks", "status"], numeric=(8, 9))
     return 0
 
 

@@ -108,11 +108,11 @@ from .._runtime import StoredMessage
 from ..broker import PostgresBroker
 from ..errors import OutboxError
 from .hooks import (
-    _connection_add,
-    _connection_joinable,
-    _install_session_listeners,
-    _session_add,
-    _session_joinable,
+    connection_add,
+    connection_joinable,
+    install_session_listeners,
+    session_add,
+    session_joinable,
 )
 
 #: What :func:`outbox` binds to.
@@ -165,14 +165,14 @@ class Outbox:
         """
         bind = self.bind
         if isinstance(bind, AsyncSession):
-            _session_add(bind.sync_session, broker, items)
+            session_add(bind.sync_session, broker, items)
         elif isinstance(bind, Session):
-            _session_add(bind, broker, items)
+            session_add(bind, broker, items)
         else:
             conn = bind.sync_connection if isinstance(bind, AsyncConnection) else bind
             if conn is None:
                 raise OutboxError("This AsyncConnection is not started: `async with engine.connect()`.")
-            _connection_add(conn, broker, items)
+            connection_add(conn, broker, items)
 
     def joinable(self) -> bool:
         """Whether a message sent now joins the bound transaction (else it goes through the pool).
@@ -186,14 +186,14 @@ class Outbox:
         """
         bind = self.bind
         if isinstance(bind, AsyncSession):
-            return _session_joinable(bind.sync_session)
+            return session_joinable(bind.sync_session)
         if isinstance(bind, Session):
-            return _session_joinable(bind)
+            return session_joinable(bind)
         conn = bind.sync_connection if isinstance(bind, AsyncConnection) else bind
-        return conn is None or _connection_joinable(conn)
+        return conn is None or connection_joinable(conn)
 
     def _push(self) -> None:
-        _install_session_listeners()
+        install_session_listeners()
         self.ended = False
         self._token = active_bindings.set((*active_bindings.get(), self))
 

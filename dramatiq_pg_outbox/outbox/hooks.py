@@ -25,7 +25,7 @@ from .._runtime import StoredMessage
 from ..broker import PostgresBroker
 from ..errors import OutboxError
 from ..store.messages import message_store
-from .writes import DriverCursor, _after_enqueue, _by_broker, _wants_after_enqueue, _write, _Written
+from .writes import DriverCursor, OutboxWrite, by_broker, emit_after_enqueue, wants_after_enqueue, write_items
 
 
 @dataclass
@@ -33,7 +33,7 @@ class _SessionBuffer:
     """Messages of one root SessionTransaction, each with the (root or nested) one it was sent in."""
 
     items: list[tuple[SessionTransaction, PostgresBroker, StoredMessage]] = field(default_factory=list)
-    written: list[_Written] = field(default_factory=list)
+    written: list[OutboxWrite] = field(default_factory=list)
     #: Set by before_commit: messages sent from now on (flush hooks) are written at once.
     committing: bool = False
 
@@ -44,7 +44,7 @@ _listeners_lock = threading.Lock()
 _session_listeners_installed = False
 
 
-def _install_session_listeners() -> None:
+def install_session_listeners() -> None:
     """Listen to every Session's transaction events, once per process (on first ``outbox()``).
 
     Class-level listeners cost nothing at Session creation (instance listeners
@@ -89,7 +89,7 @@ _CONNECTION_ROLLBACK = _code(Connection._rollback_impl)
 _CONNECTION_ROLLBACK_TO = _code(Connection._rollback_to_savepoint_impl)
 
 
-def _session_joinable(session: Session) -> bool:
+def session_joinable(session: Session) -> bool:
     """Whether a message sent now can join ``session``'s transaction (see ``Outbox.joinable``)."""
     root = session.get_transaction()
     if root is not None:
@@ -112,7 +112,7 @@ def _session_joinable(session: Session) -> bool:
     return True
 
 
-def _connection_joinable(conn: Connection) -> bool:
+def connection_joinable(conn: Connection) -> bool:
     """Whether a message sent now can join ``conn``'s transaction: not from its rollback listeners."""
     frame = sys._getframe(1)
     while frame is not None:
@@ -132,7 +132,7 @@ def _rolling_back_to(conn: Connection) -> str | None:
     return None
 
 
-def _session_add(session: Session, broker: PostgresBroker, items: list[StoredMessage]) -> None:
+def session_add(session: Session, broker: PostgresBroker, items: list[StoredMessage]) -> None:
     try:
         session.get_bind()  # no I/O: the default bind, where the messages are written at commit
     except UnboundExecutionError:
@@ -153,7 +153,7 @@ def _session_add(session: Session, broker: PostgresBroker, items: list[StoredMes
         buffer = _session_buffers[root] = _SessionBuffer()
     if buffer.committing:
         # Sent by a flush hook during commit: the buffer was already written.
-        buffer.written.append(_write(session.connection(), broker, items))
+        buffer.written.append(write_items(session.connection(), broker, items))
     else:
         buffer.items.extend((scope, broker, item) for item in items)
 
@@ -186,8 +186,8 @@ def _session_before_commit(session: Session) -> None:
     if buffer.items:
         items, buffer.items = buffer.items, []
         conn = session.connection()
-        for broker, stored in _by_broker((b, item) for _, b, item in items).items():
-            buffer.written.append(_write(conn, broker, stored))
+        for broker, stored in by_broker((b, item) for _, b, item in items).items():
+            buffer.written.append(write_items(conn, broker, stored))
 
 
 def _session_after_commit(session: Session) -> None:
@@ -198,7 +198,7 @@ def _session_after_commit(session: Session) -> None:
     if buffer is None:
         return
     for written in buffer.written:
-        _after_enqueue(written)
+        emit_after_enqueue(written)
         if written.notify_after_commit and written.payloads:
             # Non-blocking: the flush loop sends it from the broker's own connection.
             written.broker.runtime.flusher.notify_later(written.payloads)
@@ -245,7 +245,7 @@ class _ConnectionBuffer:
     #: Sent since the last write, not yet written.
     items: list[tuple[PostgresBroker, StoredMessage]] = field(default_factory=list)
     #: Written at savepoint begins; their after-commit steps wait for the commit.
-    written: list[_Written] = field(default_factory=list)
+    written: list[OutboxWrite] = field(default_factory=list)
     #: Set once the buffer was written before COMMIT: a message sent from a later commit
     #: listener is written at once.
     committing: bool = False
@@ -271,8 +271,8 @@ class _ConnectionBuffer:
         inside = conn.in_nested_transaction()
         items, self.items = self.items, []
         try:
-            for broker, stored in _by_broker(items).items():
-                self.written.append(_write(conn, broker, stored, return_ids=inside))
+            for broker, stored in by_broker(items).items():
+                self.written.append(write_items(conn, broker, stored, return_ids=inside))
         except BaseException:
             self.items = items + self.items
             raise
@@ -282,11 +282,11 @@ _connection_buffers: weakref.WeakKeyDictionary[Connection, _ConnectionBuffer] = 
 _engines_listened: weakref.WeakSet[Engine] = weakref.WeakSet()
 _dialects_hooked: weakref.WeakSet[Dialect] = weakref.WeakSet()
 #: Key, in a pooled DBAPI connection's ``info``, of what its current database transaction
-#: stored that waits for its COMMIT: a list of :class:`_Written`.
+#: stored that waits for its COMMIT: a list of :class:`OutboxWrite`.
 _AFTER_COMMIT = "dramatiq_pg_outbox.after_commit"
 
 
-def _install_engine_listeners(engine: Engine) -> None:
+def install_engine_listeners(engine: Engine) -> None:
     """Listen to the transaction events of every connection of ``engine``, once per engine."""
     if engine in _engines_listened:
         return
@@ -326,7 +326,7 @@ def _hook_commit(dialect: Dialect) -> None:
         stored = _take_after_commit(dbapi_connection)
         commit(dbapi_connection)  # raises if the COMMIT fails: ``stored`` is dropped
         for written in stored:
-            _after_enqueue(written)
+            emit_after_enqueue(written)
 
     def do_rollback(dbapi_connection: PoolProxiedConnection) -> None:
         _take_after_commit(dbapi_connection)
@@ -339,7 +339,7 @@ def _hook_commit(dialect: Dialect) -> None:
         stored = _take_after_commit(connection.connection)
         commit_twophase(connection, xid, is_prepared, recover)
         for written in stored:
-            _after_enqueue(written)
+            emit_after_enqueue(written)
 
     def do_rollback_twophase(
         connection: Connection, xid: Any, is_prepared: bool = True, recover: bool = False
@@ -354,16 +354,16 @@ def _hook_commit(dialect: Dialect) -> None:
     _dialects_hooked.add(dialect)
 
 
-def _take_after_commit(dbapi_connection: PoolProxiedConnection) -> list[_Written]:
+def _take_after_commit(dbapi_connection: PoolProxiedConnection) -> list[OutboxWrite]:
     """Remove and return what the connection's current database transaction stored (see _hook_commit)."""
     if not isinstance(dbapi_connection, PoolProxiedConnection):
         return []  # a bare DBAPI connection: nothing of ours can be waiting on it
-    stored: list[_Written] = dbapi_connection.info.pop(_AFTER_COMMIT, [])
+    stored: list[OutboxWrite] = dbapi_connection.info.pop(_AFTER_COMMIT, [])
     return stored
 
 
-def _connection_add(conn: Connection, broker: PostgresBroker, items: list[StoredMessage]) -> None:
-    _install_engine_listeners(conn.engine)
+def connection_add(conn: Connection, broker: PostgresBroker, items: list[StoredMessage]) -> None:
+    install_engine_listeners(conn.engine)
     # Connection.begin() does no I/O (the driver begins implicitly on the next statement);
     # without a transaction, a commit() would fire no event.
     root = conn.get_transaction() or conn.begin()
@@ -435,13 +435,13 @@ def _connection_commit(conn: Connection) -> None:
     buffer = _current_buffer(conn)
     if buffer is None:
         return
-    announced: list[_Written] = []
+    announced: list[OutboxWrite] = []
     try:
         buffer.write(conn)
         written, buffer.written = buffer.written, []
         buffer.committing = True
         for w in written:
-            announce = _wants_after_enqueue(w.broker)
+            announce = wants_after_enqueue(w.broker)
             after_commit_notify = w.notify_after_commit
             if w.ids and (announce or after_commit_notify):
                 # Written inside a savepoint: keep only the rows that survived it.

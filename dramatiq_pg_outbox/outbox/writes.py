@@ -20,7 +20,7 @@ from ..urls import safe_url
 
 
 @dataclass
-class _Written:
+class OutboxWrite:
     """What one statement stored, for the after-commit steps."""
 
     broker: PostgresBroker
@@ -80,9 +80,9 @@ def _check_schema(conn: Connection, broker: PostgresBroker) -> None:
     checked.add(key)
 
 
-def _write(
+def write_items(
     conn: Connection, broker: PostgresBroker, items: list[StoredMessage], return_ids: bool = False
-) -> _Written:
+) -> OutboxWrite:
     """Insert ``items`` through ``conn``, in its transaction, with one statement."""
     _check_schema(conn, broker)
     twophase = isinstance(conn.get_transaction(), TwoPhaseTransaction)
@@ -95,10 +95,10 @@ def _write(
     )
     rows = message_store(broker.schema).enqueue(DriverCursor(conn), statement)
     result = enqueue_result(statement.name, items, rows)
-    return _Written(broker, result.stored, result.payloads, result.ids, twophase=twophase)
+    return OutboxWrite(broker, result.stored, result.payloads, result.ids, twophase=twophase)
 
 
-def _by_broker(
+def by_broker(
     items: Iterable[tuple[PostgresBroker, StoredMessage]],
 ) -> dict[PostgresBroker, list[StoredMessage]]:
     groups: dict[PostgresBroker, list[StoredMessage]] = {}
@@ -107,12 +107,12 @@ def _by_broker(
     return groups
 
 
-def _after_enqueue(written: _Written) -> None:
+def emit_after_enqueue(written: OutboxWrite) -> None:
     for item in written.stored:
         written.broker.emit_after("enqueue", item.message, item.delay or None)
 
 
-def _wants_after_enqueue(broker: PostgresBroker) -> bool:
+def wants_after_enqueue(broker: PostgresBroker) -> bool:
     """Whether a middleware of ``broker`` overrides Dramatiq's no-op ``after_enqueue``."""
     return any(type(m).after_enqueue is not Middleware.after_enqueue for m in broker.middleware)
 

@@ -13,7 +13,7 @@ from typing import Any, cast
 from dramatiq import Broker, Message
 from dramatiq.errors import DecodeError
 
-from .._runtime import Service, _Maintenance, fence_params, format_error, parse_notification
+from .._runtime import Maintenance, Service, fence_params, format_error, parse_notification
 from .._runtime.listener import subscribe
 from .._runtime.watermark import Watermark
 from ..broker import PostgresBroker
@@ -105,7 +105,7 @@ class Relay(Service):
         self.stats = RelayStats()
         self._store = RelayStore(broker.schema)
         self._unarchived: list[tuple[int, uuid.UUID]] = []
-        self._maintenance: _Maintenance | None = None
+        self._maintenance: Maintenance | None = None
         #: Messages relayed by the latest batch (a full batch: the next one starts at once).
         self._relayed = 0
         #: Where its claims start reading (see _runtime/watermark.py).
@@ -271,7 +271,7 @@ class Relay(Service):
           TargetUnusable: The target refused the relay's credentials.
         """
         runtime = self.broker.runtime
-        self._maintenance = _Maintenance(runtime)
+        self._maintenance = Maintenance(runtime)
         self._maintenance.heartbeat()
         self._maintenance.start()
         self._report_every = report_every

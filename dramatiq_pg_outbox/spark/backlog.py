@@ -72,10 +72,10 @@ class BacklogDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: Any) -> DataSourceReader:
-        return _Reader(scan_from_options(self.options))
+        return BacklogReader(scan_from_options(self.options))
 
 
-class _Reader(DataSourceReader):
+class BacklogReader(DataSourceReader):
     def __init__(self, scan: _Scan) -> None:
         self.scan = scan
 

@@ -105,7 +105,7 @@ class HistoryDataSource(DataSource):
         pushdown = self.options.get("pushdown", str(self.pushdown)).lower()
         if pushdown not in ("true", "false"):
             raise ValueError(f"option 'pushdown' is true or false, not {self.options['pushdown']!r}")
-        return _PushingReader(scan) if pushdown == "true" else _Reader(scan)
+        return _PushingReader(scan) if pushdown == "true" else HistoryReader(scan)
 
 
 class PushingHistoryDataSource(HistoryDataSource):
@@ -114,7 +114,7 @@ class PushingHistoryDataSource(HistoryDataSource):
     pushdown = True
 
 
-class _Reader(DataSourceReader):
+class HistoryReader(DataSourceReader):
     def __init__(self, scan: _Scan) -> None:
         self.scan = scan
 
@@ -153,7 +153,7 @@ class _Reader(DataSourceReader):
                 yield from cur
 
 
-class _PushingReader(_Reader):
+class _PushingReader(HistoryReader):
     def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
         for f in filters:
             if not self._push(f):
