@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from .broker import PostgresBroker
-from .errors import OutboxError, SchemaNotReady
+from .errors import MessageTooLarge, OutboxError, SchemaNotReady
 from .migrations import downgrade, upgrade, versions_path
 from .outbox import Outbox, outbox, outside_outbox
 from .results import PostgresBackend
 
 __all__ = [
+    "MessageTooLarge",
     "Outbox",
     "OutboxError",
     "PostgresBackend",

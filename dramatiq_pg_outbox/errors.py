@@ -32,6 +32,30 @@ class OutboxError(BrokerError):
         super().__init__(message)  # type: ignore[no-untyped-call]
 
 
+class MessageTooLarge(ValueError):
+    """An encoded message is larger than the broker's ``max_message_bytes``.
+
+    Raised by ``send()`` (inside ``outbox()`` too, before the commit: nothing of
+    the message is written).  Its message is one line naming the actor, the
+    size and the limit.
+
+    Attributes:
+      actor_name(str): The actor of the refused message.
+      size(int): Its encoded size, in bytes.
+      limit(int): The broker's ``max_message_bytes``.
+    """
+
+    def __init__(self, actor_name: str, size: int, limit: int) -> None:
+        self.actor_name = actor_name
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"message for actor {actor_name!r} is {size:,} bytes encoded, over the broker's "
+            f"max_message_bytes={limit:,}: store large data elsewhere and send a reference "
+            "(or raise the option; None disables the limit)"
+        )
+
+
 class ConnectionRejected(ConnectionFailed):
     """PostgreSQL refused the connection for a reason that waiting cannot fix.
 

@@ -66,6 +66,8 @@ NOTIFY: NotifyMode = "transaction"
 LISTEN = True
 CHECK_SCHEMA = True
 PREPARE_THRESHOLD: int | None = 5
+#: 1 MiB, as many brokers (Amazon SQS allows 256 KiB, RabbitMQ's default frame limit is larger).
+MAX_MESSAGE_BYTES: int | None = 1_048_576
 
 # -- the rules ------------------------------------------------------------------------
 
@@ -296,6 +298,15 @@ class BrokerOptions:
         "(before 1.21), where the next transaction may run on a server connection on which the "
         "statement's name is missing or is another client's ([Behind PgBouncer](pgbouncer.md)); "
         "not a URL parameter",
+    )
+    max_message_bytes: int | None = _option(
+        MAX_MESSAGE_BYTES,
+        optional(integer(1)),
+        "largest encoded message, in bytes: a larger one is refused by `send()` with "
+        "`MessageTooLarge` (inside `outbox()` before the commit, nothing of it written), a larger "
+        "follow-up (a pipeline's next step, a result) quarantines the message whose hooks sent it "
+        "(moved to history as `failed` with `FollowUpNotWritable`, never retried), and the Spark "
+        "writer refuses a larger row; `None`: no limit",
     )
 
     def __post_init__(self) -> None:

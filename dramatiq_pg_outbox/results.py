@@ -244,15 +244,25 @@ class PostgresBackend(ResultBackend):
     def _store(self, message_key: str, result: Any, ttl: int) -> None:
         """Store an already wrapped ``result`` for ``ttl`` milliseconds (replacing an earlier one)."""
         payload = message_key if len(message_key.encode()) <= MAX_PAYLOAD_BYTES else ""
+        encoded = self.encoder.encode(result)
+        finishing = deciding()
+        if finishing is not None and finishing.consumer.broker.conninfo == self._broker.conninfo:
+            limit = finishing.consumer.broker.options.max_message_bytes
+            if limit is not None and len(encoded) > limit:
+                # A follow-up over the limit: the message is quarantined (see the broker's enqueue_many).
+                finishing.refused.append(
+                    f"the result of actor {finishing.actor_name!r} is {len(encoded):,} bytes encoded, "
+                    f"over the broker's max_message_bytes={limit:,}"
+                )
+                return
         statement = self._result_store.store_statement(
             message_key=message_key,
-            result=self.encoder.encode(result),
+            result=encoded,
             ttl=int(ttl),
             channel=self.channel,
             payload=payload,
             notify=self.notify,
         )
-        finishing = deciding()
         if finishing is not None and finishing.consumer.broker.conninfo == self._broker.conninfo:
             # Stored by the Results middleware while a message's outcome is decided:
             # written with its ack or nack, in one transaction (PostgresBroker.emit_after).

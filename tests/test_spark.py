@@ -185,6 +185,55 @@ def test_an_unencodable_argument_fails_the_job_naming_the_column(spark: Any, act
     assert count(db) == 0
 
 
+def test_a_row_over_max_message_bytes_fails_the_job_naming_it_and_writes_nothing(
+    spark: Any, make_broker: Any, db: Any
+) -> None:
+    # Given an actor whose broker allows messages of 600 bytes, and one row that makes a bigger one
+    broker = make_broker(max_message_bytes=600)
+
+    @dramatiq.actor(broker=broker, queue_name="notifications")
+    def notify_customer(customer_id: int, note: str) -> None:
+        pass
+
+    rows = [(i, "x" * (1_000 if i == 7 else 10)) for i in range(20)]
+    df = spark.createDataFrame(rows, "customer_id long, note string").coalesce(1)
+    kwargs: dict[str, Any] = {"args": ["customer_id", "note"], "key": "customer_id"}
+    # Then the job fails naming the row, the size and the limit, and writes nothing
+    with pytest.raises(EnqueueError, match=r"customer_id=7 is [\d,]+ bytes .* max_message_bytes=600"):
+        enqueue_dataframe(df, notify_customer, batch_id="big", **kwargs)
+    assert count(db) == 0
+    # And without a limit (or under a larger one) every row is written
+    assert (
+        enqueue_dataframe(df, notify_customer, batch_id="big", max_message_bytes=None, **kwargs).enqueued
+        == 20
+    )
+    with pytest.raises(ValueError, match="max_message_bytes=0"):
+        enqueue_dataframe(df, notify_customer, batch_id="big2", max_message_bytes=0, **kwargs)
+
+
+def test_a_row_over_the_limit_is_refused_row_by_row_and_by_the_data_source(
+    spark: Any, broker: PostgresBroker, db: Any, database_url: str
+) -> None:
+    import dataclasses
+
+    # Row by row (an argument type that Arrow does not encode): the same refusal
+    plan = dataclasses.replace(customer_id_plan(broker, "rows"), max_bytes=300)
+    small, big = (1,), (10**400,)
+    with pytest.raises(EnqueueError, match=r"customer_id=10+ is [\d,]+ bytes .* max_message_bytes=300"):
+        write_partition(plan, [small, big])
+    assert count(db) == 0
+    # format("dramatiq"): 1 MiB unless its max_message_bytes option says otherwise
+    df = spark.createDataFrame([(1, "x" * 2_000)], "customer_id long, note string").coalesce(1)
+    source = {"actor": "notify_customer", "key": "customer_id", "args": "customer_id,note"}
+    with pytest.raises(Exception, match=r"max_message_bytes=1,000"):
+        write_messages(df, database_url, batch="s-big", max_message_bytes="1000", **source)
+    assert count(db) == 0
+    write_messages(df, database_url, batch="s-big", **source)
+    assert count(db) == 1
+    with pytest.raises(Exception, match="option 'max_message_bytes' is a number of bytes"):
+        write_messages(df, database_url, batch="s-big", max_message_bytes="lots", **source)
+
+
 def test_bad_parameters_are_refused_before_any_job(spark: Any, actor: Any) -> None:
     df = customers(spark, 3)
     with pytest.raises(ValueError, match="not in the DataFrame"):

@@ -99,14 +99,16 @@ class Flusher(Service):
         messages: list[StoredMessage] | None = None,
         statements: list[Statement] | None = None,
         conditional: list[Conditional] | None = None,
+        refused: list[str] | None = None,
     ) -> None:
         """Buffer the end of a delivery (``kind``: ``ack``, ``ack_with_error``, ``nack``).
 
         With follow-ups (``messages``, ``statements``, ``conditional``) it is written
         with them in one transaction (see :class:`Outcome`); without, with the other
-        decisions of its kind in one statement.
+        decisions of its kind in one statement.  With ``refused`` follow-ups (why each
+        was refused when sent) the message is quarantined, none of its follow-ups written.
         """
-        if messages or statements or conditional:
+        if messages or statements or conditional or refused:
             self.outcomes.append(
                 Outcome(
                     row_id,
@@ -117,6 +119,7 @@ class Flusher(Service):
                     messages or [],
                     statements or [],
                     conditional or [],
+                    refused or [],
                 )
             )
             self._signal(len(self.outcomes))
@@ -244,11 +247,18 @@ class Flusher(Service):
                 for queue_name in woken:
                     self.runtime.wake(queue_name)
         while self.outcomes:
-            size = 1 if self._suspects else batch
-            outcomes = [self.outcomes.popleft() for _ in range(min(len(self.outcomes), size))]
+            # One with refused follow-ups is quarantined alone; a batch stops before it.
+            size = 1 if self._suspects or self.outcomes[0].refused else batch
+            outcomes = [self.outcomes.popleft()]
+            while self.outcomes and len(outcomes) < size and not self.outcomes[0].refused:
+                outcomes.append(self.outcomes.popleft())
             quarantined = dropped = 0
             try:
-                finished = self._write_outcomes(outcomes)
+                if outcomes[0].refused:
+                    finished = []
+                    quarantined = self._quarantine(outcomes[0], None)
+                else:
+                    finished = self._write_outcomes(outcomes)
             except UNWRITABLE as e:
                 if len(outcomes) > 1:
                     # Some outcome of the batch can never be written: find it, one at a time.
@@ -417,15 +427,17 @@ class Flusher(Service):
             broker.emit_after("enqueue", item.message, item.delay or None)
         return written
 
-    def _quarantine(self, outcome: Outcome, error: Exception) -> int:
+    def _quarantine(self, outcome: Outcome, error: Exception | None) -> int:
         """Archive the message of ``outcome`` as failed, none of its follow-ups written.
 
         Called when writing ``outcome`` alone failed with an :data:`UNWRITABLE`
-        error: it would fail again at every retry and hold back every later
-        outcome of the process.  Its message goes to history as failed, with
+        error (``error``): it would fail again at every retry and hold back every later
+        outcome of the process; or, with ``error`` None, for an outcome with
+        follow-ups refused when they were sent (``outcome.refused``: over
+        ``max_message_bytes``).  Its message goes to history as failed, with
         ``error_type`` :data:`FOLLOW_UP_NOT_WRITABLE` and an error naming the
-        follow-ups the database refuses (each is tried alone in a savepoint that
-        is rolled back) and the delivery's own outcome.
+        follow-ups refused (by the database, each tried alone in a savepoint that
+        is rolled back; or when sent) and the delivery's own outcome.
 
         Returns:
           int: 1 if the message was archived, 0 if its lease was stale.
@@ -434,8 +446,8 @@ class Flusher(Service):
           Exception: What the database raised; the caller keeps the outcome.
         """
         with self.runtime.connection() as conn, conn.transaction():
-            refused = []
-            writes = self._follow_up_writes(outcome)
+            refused = list(outcome.refused)
+            writes = [] if refused else self._follow_up_writes(outcome)
             for what, statement in writes:
                 try:
                     with conn.transaction():

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import MessageTooLarge
 from ..names import PARK_AFTER_MS
 from ..store.messages import EnqueueRow, EnqueueStatement, Statement
 
@@ -84,6 +86,9 @@ class Outcome:
     statements: list[Statement] = field(default_factory=list)
     #: Messages written only if their statement returns true (group completion callbacks).
     conditional: list[Conditional] = field(default_factory=list)
+    #: Follow-ups refused when sent (over ``max_message_bytes``), one line each: the
+    #: flusher quarantines the message instead of writing any of its follow-ups.
+    refused: list[str] = field(default_factory=list)
 
     def fence(self) -> tuple[int, uuid.UUID, str | None, str | None]:
         """(row id, lease, error type, error), the item form of the plain decision buffers."""
@@ -110,17 +115,67 @@ class StoredMessage:
     priority: int = 0
 
     @classmethod
-    def of(cls, message: Message[Any], delay: int = 0) -> StoredMessage:
-        """Encode ``message`` now.
+    def of(cls, message: Message[Any], delay: int = 0, max_bytes: int | None = None) -> StoredMessage:
+        """Encode ``message`` now (``max_bytes``: the broker's ``max_message_bytes``, None: no limit).
 
         Raises:
           ValueError: If its ``idempotency_key`` option is not a non-empty string,
             or its ``broker_priority`` option not an integer from 0 to ``MAX_PRIORITY``.
-          Exception: Whatever the broker's encoder raises for unencodable arguments.
+          MessageTooLarge: If it encodes to more than ``max_bytes`` bytes.
+          TypeError: If an argument cannot be encoded (see :func:`encode`).
         """
         key = idempotency_key(message)
         priority = broker_priority(message.options)
-        return cls(message, delay, message.encode(), key, priority)
+        payload = encode(message)
+        if max_bytes is not None and len(payload) > max_bytes:
+            raise MessageTooLarge(message.actor_name, len(payload), max_bytes)
+        return cls(message, delay, payload, key, priority)
+
+
+def encode(message: Message[Any]) -> bytes:
+    """``message.encode()``, with an error that says which argument could not be encoded.
+
+    Dramatiq's JSON encoder raises a bare ``TypeError`` (``Object of type X is
+    not JSON serializable``) that names neither the actor nor the argument.
+    On a failure, each argument is encoded alone to find the first culprit.
+
+    Raises:
+      TypeError: (or ``ValueError``, as the encoder raised) "cannot send actor
+        'A': argument 2 (a Decimal) cannot be encoded: ...", or ``keyword argument
+        'k'``, or ``its options``.
+    """
+    try:
+        return message.encode()
+    except (TypeError, ValueError) as e:
+        raise unencodable(message, e) from e
+
+
+def unencodable(message: Message[Any], error: TypeError | ValueError) -> TypeError | ValueError:
+    """The error of :func:`encode` for ``message``, whose encoding raised ``error``."""
+
+    def fails(**parts: Any) -> bool:
+        try:
+            dataclasses.replace(message, **{"args": (), "kwargs": {}, "options": {}, **parts}).encode()
+        except (TypeError, ValueError):
+            return True
+        return False
+
+    where = "its arguments together"
+    culprits = [
+        *((f"argument {i}", value) for i, value in enumerate(message.args) if fails(args=(value,))),
+        *(
+            (f"keyword argument {name!r}", value)
+            for name, value in message.kwargs.items()
+            if fails(kwargs={name: value})
+        ),
+    ]
+    if culprits:
+        what, value = culprits[0]
+        where = f"{what} (a {type(value).__name__})"
+    elif fails(options=message.options):
+        where = "its options"
+    text = f"cannot send actor {message.actor_name!r}: {where} cannot be encoded: {error}"
+    return TypeError(text) if isinstance(error, TypeError) else ValueError(text)
 
 
 def enqueue_statement(

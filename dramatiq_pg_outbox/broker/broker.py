@@ -27,7 +27,7 @@ from .._binding import current_binding
 from .._isolation import connect
 from .._queries import CHANGED_ROWS_ROUNDS
 from .._runtime import ProcessRuntime, StoredMessage
-from ..errors import describe_rejection, libpq_detail
+from ..errors import MessageTooLarge, describe_rejection, libpq_detail
 from ..names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
 from ..options import (
     CHECK_SCHEMA,
@@ -39,6 +39,7 @@ from ..options import (
     MAX_DELIVERIES,
     MAX_FETCH_INTERVAL_MS,
     MAX_LEASE_MS,
+    MAX_MESSAGE_BYTES,
     MIN_FETCH_INTERVAL_MS,
     NOTIFY,
     OPTION_NAMES,
@@ -131,6 +132,7 @@ class PostgresBroker(Broker):
         listen: bool = LISTEN,
         check_schema: bool = CHECK_SCHEMA,
         prepare_threshold: int | None = PREPARE_THRESHOLD,
+        max_message_bytes: int | None = MAX_MESSAGE_BYTES,
     ) -> None:
         super().__init__(middleware=middleware)
         #: The worker-side instruments of :class:`~dramatiq_pg_outbox.metrics.WorkerMetrics`, if added.
@@ -265,6 +267,10 @@ class PostgresBroker(Broker):
         Raises:
           ValueError: For an invalid queue name, a negative delay or a batch_size below 1
             (before any write).
+          MessageTooLarge: For a message over ``max_message_bytes`` (before any write; a
+            follow-up over it instead quarantines the message whose hooks sent it).
+          TypeError: For an argument the encoder cannot encode (naming the actor and
+            the argument; before any write).
           ConnectionClosed/ConnectionFailed: If the database cannot be reached (outside a binding).
           SchemaNotReady: If the tables are missing or old (outside a binding).
 
@@ -281,13 +287,23 @@ class PostgresBroker(Broker):
         if finishing is not None and finishing.consumer.broker is not self:
             finishing = None  # a message of another broker: this send is not its follow-up
         binding = current_binding(self) if finishing is None else None
+        limit = self.options.max_message_bytes
         for start in range(0, len(prepared), batch_size):
             batch = prepared[start : start + batch_size]
             self.logger.debug("Enqueueing %d message(s), first %r.", len(batch), batch[0].message_id)
             stored = []
             for message in batch:
                 self.emit_before("enqueue", message, delay)
-                stored.append(StoredMessage.of(message, delay_ms))
+                try:
+                    stored.append(StoredMessage.of(message, delay_ms, limit))
+                except MessageTooLarge as e:
+                    if finishing is None:
+                        raise
+                    # A follow-up over the limit: raising here would only be logged by
+                    # Dramatiq's emit_after, and the delivery acked without it.  Its
+                    # message is quarantined instead, none of its follow-ups written.
+                    finishing.refused.append(str(e))
+                    self.logger.error("A follow-up of message %d is refused: %s", finishing.row_id, e)
             if finishing is not None:
                 # A follow-up: written with the ack or nack (see emit_after); after_enqueue
                 # runs once that transaction has committed.

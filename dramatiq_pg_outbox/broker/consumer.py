@@ -144,6 +144,9 @@ class PostgresMessage(MessageProxy):
         self.statements: list[Statement] = []
         #: Messages of that phase written only if a statement returns true (see :meth:`sending_if`).
         self.conditional: list[Conditional] = []
+        #: Follow-ups refused at send time (over ``max_message_bytes``): why, one line each.
+        #: Any makes the flusher quarantine the message, none of its follow-ups written.
+        self.refused: list[str] = []
         #: Where the broker puts what is sent now: ``follow_ups``, or a conditional's messages.
         self.sending_to: list[StoredMessage] = self.follow_ups
         #: Set by emit_before("ack"/"nack"): the decision waits for emit_after.
@@ -512,10 +515,12 @@ class PostgresConsumer(Consumer):
         """Hand a decided message, with its follow-ups, to the flusher."""
         assert message.outcome is not None
         follow_ups, statements, conditional = message.follow_ups, message.statements, message.conditional
+        refused = message.refused
         message.follow_ups, message.statements, message.conditional = [], [], []
+        message.refused = []
         message.sending_to = message.follow_ups
         self.runtime.flusher.finish(
-            message.row_id, message.lease, *message.outcome, follow_ups, statements, conditional
+            message.row_id, message.lease, *message.outcome, follow_ups, statements, conditional, refused
         )
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:

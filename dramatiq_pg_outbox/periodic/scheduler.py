@@ -292,7 +292,7 @@ class Scheduler(Service):
                 for tick in due.ticks:
                     message = schedule.message(broker, tick)
                     broker.emit_before("enqueue", message, None)
-                    items.append(StoredMessage.of(message))
+                    items.append(StoredMessage.of(message, 0, broker.options.max_message_bytes))
                 if due.late:
                     self.logger.warning(
                         "Schedule %r missed %d tick(s) (more than %d ms late: no scheduler ran): %s",

@@ -354,9 +354,15 @@ def declared_schedules(broker: PostgresBroker, schedules: Iterable[Schedule] = (
                 f"Two schedules are named {schedule.key!r}: give each schedule of an actor its own name=."
             )
         try:
-            message.encode()
+            payload = message.encode()
         except Exception as e:
             raise ValueError(f"The arguments of schedule {schedule.key!r} cannot be encoded: {e}") from e
+        limit = broker.options.max_message_bytes
+        if limit is not None and len(payload) > limit:
+            raise ValueError(
+                f"The message of schedule {schedule.key!r} is {len(payload):,} bytes encoded, over the "
+                f"broker's max_message_bytes={limit:,}: pass a reference to the data instead."
+            )
         by_name[schedule.key] = schedule
     return by_name
 

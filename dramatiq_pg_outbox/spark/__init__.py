@@ -74,11 +74,12 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._jdbc import jdbc_options
 from .._runtime.messages import broker_priority
 from ..names import DEFAULT_SCHEMA, channel_for, validate_schema_name
+from ..options import MAX_MESSAGE_BYTES, integer, optional
 from ..urls import libpq_url
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ def enqueue_dataframe(
     notify: bool = True,
     max_partitions: int | None = None,
     encoder: Encoder | None = None,
+    max_message_bytes: int | Literal["broker"] | None = "broker",
 ) -> EnqueueResult:
     """Enqueue one message per row of ``df``, idempotently, written by the executors.
 
@@ -150,6 +152,9 @@ def enqueue_dataframe(
       notify(bool): Wake listening workers (one NOTIFY per partition, at commit).
       max_partitions(int): Cap on partitions, hence on concurrent connections.
       encoder(Encoder): Message encoder.  Default: ``dramatiq.get_encoder()`` of the driver.
+      max_message_bytes(int | None): Largest encoded message, in bytes; a larger row fails its
+        task with ``EnqueueError`` (nothing of its partition written).  Default ``"broker"``:
+        the ``max_message_bytes`` of the actor's PostgresBroker, else 1 MiB.  None: no limit.
 
     Raises:
       EnqueueError: (from the Spark job) a null key or an argument that cannot be encoded.
@@ -194,6 +199,10 @@ def enqueue_dataframe(
     if delay < 0:
         raise ValueError(f"delay must be a non-negative number of milliseconds, not {delay!r}")
     priority = broker_priority(options or {})
+    if max_message_bytes == "broker":
+        max_bytes = pg_broker.options.max_message_bytes if pg_broker is not None else MAX_MESSAGE_BYTES
+    else:
+        max_bytes = optional(integer(1)).check("max_message_bytes", max_message_bytes)
     encoder = encoder or dramatiq.get_encoder()
     try:
         encoder.encode({"options": dict(options or {})})
@@ -214,6 +223,7 @@ def enqueue_dataframe(
         priority=priority,
         notify=notify,
         encoder=encoder,
+        max_bytes=max_bytes,
     )
     selected = df.select(*plan.columns)
     if max_partitions is not None:

@@ -79,6 +79,8 @@ class Plan:
     encoder: Encoder
     #: The ``broker_priority`` option, validated (0: none).
     priority: int = 0
+    #: Largest encoded message, in bytes (the broker's ``max_message_bytes``); None: no limit.
+    max_bytes: int | None = None
 
     @classmethod
     def build(
@@ -212,6 +214,12 @@ def encode_batch(plan: Plan, batch: Any, now_ms: int) -> Any:
     payload = pc.binary_join_element_wise(
         *(pa.scalar(piece) if isinstance(piece, str) else piece for piece in pieces), pa.scalar("")
     )
+    if plan.max_bytes is not None and len(payload):
+        over = pc.greater(pc.binary_length(payload), plan.max_bytes)
+        if pc.any(over).as_py():
+            first = pc.index(over, True).as_py()
+            size = len(payload[first].as_py())
+            raise EnqueueError(_too_large(plan, batch.column(plan.key)[first].as_py(), size))
     return pa.RecordBatch.from_arrays(
         [message_id, ikey, payload], ["message_id", "idempotency_key", "payload"]
     )
@@ -303,7 +311,17 @@ def encode_rows(plan: Plan, rows: Iterable[Any], now_ms: int) -> Iterator[tuple[
                 )
         except Exception as e:
             raise EnqueueError(_explain(plan, row, key, e)) from e
+        if plan.max_bytes is not None and len(payload) > plan.max_bytes:
+            raise EnqueueError(_too_large(plan, key, len(payload)))
         yield message_id, ikey, payload
+
+
+def _too_large(plan: Plan, key: Any, size: int) -> str:
+    return (
+        f"The row with {plan.columns[plan.key]}={key!r} is {size:,} bytes encoded as a message for "
+        f"actor {plan.actor_name!r}, over max_message_bytes={plan.max_bytes:,}: write a reference "
+        "to the data instead (nothing of this task's partition was written)"
+    )
 
 
 def _explain(plan: Plan, row: Any, key: Any, error: Exception) -> str:

@@ -63,12 +63,26 @@ from pyspark.sql.datasource import (
 
 from .._runtime.messages import broker_priority
 from ..names import channel_for, validate_queue_name
+from ..options import MAX_MESSAGE_BYTES
 from .encoding import Plan
 from .options import given_options
 from .write import write_arrow_partition
 
 #: The options the data source reads; any other is refused (a typo would otherwise be ignored).
-OPTIONS = ("url", "actor", "batch", "key", "queue", "args", "kwargs", "schema", "delay", "notify", "options")
+OPTIONS = (
+    "url",
+    "actor",
+    "batch",
+    "key",
+    "queue",
+    "args",
+    "kwargs",
+    "schema",
+    "delay",
+    "notify",
+    "options",
+    "max_message_bytes",
+)
 REQUIRED = ("url", "actor", "batch", "key")
 
 
@@ -206,6 +220,15 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> Plan:
         priority = broker_priority(message_options)
     except ValueError as e:
         raise ValueError(f"option 'options': {e}") from None
+    limit = given.get("max_message_bytes", str(MAX_MESSAGE_BYTES)).strip()
+    try:
+        max_bytes = None if limit.lower() == "none" else int(limit)
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"option 'max_message_bytes' is a number of bytes >= 1 or none, not {limit!r}"
+        ) from None
     return Plan.build(
         key=key,
         args=args,
@@ -221,6 +244,7 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> Plan:
         priority=priority,
         notify=notify == "true",
         encoder=dramatiq.get_encoder(),
+        max_bytes=max_bytes,
     )
 
 
