@@ -107,7 +107,10 @@ SELECT count(*) FROM {schema}.idempotency_keys AS k
 
 -- name: metrics_gauges --
 -- Every Prometheus gauge in one statement: (kind, queue_name, state, value) rows
--- (kinds: messages, oldest, dead, workers, paused, dead_total: dead letters so far).
+-- (kinds: messages, oldest, running (age of the oldest claim), dead, workers,
+-- queue_workers (live workers that consume the queue), paused, dead_total: dead
+-- letters so far, schedule_late (seconds an enabled schedule's next tick is overdue;
+-- the schedule's name in state)).
 SELECT 'messages' AS kind, queue_name,
        CASE WHEN state = 'processing' THEN 'processing'
             WHEN next_attempt_at <= now() THEN 'due' ELSE 'delayed' END AS state,
@@ -119,11 +122,22 @@ SELECT 'oldest', queue_name, NULL,
                 FILTER (WHERE state = 'pending' AND next_attempt_at <= now())), 0)::float8
   FROM {schema}.messages GROUP BY 2
 UNION ALL
+SELECT 'running', queue_name, NULL,
+       extract(epoch FROM now() - min(acquired_at))::float8
+  FROM {schema}.messages WHERE state = 'processing' GROUP BY 2
+UNION ALL
 SELECT 'dead', queue_name, NULL, count(*)::float8
   FROM {schema}.history WHERE state = 'failed' AND finished_at > now() - interval '1 hour' GROUP BY 2
 UNION ALL
 SELECT 'workers', NULL, NULL, count(*)::float8
   FROM {schema}.workers AS w WHERE {worker_alive}
+UNION ALL
+SELECT 'queue_workers', q.queue_name, NULL, count(*)::float8
+  FROM {schema}.workers AS w, unnest(w.queues) AS q(queue_name) WHERE {worker_alive} GROUP BY 2
+UNION ALL
+SELECT 'schedule_late', queue_name, name,
+       greatest(extract(epoch FROM now() - next_run_at), 0)::float8
+  FROM {schema}.schedules WHERE disabled_at IS NULL AND removed_at IS NULL
 UNION ALL
 SELECT 'paused', queue_name, NULL, 1::float8
   FROM {schema}.queue_pauses

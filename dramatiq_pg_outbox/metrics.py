@@ -40,9 +40,15 @@ Database gauges (label ``queue_name`` unless said otherwise):
 ``dramatiq_pg_outbox_queue_paused``                          1 while the queue is paused
                                                              (``dramatiq-pg-outbox pause``), else 0
 ``dramatiq_pg_outbox_database_up`` (no label)                1 if the last statement succeeded, else 0
+``dramatiq_pg_outbox_oldest_running_message_age_seconds``    seconds since the oldest claim of a
+                                                             message still processing (0 when none)
+``dramatiq_pg_outbox_queue_live_workers``                    live worker processes consuming the queue
+``dramatiq_pg_outbox_schedule_lateness_seconds``             seconds an enabled schedule's next tick
+(labels ``schedule``, ``queue_name``)                        is overdue (0 when not): no scheduler runs
 ==========================================================  ==========================================
 
 A queue the collector has seen keeps its series when it empties: they read 0, not absent.
+Delay queues (``X.DQ``) are folded into their queue ``X``, as on the dashboard.
 
 Worker counters and histograms: ``dramatiq_pg_outbox_claimed_total``,
 ``_acked_total``, ``_nacked_total``, ``_requeued_total`` (label ``queue_name``;
@@ -65,6 +71,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from dramatiq.common import q_name
 from dramatiq.middleware import Middleware
 
 from ._isolation import connect
@@ -98,6 +105,14 @@ class Snapshot:
       taken_at(float): ``time.monotonic()`` when it was read.
       paused(set[str]): The paused queues (``dramatiq-pg-outbox pause``).
       dead_lettered(dict[str, float]): ``queue_name -> dead letters so far`` (a counter).
+      oldest_running_age(dict[str, float]): ``queue_name -> seconds`` since the oldest claim
+        of a message still processing.
+      queue_workers(dict[str, float]): ``queue_name -> live worker processes consuming it``.
+      schedule_lateness(dict[tuple[str, str], float]): ``(schedule, queue_name) -> seconds``
+        its next tick is overdue (0 when not), enabled schedules only.
+
+    Delay queues (``X.DQ``, a name Dramatiq gives them) are folded into their queue, as
+    on the dashboard: counts add up, ages take the larger.
     """
 
     messages: dict[tuple[str, str], float]
@@ -108,6 +123,9 @@ class Snapshot:
     taken_at: float
     paused: set[str] = field(default_factory=set)
     dead_lettered: dict[str, float] = field(default_factory=dict)
+    oldest_running_age: dict[str, float] = field(default_factory=dict)
+    queue_workers: dict[str, float] = field(default_factory=dict)
+    schedule_lateness: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 class DatabaseCollector:
@@ -176,25 +194,56 @@ class DatabaseCollector:
         self.last_error = None
         messages: dict[tuple[str, str], float] = {}
         oldest: dict[str, float] = {}
+        running: dict[str, float] = {}
         dead: dict[str, float] = {}
         workers = 0.0
+        queue_workers: dict[str, float] = {}
         paused: set[str] = set()
         dead_total: dict[str, float] = {}
+        late: dict[tuple[str, str], float] = {}
+
+        def add(into: dict[Any, float], key: Any, value: float) -> None:
+            into[key] = into.get(key, 0.0) + value
+
+        def most(into: dict[Any, float], key: Any, value: float) -> None:
+            into[key] = max(into.get(key, value), value)
+
         for gauge in gauges:
-            kind, queue_name, value = gauge.kind, str(gauge.queue_name), gauge.value
+            kind, value = gauge.kind, gauge.value
+            # A delay queue's rows count for its queue (the dashboard folds them the same way).
+            queue_name = q_name(str(gauge.queue_name))
             if kind == "messages":
-                messages[(queue_name, str(gauge.state))] = value
+                add(messages, (queue_name, str(gauge.state)), value)
             elif kind == "oldest":
-                oldest[queue_name] = value
+                most(oldest, queue_name, value)
+            elif kind == "running":
+                most(running, queue_name, value)
             elif kind == "dead":
-                dead[queue_name] = value
+                add(dead, queue_name, value)
+            elif kind == "queue_workers":
+                # A worker that consumes X and X.DQ is one worker of X.
+                most(queue_workers, queue_name, value)
             elif kind == "paused":
                 paused.add(queue_name)
             elif kind == "dead_total":
-                dead_total[queue_name] = value
+                add(dead_total, queue_name, value)
+            elif kind == "schedule_late":
+                late[(str(gauge.state), queue_name)] = value
             else:
                 workers = value
-        return Snapshot(messages, oldest, dead, workers, True, time.monotonic(), paused, dead_total)
+        return Snapshot(
+            messages,
+            oldest,
+            dead,
+            workers,
+            True,
+            time.monotonic(),
+            paused,
+            dead_total,
+            running,
+            queue_workers,
+            late,
+        )
 
     def collect(self) -> Iterator[Metric]:
         """Yield the gauges (``prometheus_client``'s collector protocol)."""
@@ -213,7 +262,7 @@ class DatabaseCollector:
         )
         with self._lock:
             self._seen |= {q for q, _ in snap.messages} | snap.paused | set(snap.dead_letters_last_hour)
-            self._seen |= set(snap.dead_lettered)
+            self._seen |= set(snap.dead_lettered) | set(snap.queue_workers)
             queues = sorted(self._seen)
         for queue_name in queues:
             for state in STATES:
@@ -256,6 +305,30 @@ class DatabaseCollector:
         for queue_name in queues:
             paused.add_metric([queue_name], 1.0 if queue_name in snap.paused else 0.0)
         yield paused
+        running = GaugeMetricFamily(
+            f"{PREFIX}_oldest_running_message_age_seconds",
+            "Seconds since the oldest claim of a message still processing in the queue (0 if none)",
+            labels=["queue_name"],
+        )
+        for queue_name in queues:
+            running.add_metric([queue_name], snap.oldest_running_age.get(queue_name, 0.0))
+        yield running
+        queue_workers = GaugeMetricFamily(
+            f"{PREFIX}_queue_live_workers",
+            "Worker processes consuming the queue whose last heartbeat is within heartbeat_timeout",
+            labels=["queue_name"],
+        )
+        for queue_name in queues:
+            queue_workers.add_metric([queue_name], snap.queue_workers.get(queue_name, 0.0))
+        yield queue_workers
+        late = GaugeMetricFamily(
+            f"{PREFIX}_schedule_lateness_seconds",
+            "Seconds the next tick of an enabled schedule is overdue (0 when it is not)",
+            labels=["schedule", "queue_name"],
+        )
+        for (schedule, queue_name), seconds in sorted(snap.schedule_lateness.items()):
+            late.add_metric([schedule, queue_name], seconds)
+        yield late
 
     @property
     def connection(self) -> psycopg.Connection[Any] | None:

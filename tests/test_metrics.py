@@ -9,6 +9,7 @@ metrics and ours from the multiprocess directory of a ``dramatiq`` CLI run.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -162,9 +163,16 @@ def seed(db: psycopg.Connection[Any], broker: PostgresBroker) -> None:
         "(-4, 'reports', 'report', 'd', 'completed', 1, now(), now(), NULL, NULL, '')"
     )
     db.execute(
-        "INSERT INTO dramatiq.workers (id, hostname, pid, heartbeat_at) VALUES "
-        "(gen_random_uuid(), 'a', 1, now()), (gen_random_uuid(), 'b', 2, now()), "
-        "(gen_random_uuid(), 'gone', 3, now() - interval '10 minutes')"
+        "INSERT INTO dramatiq.workers (id, hostname, pid, heartbeat_at, queues) VALUES "
+        "(gen_random_uuid(), 'a', 1, now(), '{emails,emails.DQ}'), "
+        "(gen_random_uuid(), 'b', 2, now(), '{emails,reports}'), "
+        "(gen_random_uuid(), 'gone', 3, now() - interval '10 minutes', '{reports}')"
+    )
+    # A schedule whose tick is 90 s overdue, and a disabled one further behind
+    db.execute(
+        "INSERT INTO dramatiq.schedules (name, actor_name, queue_name, every_ms, next_run_at, "
+        "disabled_at) VALUES ('beat', 'email', 'emails', 60000, now() - interval '90 seconds', NULL), "
+        "('off', 'email', 'emails', 60000, now() - interval '1 hour', now())"
     )
 
 
@@ -187,9 +195,27 @@ def test_the_scraped_gauges_match_the_tables(db: Any, broker: PostgresBroker, me
         ).fetchone()[0]
     )
     assert 100 <= emails_age <= db_age
+
+    # And the newer gauges: live workers per queue (a worker of emails and emails.DQ counts once),
+    # the age of the oldest claim, an enabled schedule's lateness (not a disabled one's)
+    def sample(name: str, **labels: str) -> float:
+        return samples[(f"dramatiq_pg_outbox_{name}", tuple(sorted(labels.items())))]
+
+    assert sample("queue_live_workers", queue_name="emails") == 2
+    assert sample("queue_live_workers", queue_name="reports") == 1
+    assert 0 <= sample("oldest_running_message_age_seconds", queue_name="reports") < 60
+    assert sample("oldest_running_message_age_seconds", queue_name="emails") == 0
+    assert 90 <= sample("schedule_lateness_seconds", schedule="beat", queue_name="emails") < 150
+    assert not [key for key in samples if ("schedule", "off") in key[1]]
     # And the example alerting rules name only metrics that are served
     alerts = (ROOT / "docs" / "prometheus-alerts.yml").read_text()
-    assert set(re.findall(r"dramatiq_pg_outbox_\w+", alerts)) <= {name for name, _ in samples}
+    served = {name for name, _ in samples}
+    assert set(re.findall(r"dramatiq_pg_outbox_\w+", alerts)) <= served
+    # And the Grafana dashboard queries exactly the served series, each of them
+    dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    assert {name for e in exprs for name in re.findall(r"dramatiq_pg_outbox_\w+", e)} == served
     # And no other metric family appears
     assert {name for name, _ in samples} == {
         "dramatiq_pg_outbox_database_up",
@@ -199,7 +225,24 @@ def test_the_scraped_gauges_match_the_tables(db: Any, broker: PostgresBroker, me
         "dramatiq_pg_outbox_dead_lettered_total",
         "dramatiq_pg_outbox_live_workers",
         "dramatiq_pg_outbox_queue_paused",
+        "dramatiq_pg_outbox_oldest_running_message_age_seconds",
+        "dramatiq_pg_outbox_queue_live_workers",
+        "dramatiq_pg_outbox_schedule_lateness_seconds",
     }
+
+
+def test_a_delay_queue_folds_into_its_queue(db: Any, broker: PostgresBroker, metrics_server: Any) -> None:
+    # Given due messages stored on a delay queue's name (as Dramatiq names them: X.DQ) and on X
+    db.execute(
+        "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, payload, next_attempt_at) "
+        "SELECT q, 'email', gen_random_uuid()::text, '', now() - interval '50 seconds' "
+        "FROM unnest(ARRAY['emails', 'emails.DQ', 'emails.DQ']) AS q"
+    )
+    # When scraped
+    samples = metrics_server("--cache-seconds", "0").scrape()
+    # Then they are one queue's: counts add up, and no emails.DQ series exists
+    assert samples[("dramatiq_pg_outbox_messages", (("queue_name", "emails"), ("state", "due")))] == 3
+    assert not [key for key in samples if ("queue_name", "emails.DQ") in key[1]]
 
 
 def test_scrapes_within_the_cache_window_reuse_one_reading(

@@ -110,9 +110,12 @@ class RetriedQueue:
 
 @dataclass(frozen=True)
 class Gauge:
-    """One value of ``metrics_gauges``: ``kind`` is messages, oldest, dead, workers, paused or dead_total.
+    """One value of ``metrics_gauges``.
 
-    ``queue_name`` is None for ``workers``; ``state`` is set for ``messages`` only.
+    ``kind`` is messages, oldest, running, dead, workers, queue_workers, paused,
+    dead_total or schedule_late.  ``queue_name`` is None for ``workers``; ``state`` is
+    the message state for ``messages``, the schedule's name for ``schedule_late``,
+    else None.
     """
 
     kind: str
