@@ -54,7 +54,7 @@ from ..options import (
     options_docstring,
 )
 from ..urls import libpq_url, percent_encode, safe_url
-from .consumer import PostgresConsumer, PostgresMessage, deciding, deciding_on
+from .consumer import PostgresConsumer, PostgresMessage, begin_deciding, deciding, end_deciding
 
 #: Signals whose middleware hooks run while a delivery's outcome is decided:
 #: what they enqueue or store is written with the ack or nack (see PostgresBroker.emit_after).
@@ -378,8 +378,11 @@ class PostgresBroker(Broker):
             return
         if signal in ("process_message", "skip_message"):
             self.runtime.finished(message.row_id)
-        with deciding_on(message):
+        previous = begin_deciding(message)
+        try:
             super().emit_after(signal, *args, **kwargs)
+        finally:
+            end_deciding(previous)
         if signal in ("ack", "nack") and message.deferred:
             message.deferred = False
             if message.outcome is not None:

@@ -57,18 +57,21 @@ def deciding() -> PostgresMessage | None:
     return message
 
 
-@contextlib.contextmanager
-def deciding_on(message: PostgresMessage) -> Iterator[None]:
-    """Make :func:`deciding` return ``message`` on this thread inside the block.
+def begin_deciding(message: PostgresMessage) -> PostgresMessage | None:
+    """Make :func:`deciding` return ``message`` on this thread; the one it returned before.
 
-    Nests: the message decided on before the block is restored after it.
+    Pass that to :func:`end_deciding` in a ``finally``.  Two plain calls rather than a
+    context manager: this runs twice per message on the hot path, and a generator-based
+    ``contextlib.contextmanager`` costs about 1.4 us more per use (CPython 3.11).
     """
-    previous = deciding()
+    previous: PostgresMessage | None = getattr(_deciding, "message", None)
     _deciding.message = message
-    try:
-        yield
-    finally:
-        _deciding.message = previous
+    return previous
+
+
+def end_deciding(previous: PostgresMessage | None) -> None:
+    """Restore what :func:`deciding` returned before :func:`begin_deciding`."""
+    _deciding.message = previous
 
 
 #: A consumer's first buffer size, in multiples of Dramatiq's prefetch (the fixed size of
