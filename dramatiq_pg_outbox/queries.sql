@@ -975,6 +975,20 @@ SELECT unnest(%(queue_names)s::text[])
 ON CONFLICT (queue_name) DO NOTHING
 RETURNING queue_name;
 
+-- name: known_queues --
+-- Which of %(queue_names)s some message, worker or schedule has named: a live message
+-- (of the queue or its delay queue), a finished one in history, a worker that consumes
+-- it, a schedule, a pause.  `pause` refuses the others unless --create (a typo would
+-- pause a queue nobody uses).  History has no index on queue_name alone: for a name
+-- found nowhere else, its EXISTS reads history until a match (all of it for a typo).
+SELECT q.name
+  FROM unnest(%(queue_names)s::text[]) AS q(name)
+ WHERE EXISTS (SELECT 1 FROM {schema}.messages WHERE queue_name IN (q.name, q.name || '.DQ'))
+    OR EXISTS (SELECT 1 FROM {schema}.workers WHERE q.name = ANY (queues))
+    OR EXISTS (SELECT 1 FROM {schema}.schedules WHERE queue_name = q.name)
+    OR EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = q.name)
+    OR EXISTS (SELECT 1 FROM {schema}.history WHERE queue_name = q.name);
+
 -- name: resume_queues --
 -- Resumes the queues and wakes their consumers (they claim at once).  Returns
 -- the queues that were paused.

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import decimal
-import json
 import logging
 import os
 import shutil
@@ -23,6 +21,7 @@ from ..names import channel_for
 from ..store.admin import AdminStore
 from ..urls import mask_password
 from .common import (
+    EXIT_ATTENTION,
     EXIT_USAGE,
     MIN_ERROR_WIDTH,
     PROG,
@@ -35,6 +34,7 @@ from .common import (
     format_duration,
     format_queue_list,
     open_connection,
+    print_json,
     print_table,
     server_down,
 )
@@ -98,16 +98,66 @@ def _applied_revisions(conn: psycopg.Connection[Any], schema: str) -> list[str] 
     return store.applied_revisions(conn, version_table=VERSION_TABLE)
 
 
+def attention(conn: psycopg.Connection[Any], store: AdminStore, heartbeat_timeout_ms: int) -> list[str]:
+    """What needs an operator's attention, one line each (``status --check``).
+
+    The queue conditions come from the statement of the Prometheus exporter and mirror the
+    example alerting rules (docs/prometheus-alerts.yml), paused queues exempt: dead letters
+    in the last hour; due messages in a queue that no live worker consumes.  A schedule is
+    late as the ``schedules`` command says: its next tick is overdue by more than its grace.
+    """
+    from ..store.periodic import PeriodicStore
+
+    due: dict[str, float] = {}
+    dead: dict[str, float] = {}
+    consumed: set[str] = set()
+    paused: set[str] = set()
+    for gauge in store.metrics_gauges(conn, heartbeat_timeout_ms=heartbeat_timeout_ms):
+        queue = q_name(str(gauge.queue_name))
+        if gauge.kind == "messages" and gauge.state == "due":
+            due[queue] = due.get(queue, 0) + gauge.value
+        elif gauge.kind == "dead":
+            dead[queue] = dead.get(queue, 0) + gauge.value
+        elif gauge.kind == "queue_workers" and gauge.value > 0:
+            consumed.add(queue)
+        elif gauge.kind == "paused":
+            paused.add(queue)
+    found = [
+        f"queue {queue!r}: {int(n)} dead letter(s) in the last hour (see: {PROG} failed --queue {queue})"
+        for queue, n in sorted(dead.items())
+        if queue not in paused
+    ]
+    found += [
+        f"queue {queue!r}: {int(n)} due message(s) and no live worker consumes it"
+        for queue, n in sorted(due.items())
+        if queue not in paused and queue not in consumed
+    ]
+    found += [
+        f"schedule {row.name!r}: its tick is {format_duration(row.late_s)} overdue: is a scheduler running?"
+        for row in PeriodicStore(store.schema).list_schedules(conn)
+        if row.removed_s is None and row.disabled_at is None and row.late_s * 1000 > row.grace_ms
+    ]
+    return found
+
+
 def status_command(args: argparse.Namespace) -> int:
     with checked_connection(args) as (conn, store, _):
         messages = store.status_messages(conn)
         failed = store.status_failed(conn)
         workers = store.status_workers(conn)
         paused = [p for p in store.paused_queues(conn) if p.queue_name == q_name(p.queue_name)]
+        needs = attention(conn, store, args.heartbeat_timeout) if args.check else []
+    if args.check and not args.json:
+        for line in needs:
+            print(line)
+        if not needs:
+            print(f"ok: nothing needs attention in schema {args.schema!r}")
+        return EXIT_ATTENTION if needs else 0
     if args.json:
-        _print_json(
+        print_json(
             {
                 "schema": args.schema,
+                **({"attention": needs} if args.check else {}),
                 "messages": [
                     {
                         "queue": m.queue_name,
@@ -127,18 +177,10 @@ def status_command(args: argparse.Namespace) -> int:
                     for f in failed
                 ],
                 "paused": [{"queue": p.queue_name, "paused_at": p.paused_at} for p in paused],
-                "workers": [
-                    {
-                        "host": w.hostname,
-                        "pid": w.pid,
-                        "queues": list(w.queues),
-                        "heartbeat_age_seconds": w.heartbeat_age_s,
-                    }
-                    for w in workers
-                ],
+                "workers": [_worker_json(w, args.heartbeat_timeout) for w in workers],
             }
         )
-        return 0
+        return EXIT_ATTENTION if needs else 0
     if messages:
         print_table(
             [(m.queue_name, m.state, m.messages, m.delayed, format_duration(m.oldest_s)) for m in messages],
@@ -178,22 +220,56 @@ def status_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_json(value: Any) -> None:
-    """``value`` as JSON on standard output: times in ISO 8601 (UTC), Decimals as numbers."""
+def _worker_json(worker: Any, heartbeat_timeout_ms: int) -> dict[str, Any]:
+    return {
+        "host": worker.hostname,
+        "pid": worker.pid,
+        "queues": list(worker.queues),
+        "heartbeat_age_seconds": worker.heartbeat_age_s,
+        "live": worker.heartbeat_age_s * 1000 < heartbeat_timeout_ms,
+    }
 
-    def convert(item: Any) -> Any:
-        if isinstance(item, datetime.datetime):
-            return item.astimezone(datetime.timezone.utc).isoformat()
-        if isinstance(item, decimal.Decimal):
-            return float(item)
-        raise TypeError(f"not JSON: {type(item).__name__}")
 
-    print(json.dumps(value, default=convert, indent=2))
+def workers_command(args: argparse.Namespace) -> int:
+    with checked_connection(args) as (conn, store, _):
+        workers = store.status_workers(conn)
+    if args.json:
+        print_json(
+            {"schema": args.schema, "workers": [_worker_json(w, args.heartbeat_timeout) for w in workers]}
+        )
+        return 0
+    if not workers:
+        print(f"no workers in schema {args.schema!r}")
+        return 0
+    print_table(
+        [
+            (
+                w.hostname,
+                w.pid,
+                format_queue_list(w.queues),
+                f"{format_duration(w.heartbeat_age_s)} ago",
+                "live" if w.heartbeat_age_s * 1000 < args.heartbeat_timeout else "silent: counted dead",
+            )
+            for w in workers
+        ],
+        ["host", "pid", "queues", "last heartbeat", "status"],
+        numeric=(1,),
+    )
+    return 0
 
 
 def pause_command(args: argparse.Namespace) -> int:
     names = _queue_names(args.queues)
     with checked_connection(args) as (conn, store, _):
+        if not args.create:
+            known = set(store.known_queues(conn, queue_names=args.queues))
+            unknown = [queue for queue in args.queues if queue not in known]
+            if unknown:
+                raise CliError(
+                    f"no message, worker or schedule has named queue {', '.join(map(repr, unknown))} in "
+                    f"schema {args.schema!r} (a typo?); to pause it before its first message, add --create",
+                    EXIT_USAGE,
+                )
         paused = store.pause_queues(conn, queue_names=names)
     _say_each(
         args.queues,
@@ -371,7 +447,7 @@ def failed_command(args: argparse.Namespace) -> int:
     with checked_connection(args) as (conn, store, _):
         rows = store.failed_list(conn, queue=args.queue, limit=args.limit)
     if args.json:
-        _print_json(
+        print_json(
             [
                 {
                     "id": row.id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import decimal
+import json
 import math
 import os
 import re
@@ -41,6 +42,10 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 #: Exit code after Ctrl-C (128 + SIGINT).
 EXIT_INTERRUPTED = 130
+#: ``status --check`` found something that needs attention.
+EXIT_ATTENTION = 3
+#: The reader of the output went away (``... | head``): 128 + SIGPIPE, as a process SIGPIPE ended.
+EXIT_BROKEN_PIPE = 141
 #: Narrowest the error column of ``failed`` gets, in characters.
 MIN_ERROR_WIDTH = 40
 
@@ -145,6 +150,18 @@ def _schema(text: str) -> str:
 
 
 # -- the parser -----------------------------------------------------------------
+
+
+def package_version() -> str:
+    """The installed version of the package (its metadata), else the source's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dramatiq-pg-outbox")
+    except PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
 
 
 def common_options() -> argparse.ArgumentParser:
@@ -460,3 +477,16 @@ def exception_line(error_type: str | None, error: str | None) -> str:
 
 
 # -- subcommands ------------------------------------------------------------------------------
+
+
+def print_json(value: Any) -> None:
+    """``value`` as JSON on standard output: times in ISO 8601 (UTC), Decimals as numbers."""
+
+    def convert(item: Any) -> Any:
+        if isinstance(item, datetime.datetime):
+            return item.astimezone(datetime.timezone.utc).isoformat()
+        if isinstance(item, decimal.Decimal):
+            return float(item)
+        raise TypeError(f"not JSON: {type(item).__name__}")
+
+    print(json.dumps(value, default=convert, indent=2))

@@ -61,9 +61,11 @@ from .commands import (
     resume_command,
     retry_failed_command,
     status_command,
+    workers_command,
 )
 from .common import (
     DEBUG_ENV_VAR,
+    EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     PROG,
@@ -72,6 +74,7 @@ from .common import (
     Parser,
     common_options,
     explain,
+    package_version,
     parse_age,
     parse_non_negative_float,
     parse_non_negative_int,
@@ -89,9 +92,11 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog="exit codes: 0 success, 1 runtime failure (server, credentials, database, schema), "
-        "2 usage error, 130 interrupted",
+        "2 usage error, 3 status --check found something that needs attention, 130 interrupted, "
+        "141 the reader of the output went away (as after ... | head)",
     )
     parser.add_argument("--debug", action="store_true", help="on errors, print the traceback too")
+    parser.add_argument("--version", action="version", version=f"{PROG} {package_version()}")
     common: Any = common_options()  # argparse's stubs want the subparsers' own class here
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -102,7 +107,32 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", parents=[common], help="messages, dead letters and workers")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.add_argument(
+        "--check",
+        action="store_true",
+        help="print only what needs attention (dead letters in the last hour, a queue with due "
+        "messages and no live worker, a late schedule) and exit 3 if anything does: for cron or a "
+        "health probe",
+    )
+    status.add_argument(
+        "--heartbeat-timeout",
+        type=parse_positive_int,
+        default=HEARTBEAT_TIMEOUT_MS,
+        metavar="MS",
+        help="a worker is live if it heartbeat within this many ms (default: %(default)s, the broker's)",
+    )
     status.set_defaults(run=status_command)
+
+    workers = sub.add_parser("workers", parents=[common], help="worker processes and their heartbeats")
+    workers.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    workers.add_argument(
+        "--heartbeat-timeout",
+        type=parse_positive_int,
+        default=HEARTBEAT_TIMEOUT_MS,
+        metavar="MS",
+        help="a worker is live if it heartbeat within this many ms (default: %(default)s, the broker's)",
+    )
+    workers.set_defaults(run=workers_command)
 
     failed = sub.add_parser("failed", parents=[common], help="newest dead letters")
     failed.add_argument("--queue", type=parse_queue_name, help="only this queue")
@@ -127,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
 
     pause = sub.add_parser("pause", parents=[common], help="stop claiming queues (sends still store)")
     pause.add_argument("queues", nargs="+", type=parse_queue_name, metavar="QUEUE", help="a queue name")
+    pause.add_argument(
+        "--create",
+        action="store_true",
+        help="pause a queue that no message, worker or schedule has named yet (a typo otherwise)",
+    )
     pause.set_defaults(run=pause_command)
     resume = sub.add_parser("resume", parents=[common], help="claim paused queues again")
     resume.add_argument("queues", nargs="+", type=parse_queue_name, metavar="QUEUE", help="a queue name")
@@ -254,10 +289,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog = f"{PROG} {args.command}"
         debug = debug or bool(getattr(args, "debug", False))
         run: Callable[[argparse.Namespace], int] = args.run
-        return run(args)
+        code = run(args)
+        # After the command's own output (an error stays one line): the warning of a password
+        # on the command line, which every user of the machine sees in ps while it runs.
+        if getattr(args, "url", None) is not None and secrets_in(["--url", args.url], None):
+            report_error(
+                prog,
+                "warning: a password given with --url can be read by every user of this machine "
+                f"(ps); set ${URL_ENV_VAR} instead, or keep the password in ~/.pgpass or $PGPASSWORD",
+                secrets,
+            )
+        return code
     except KeyboardInterrupt:
         report_error(prog, "interrupted", secrets)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (... | head): end quietly, with the status of a process that
+        # SIGPIPE ended (as cat's), and keep Python from failing again on the final flush.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as e:
         error = explain(e)
         if debug and not (isinstance(e, CliError) and e.exit_code == EXIT_USAGE):

@@ -21,7 +21,7 @@ from ..periodic import (
     Periodic,
     Scheduler,
 )
-from ..store.periodic import PeriodicStore
+from ..store.periodic import PeriodicStore, ScheduleListRow
 from .common import (
     EXIT_USAGE,
     CliError,
@@ -32,6 +32,7 @@ from .common import (
     format_duration,
     one_line,
     open_connection,
+    print_json,
     print_table,
 )
 
@@ -64,6 +65,7 @@ def add_parser(sub: Any) -> None:
     schedules = sub.add_parser(
         "schedules", parents=[common_options()], help="periodic jobs with their last and next run"
     )
+    schedules.add_argument("--json", action="store_true", help="print JSON instead of a table")
     schedules.set_defaults(run=run_schedules)
 
 
@@ -195,6 +197,9 @@ def run_schedules(args: argparse.Namespace) -> int:
 
     with checked_connection(args) as (conn, _store, _db):
         rows = PeriodicStore(args.schema).list_schedules(conn)
+    if args.json:
+        print_json({"schema": args.schema, "schedules": [_schedule_json(row) for row in rows]})
+        return 0
     if not rows:
         print(f"no schedules in schema {args.schema!r}: declare them with @periodic and run a scheduler")
         return 0
@@ -204,7 +209,7 @@ def run_schedules(args: argparse.Namespace) -> int:
             status = f"removed {format_duration(row.removed_s)} ago"
         elif row.disabled_at is not None:
             status = f"disabled since {_utc(row.disabled_at)} (enable it in the dashboard)"
-        elif row.late_s * 1000 > row.grace_ms:
+        elif _late(row):
             status = f"late {format_duration(row.late_s)}: is a scheduler running?"
         else:
             status = "ok"
@@ -226,6 +231,31 @@ def run_schedules(args: argparse.Namespace) -> int:
     header = ["name", "actor", "queue", "schedule", "tz", "if missed", "last run (UTC)", "next run (UTC)"]
     print_table(table, [*header, "runs", "missed ticks", "status"], numeric=(8, 9))
     return 0
+
+
+def _late(row: ScheduleListRow) -> bool:
+    """Whether the schedule's next tick is overdue by more than its grace."""
+    return row.late_s * 1000 > row.grace_ms
+
+
+def _schedule_json(row: ScheduleListRow) -> dict[str, Any]:
+    state = "removed" if row.removed_s is not None else "disabled" if row.disabled_at is not None else None
+    return {
+        "name": row.name,
+        "actor": row.actor_name,
+        "queue": row.queue_name,
+        "cron": row.cron,
+        "every_ms": row.every_ms,
+        "tz": row.tz,
+        "missed": row.missed,
+        "grace_ms": row.grace_ms,
+        "last_run_at": row.last_run_at,
+        "next_run_at": None if row.removed_s is not None else row.next_run_at,
+        "runs": row.runs,
+        "missed_ticks": row.missed_ticks,
+        "status": state or ("late" if _late(row) else "ok"),
+        "late_seconds": max(row.late_s, 0.0),
+    }
 
 
 def _utc(at: dt.datetime | None) -> str:

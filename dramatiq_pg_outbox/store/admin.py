@@ -164,6 +164,11 @@ class AdminStore(SchemaStore):
         """The paused queues (delay queues included), oldest pause first."""
         return _fetch(conn, class_row(PausedQueue), self.queries["paused_queues"])
 
+    def known_queues(self, conn: psycopg.Connection[Any], *, queue_names: Sequence[str]) -> list[str]:
+        """Those of ``queue_names`` that some message, worker, schedule or pause has named."""
+        params = {"queue_names": list(queue_names)}
+        return [str(row[0]) for row in conn.execute(self.queries["known_queues"], params).fetchall()]
+
     def pause_queues(self, conn: psycopg.Connection[Any], *, queue_names: Sequence[str]) -> list[str]:
         """Pause ``queue_names``; those that were not paused yet."""
         params = {"queue_names": list(queue_names)}

@@ -1,0 +1,214 @@
+"""The command line as an operator's tool: ``--version``, ``status --check``, ``workers``,
+``schedules --json``, ``pause`` of an unknown queue, a closed pipe, a password on the command line.
+
+In-process runs (``main([...])``) check the output; real processes check exit codes, the
+pipe and what another user would see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from dramatiq_pg_outbox.cli import main
+from dramatiq_pg_outbox.cli.common import EXIT_ATTENTION, EXIT_BROKEN_PIPE, EXIT_USAGE, package_version
+
+from .test_cli import ROOT, cli, one_line_error
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str, code: int = 0) -> str:
+    assert main(list(args)) == code
+    return capsys.readouterr().out
+
+
+def add_dead_letter(db: Any, queue: str, hours_ago: float = 0) -> None:
+    db.execute(
+        "INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts, "
+        "enqueued_at, finished_at, error_type, error, payload) VALUES (-(1 + floor(random() * 1e9))::bigint, "
+        "%s, 'charge', gen_random_uuid()::text, 'failed', 1, now(), now() - %s * interval '1 hour', "
+        "'KeyError', 'KeyError: x', '')",
+        (queue, hours_ago),
+    )
+
+
+def add_due(db: Any, queue: str, n: int = 1) -> None:
+    db.execute(
+        "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, payload) "
+        "SELECT %s, 'charge', gen_random_uuid()::text, '' FROM generate_series(1, %s)",
+        (queue, n),
+    )
+
+
+def add_worker(db: Any, queues: list[str], seconds_ago: float = 0) -> None:
+    db.execute(
+        "INSERT INTO dramatiq.workers (id, hostname, pid, queues, heartbeat_at) "
+        "VALUES (gen_random_uuid(), 'box', 4242, %s, now() - %s * interval '1 second')",
+        (queues, seconds_ago),
+    )
+
+
+def test_version_prints_the_package_version() -> None:
+    result = cli("--version")
+    assert result.returncode == 0
+    assert result.stdout == f"dramatiq-pg-outbox {package_version()}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", package_version())
+
+
+def test_status_check_reports_only_what_needs_attention_and_exits_3(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given nothing wrong: an old dead letter, due messages of a queue that a live worker consumes
+    add_dead_letter(db, "emails", hours_ago=3)
+    add_due(db, "emails", 2)
+    add_worker(db, ["emails", "emails.DQ"])
+    assert run(capsys, "status", "--url", database_url, "--check") == (
+        "ok: nothing needs attention in schema 'dramatiq'\n"
+    )
+    # When a dead letter is recent, a queue has due messages and only a silent worker, another
+    # is paused with due messages, and an enabled schedule is late beyond its grace
+    add_dead_letter(db, "emails", hours_ago=0.5)
+    add_due(db, "reports", 3)
+    add_worker(db, ["reports"], seconds_ago=600)
+    add_due(db, "exports", 4)
+    db.execute("INSERT INTO dramatiq.queue_pauses (queue_name) VALUES ('exports'), ('exports.DQ')")
+    db.execute(
+        "INSERT INTO dramatiq.schedules (name, actor_name, queue_name, every_ms, grace_ms, next_run_at, "
+        "disabled_at) VALUES ('nightly', 'charge', 'emails', 60000, 60000, now() - interval '10 minutes', "
+        "NULL), ('off', 'charge', 'emails', 60000, 60000, now() - interval '1 day', now())"
+    )
+    out = run(capsys, "status", "--url", database_url, "--check", code=EXIT_ATTENTION)
+    # Then each problem is one line, and the paused queue and the disabled schedule are not
+    lines = out.splitlines()
+    assert (
+        lines[0]
+        == "queue 'emails': 1 dead letter(s) in the last hour (see: dramatiq-pg-outbox failed --queue emails)"
+    )
+    assert lines[1] == "queue 'reports': 3 due message(s) and no live worker consumes it"
+    assert re.fullmatch(
+        r"schedule 'nightly': its tick is 10m\d\ds overdue: is a scheduler running\?", lines[2]
+    )
+    assert len(lines) == 3
+    # And --json carries the same lines, with the same exit code
+    report = json.loads(
+        run(capsys, "status", "--url", database_url, "--check", "--json", code=EXIT_ATTENTION)
+    )
+    assert report["attention"] == lines
+    assert {w["live"] for w in report["workers"]} == {True, False}
+    # And as a process (for cron): exit 3
+    assert cli("status", "--url", database_url, "--check").returncode == EXIT_ATTENTION
+
+
+def test_workers_lists_each_process_live_or_silent(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(capsys, "workers", "--url", database_url) == "no workers in schema 'dramatiq'\n"
+    add_worker(db, ["emails", "emails.DQ"])
+    add_worker(db, ["reports"], seconds_ago=90)
+    lines = run(capsys, "workers", "--url", database_url).splitlines()
+    assert re.match(r"^host\s+pid\s+queues\s+last heartbeat\s+status$", lines[0])
+    assert re.search(r"emails\s+\d+(\.\d)?s ago\s+live$", lines[1]) or re.search(r"live$", lines[2])
+    assert sum(line.endswith("silent: counted dead") for line in lines) == 1
+    listed = json.loads(run(capsys, "workers", "--url", database_url, "--json"))["workers"]
+    assert sorted((w["queues"], w["live"]) for w in listed) == [
+        (["emails", "emails.DQ"], True),
+        (["reports"], False),
+    ]
+    # A longer timeout counts the silent one as live
+    listed = json.loads(
+        run(capsys, "workers", "--url", database_url, "--json", "--heartbeat-timeout", "600000")
+    )
+    assert all(w["live"] for w in listed["workers"])
+
+
+def test_schedules_json_gives_each_schedule_and_its_status(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db.execute(
+        "INSERT INTO dramatiq.schedules (name, actor_name, queue_name, every_ms, next_run_at) VALUES "
+        "('beat', 'ping', 'default', 60000, now() + interval '30 seconds'), "
+        "('late', 'ping', 'default', 60000, now() - interval '1 hour')"
+    )
+    listed = json.loads(run(capsys, "schedules", "--url", database_url, "--json"))["schedules"]
+    by_name = {s["name"]: s for s in listed}
+    assert (by_name["beat"]["status"], by_name["late"]["status"]) == ("ok", "late")
+    assert by_name["beat"]["late_seconds"] == 0 and by_name["late"]["late_seconds"] >= 3600
+    assert by_name["beat"]["every_ms"] == 60000 and by_name["beat"]["next_run_at"].endswith("+00:00")
+
+
+def test_pause_refuses_a_queue_nothing_has_named_unless_create(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a queue known by its messages, and one known only from history
+    add_due(db, "emails")
+    add_dead_letter(db, "archive", hours_ago=48)
+    # When a typo is paused: one line, exit 2, nothing paused
+    result = cli("pause", "emials", "--url", database_url)
+    one_line_error(
+        result, EXIT_USAGE, says=["no message, worker or schedule has named queue 'emials'", "--create"]
+    )
+    assert db.execute(
+        "SELECT count(*) FROM dramatiq.queue_pauses WHERE queue_name LIKE 'emials%'"
+    ).fetchone() == (0,)
+    # Then known queues pause, and --create pauses a new one
+    assert run(capsys, "pause", "emails", "archive", "--url", database_url).count("paused queue") == 2
+    assert "paused queue 'newq'" in run(capsys, "pause", "newq", "--create", "--url", database_url)
+    paused = {r[0] for r in db.execute("SELECT queue_name FROM dramatiq.queue_pauses")}
+    assert {"emails", "archive", "newq", "newq.DQ"} <= paused
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(database_url: str, db: Any) -> None:
+    # Given more dead letters than a pipe holds (each line of --json about 200 bytes)
+    for _ in range(5):
+        add_dead_letter(db, "emails")
+    db.execute(
+        "INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts, "
+        "enqueued_at, finished_at, error_type, error, payload) SELECT -1000 - i, 'emails', 'charge', "
+        "i::text, 'failed', 1, now(), now(), 'KeyError', repeat('x', 500), '' "
+        "FROM generate_series(1, 2000) AS i"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    # When its output is read by `head -1`
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dramatiq_pg_outbox.cli",
+            "failed",
+            "--json",
+            "--limit",
+            "2000",
+            "--url",
+            database_url,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    # Then it ends without a word, with the status of a process that SIGPIPE ended
+    assert proc.wait(60) == EXIT_BROKEN_PIPE
+    assert proc.stderr.read() == b""
+
+
+def test_a_password_on_the_command_line_is_warned_about_without_showing_it(
+    database_url: str, db: Any
+) -> None:
+    # (the shared test server trusts 127.0.0.1: the password is not checked, only seen in ps)
+    url = make_url(database_url).set(password="hunter2-visible").render_as_string(hide_password=False)
+    result = cli("status", "--url", url)
+    assert result.returncode == 0
+    (line,) = result.stderr.splitlines()
+    assert "password given with --url can be read by every user" in line and "$DATABASE_URL" in line
+    assert "hunter2" not in result.stderr + result.stdout
+    # Through $DATABASE_URL there is nothing to warn about
+    assert cli("status", env={"DATABASE_URL": url}).stderr == ""
