@@ -26,7 +26,7 @@ def test_status_and_failed_print_json_for_scripts(
     row_id, _ = dead_letter(broker, start_worker, db)
     db.execute("TRUNCATE dramatiq.queue_pauses")
     try:
-        assert cli("pause", "reports", "--url", database_url).returncode == 0
+        assert cli("pause", "reports", "--create", "--url", database_url).returncode == 0
         # When status and failed are asked for JSON
         status = json.loads(cli("status", "--json", "--url", database_url).stdout)
         failed = json.loads(cli("failed", "--json", "--url", database_url).stdout)
