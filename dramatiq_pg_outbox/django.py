@@ -292,7 +292,9 @@ def _check_schema(cursor: Any, connection: Any, broker: PostgresBroker) -> None:
     if key in checked:
         return
     row = message_store(broker.schema).schema_revision(cursor)
-    error = schema_not_ready(broker.schema, row, url=key, fix_url=shlex.quote(key))
+    # The command names the database, or $DATABASE_URL when its URL has a password.
+    fix_url = None if connection.settings_dict.get("PASSWORD") else shlex.quote(key)
+    error = schema_not_ready(broker.schema, row, url=key, fix_url=fix_url)
     if error is not None:
         raise error
     checked.add(key)

@@ -105,12 +105,18 @@ def parse_schema_revision(comment: str | None) -> int | None:
     return int(found.group(1)) if found else None
 
 
+#: The environment variable that the CLI reads a URL from, and the suggested commands name.
+URL_VARIABLE = "DATABASE_URL"
+#: ``--url`` of a suggested command when the URL has a password: the variable, quoted for a shell.
+FIX_URL = f'"${URL_VARIABLE}"'
+
+
 def schema_not_ready(
     schema: str,
     row: SchemaRevision | Sequence[Any] | None,
     *,
     url: str,
-    fix_url: str = "<DATABASE_URL>",
+    fix_url: str | None = None,
     minimum: int = SCHEMA_REVISION,
     reader: str = "this version",
 ) -> SchemaNotReady | None:
@@ -126,7 +132,10 @@ def schema_not_ready(
         (:meth:`~.store.messages.MessageStore.schema_revision`), or its row as another driver
         returns it: ``(messages table exists, its comment)``; ``None`` counts as missing.
       url(str): The database, as it may be shown (password masked).
-      fix_url(str): What to pass to ``--url`` in the command.  Default ``<DATABASE_URL>``.
+      fix_url(str|None): What to pass to ``--url`` in the command, quoted for a shell: a URL
+        without a password, or ``"$DATABASE_URL"`` when that variable holds it.  Default None
+        (the URL has a password, which is never shown): ``"$DATABASE_URL"``, and the message
+        says to set that variable first, so that the command can be pasted as it is.
       minimum(int): The oldest revision the reader works with.  Default :data:`SCHEMA_REVISION`.
       reader(str): Who needs it, in the message.  Default ``"this version"``.
 
@@ -136,7 +145,9 @@ def schema_not_ready(
     """
     found = SchemaRevision(False, None) if row is None else SchemaRevision(*row)
     exists, comment = found.exists, found.comment
-    fix = f"dramatiq-pg-outbox migrate --url {fix_url} --schema {schema}"
+    fix = f"dramatiq-pg-outbox migrate --url {fix_url or FIX_URL} --schema {schema}"
+    if fix_url is None:
+        fix += f" (after setting {URL_VARIABLE} to the URL of that database, its password included)"
     if not exists:
         return SchemaNotReady(
             f"The dramatiq-pg-outbox tables do not exist in schema {schema!r} of {url}. Run: {fix}"
@@ -158,7 +169,7 @@ def check_schema(
     schema: str,
     *,
     url: str,
-    fix_url: str = "<DATABASE_URL>",
+    fix_url: str | None = None,
     minimum: int = SCHEMA_REVISION,
     reader: str = "this version",
 ) -> int:
@@ -168,7 +179,8 @@ def check_schema(
       conn(psycopg.Connection): A connection to the database to check.
       schema(str): The schema holding the tables.
       url(str): The database, as it may be shown in the error (password masked).
-      fix_url(str): What the error's ``migrate`` command passes to ``--url``.
+      fix_url(str|None): What the error's ``migrate`` command passes to ``--url`` (see
+        :func:`schema_not_ready`).
       minimum(int), reader(str): As for :func:`schema_not_ready`.
 
     Raises:
@@ -262,8 +274,16 @@ def _run_alembic(
         engine.dispose()
 
 
-def upgrade_sql(schema: str = DEFAULT_SCHEMA, revision: str = "head") -> None:
-    """Print the SQL of an upgrade to standard output without connecting (alembic offline mode)."""
+def upgrade_sql(schema: str = DEFAULT_SCHEMA, revision: str = "head", start: str | None = None) -> None:
+    """Print the SQL of an upgrade to standard output without connecting (alembic offline mode).
+
+    Parameters:
+      schema(str): The schema of the tables.
+      revision(str): The revision to reach.  Default ``"head"``.
+      start(str|None): The revision the database is at (``"0012"``): the SQL upgrades from
+        there.  Default None: from an empty schema.
+    """
     from alembic import command
 
-    command.upgrade(alembic_config(validate_schema_name(schema), "postgresql+psycopg://"), revision, sql=True)
+    target = revision if start is None else f"{start}:{revision}"
+    command.upgrade(alembic_config(validate_schema_name(schema), "postgresql+psycopg://"), target, sql=True)

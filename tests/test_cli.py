@@ -406,8 +406,9 @@ def test_passwords_are_masked_in_the_url_and_the_fix_command(
     in_userinfo = with_credentials(server.url, role, password)
     in_query = f"{with_credentials(server.url, role)}?password={password}"
     for args, env, fix in [
-        (["--url", in_userinfo], None, f"--url 'postgresql://{role}:***@"),
-        (["--url", in_query], None, "?password=***'"),
+        # (a masked URL cannot be pasted: the command names the variable to set)
+        (["--url", in_userinfo], None, '--url "$DATABASE_URL" --schema not_migrated (after setting'),
+        (["--url", in_query], None, '--url "$DATABASE_URL" --schema not_migrated (after setting'),
         ([], {"DATABASE_URL": in_userinfo}, '--url "$DATABASE_URL"'),
     ]:
         # When the CLI connects and finds no tables
@@ -440,7 +441,9 @@ def test_debug_shows_the_traceback_without_the_password(
 def test_retry_failed_of_an_id_that_is_no_dead_letter_fails_naming_it(database_url: str, db: Any) -> None:
     result = cli("retry-failed", "--url", database_url, "--id", "987654")
     assert result.stdout == "re-enqueued 0 failed message(s)\n"
-    one_line_error(result, 1, says=["no dead letter with id 987654", "dramatiq-pg-outbox failed --url"])
+    one_line_error(
+        result, 1, says=["no dead letter with id 987654", "dramatiq-pg-outbox failed --schema dramatiq --url"]
+    )
 
 
 # -- output --------------------------------------------------------------------------------------------
@@ -591,9 +594,14 @@ def test_migrate_prints_the_revision_it_reached(
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-def test_migrate_sql_prints_the_sql_without_connecting(capsys: pytest.CaptureFixture[str]) -> None:
+def test_migrate_sql_prints_the_sql_from_an_empty_schema_when_the_url_reaches_no_server(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["migrate", "--sql", "--schema", "jobs", "--url", "postgresql://u@127.0.0.1:1/x"]) == 0
-    assert 'CREATE TABLE "jobs".messages' in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert 'CREATE TABLE "jobs".messages' in printed.out
+    assert "connection refused" in printed.err and "; printing the SQL from an empty schema" in printed.err
+    assert "(the database could not be reached)" in printed.out
 
 
 def dead_letter(broker: PostgresBroker, start_worker: Any, db: Any) -> tuple[int, Any]:

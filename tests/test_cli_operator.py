@@ -14,6 +14,7 @@ import subprocess
 import sys
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
@@ -212,3 +213,71 @@ def test_a_password_on_the_command_line_is_warned_about_without_showing_it(
     assert "hunter2" not in result.stderr + result.stdout
     # Through $DATABASE_URL there is nothing to warn about
     assert cli("status", env={"DATABASE_URL": url}).stderr == ""
+
+
+def test_the_fix_for_an_unmigrated_database_can_be_pasted_when_the_url_has_a_password(
+    database_url: str,
+) -> None:
+    # Given a database without the tables, named by a URL with a password
+    url = make_url(database_url).set(password="hunter2-visible").render_as_string(hide_password=False)
+    result = cli("status", "--url", url, "--schema", "never_migrated")
+    line = one_line_error(result, 1, says=["tables do not exist"], hides="hunter2")
+    # Then the command to run names the variable to set, not a masked URL
+    command = line.split("Run: ", 1)[1]
+    assert command.startswith('dramatiq-pg-outbox migrate --url "$DATABASE_URL" --schema never_migrated')
+    assert "after setting DATABASE_URL to the URL" in command and "***" not in command
+    # And it works as printed once the variable is set
+    env = {"DATABASE_URL": url}
+    pasted = subprocess.run(
+        ["bash", "-c", command.split(" (after", 1)[0]],
+        env={**os.environ, **env, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        assert pasted.returncode == 0, pasted.stderr
+        assert cli("status", "--schema", "never_migrated", env=env).returncode == 0
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("DROP SCHEMA IF EXISTS never_migrated CASCADE")
+
+
+@pytest.mark.parametrize("parameter", ["sslmode=bogus", "target_session_attrs=nope"])
+def test_a_url_parameter_libpq_refuses_is_a_usage_error(database_url: str, parameter: str) -> None:
+    result = cli("status", "--url", f"{database_url}?{parameter}")
+    name = parameter.split("=")[0]
+    one_line_error(result, EXIT_USAGE, says=[f"has an invalid {name} value", "Fix it"])
+
+
+def test_migrate_sql_starts_at_the_database_revision_and_brings_it_to_head(database_url: str) -> None:
+    # Given a schema at revision 0014
+    schema = "sql_from_0014"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    try:
+        assert cli("migrate", "--url", database_url, "--schema", schema, "--revision", "0014").returncode == 0
+        # When the SQL of its upgrade is printed
+        result = cli("migrate", "--sql", "--url", database_url, "--schema", schema)
+        assert result.returncode == 0, result.stderr
+        upgrades = re.findall(r"^-- Running upgrade (\S+) -> (\S+)$", result.stdout, re.M)
+        # Then it starts at 0014, not at the empty schema
+        assert upgrades[0] == ("0014", "0015")
+        assert result.stdout.startswith("-- dramatiq-pg-outbox migrate --sql: from revision 0014")
+        # And run by psql, it brings the schema to head
+        applied = subprocess.run(
+            ["psql", "-v", "ON_ERROR_STOP=1", "-q", database_url],
+            input=result.stdout,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert applied.returncode == 0, applied.stderr
+        status = cli("migrate", "--url", database_url, "--schema", schema)
+        assert "already current" in status.stdout, status
+        # Without a URL, the SQL starts from an empty schema, as before
+        offline = cli("migrate", "--sql", "--schema", schema)
+        assert "-- Running upgrade  -> 0001" in offline.stdout
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")

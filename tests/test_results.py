@@ -919,7 +919,8 @@ def test_a_missing_or_old_schema_raises_schema_not_ready_naming_the_fix(database
             # When a result is read or stored, then SchemaNotReady names the command that fixes it
             with pytest.raises(SchemaNotReady, match=match) as e:
                 backend.get_result(message)
-            assert f"dramatiq-pg-outbox migrate --url <DATABASE_URL> --schema {schema}" in str(e.value)
+            # (the broker's URL has no password: the command names it, ready to paste)
+            assert f"dramatiq-pg-outbox migrate --url {database_url} --schema {schema}" in str(e.value)
             with pytest.raises(SchemaNotReady):
                 backend.store_result(message, 1, 1_000)
             backend.close()

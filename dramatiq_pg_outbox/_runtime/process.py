@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import select
+import shlex
 import threading
 import time
 import uuid
@@ -26,6 +27,7 @@ from .._isolation import read_committed
 from ..errors import ConnectionRejected, describe_rejection, translate_errors
 from ..migrations import check_schema
 from ..store.messages import MessageStore
+from ..urls import MASK
 from .flusher import Flusher
 from .host import RuntimeHost, Wakeable
 from .listener import Subscription, subscribe
@@ -186,7 +188,10 @@ class ProcessRuntime:
             self.store.generic_plans(conn)
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
-        check_schema(conn, self.broker.schema, url=self.broker.safe_url)
+        # The fix names the database when its URL shows whole, else $DATABASE_URL (see schema_not_ready).
+        shown = self.broker.safe_url
+        fix_url = None if MASK in shown else shlex.quote(shown)
+        check_schema(conn, self.broker.schema, url=shown, fix_url=fix_url)
         self._schema_ok = True
 
     # -- producing ----------------------------------------------------------

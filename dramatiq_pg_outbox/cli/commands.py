@@ -42,8 +42,7 @@ from .common import (
 
 def migrate_command(args: argparse.Namespace) -> int:
     if args.sql:
-        upgrade_sql(args.schema, args.revision)
-        return 0
+        return _migration_sql(args)
     db = database_from(args)
     with open_connection(db) as conn:
         before = _applied_revisions(conn, args.schema)
@@ -69,6 +68,41 @@ def migrate_command(args: argparse.Namespace) -> int:
     else:
         change = f"upgraded from {', '.join(before)}"
     print(f"schema {args.schema!r} is at revision {reached}{head}, {change}")
+    return 0
+
+
+def _migration_sql(args: argparse.Namespace) -> int:
+    """``migrate --sql``: the SQL from the database's revision when a URL is given, else from base."""
+    start = None
+    db = database_from(args) if args.url is not None or os.environ.get(URL_ENV_VAR) else None
+    try:
+        conn = open_connection(db) if db is not None else None
+    except CliError as e:
+        # Unreachable: the SQL of the whole history, as without a URL (said on stderr).
+        print(f"{PROG} migrate: warning: {e.message}; printing the SQL from an empty schema", file=sys.stderr)
+        conn = None
+    if conn is not None:
+        with conn:
+            applied = _applied_revisions(conn, args.schema)
+            if applied is None and AdminStore(args.schema).table_exists(conn, table="messages"):
+                raise CliError(
+                    f"schema {args.schema!r} holds the tables but not our version table {VERSION_TABLE}: "
+                    "your application's alembic history manages them; run `alembic upgrade heads "
+                    "--sql` there instead"
+                )
+        if applied and len(applied) > 1:
+            raise CliError(f"schema {args.schema!r} is at several revisions ({', '.join(applied)})")
+        start = applied[0] if applied else None
+        print(
+            f"-- {PROG} migrate --sql: from revision {start or 'base'}, the database's (schema {args.schema})"
+        )
+    elif db is not None:
+        print(f"-- {PROG} migrate --sql: from an empty schema (the database could not be reached)")
+    else:
+        print(
+            f"-- {PROG} migrate --sql: from an empty schema (pass --url to start at the database's revision)"
+        )
+    upgrade_sql(args.schema, args.revision, start)
     return 0
 
 
@@ -515,7 +549,7 @@ def retry_failed_command(args: argparse.Namespace) -> int:
         only = f" of queue {args.queue!r}" if args.queue else ""
         raise CliError(
             f"no dead letter{only} with id {', '.join(map(str, missing))} in schema {args.schema!r}. "
-            f"List them with: {PROG} failed --url {db.fix_url} --schema {args.schema}"
+            f"List them with: {PROG} failed --schema {args.schema} --url {db.command_url()}"
         )
     return 0
 

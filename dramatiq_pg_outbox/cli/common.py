@@ -272,10 +272,18 @@ class Database:
     conninfo: str
     #: The URL as it may be printed.
     shown: str
-    #: What to pass to ``--url`` in a suggested command.
-    fix_url: str
+    #: What to pass to ``--url`` in a suggested command (quoted for a shell), or None when the
+    #: URL of ``--url`` has a password: the command then passes ``"$DATABASE_URL"`` and says
+    #: to set it (see :func:`~dramatiq_pg_outbox.migrations.schema_not_ready`).
+    fix_url: str | None
     #: libpq parameters (``host``, ``port``, ``user``, ``dbname``...).
     params: dict[str, Any]
+
+    def command_url(self) -> str:
+        """``--url`` of a suggested command, with what to do first when the URL has a password."""
+        if self.fix_url is not None:
+            return self.fix_url
+        return f'"${URL_ENV_VAR}" (after setting {URL_ENV_VAR} to the URL, its password included)'
 
     @property
     def server(self) -> str:
@@ -326,7 +334,10 @@ def database_from(args: argparse.Namespace) -> Database:
             f"cannot use the database URL of {source} ({shown}): {one_line(e)}; expected {URL_SHAPE}",
             EXIT_USAGE,
         ) from None
-    fix_url = f'"${URL_ENV_VAR}"' if from_env else shlex.quote(shown)
+    if from_env:
+        fix_url: str | None = f'"${URL_ENV_VAR}"'
+    else:
+        fix_url = None if secrets_in(["--url", url], None) or parsed.password else shlex.quote(shown)
     return Database(conninfo, shown, fix_url, params)
 
 
@@ -344,6 +355,10 @@ def open_connection(db: Database) -> psycopg.Connection[Any]:
         raise _connection_error(e, db) from e
 
 
+#: libpq's refusal of a connection parameter's value (``invalid sslmode value: "bogus"``).
+_INVALID_PARAMETER = re.compile(r'invalid (\w+) value: ("[^"]*")')
+
+
 def _connection_error(e: psycopg.OperationalError, db: Database) -> CliError:
     detail = libpq_detail(e)
     text = str(e)
@@ -353,6 +368,14 @@ def _connection_error(e: psycopg.OperationalError, db: Database) -> CliError:
     reason = rejection_reason(e, server=db.server, user=str(user), dbname=str(dbname))
     if reason is not None:
         return CliError(reason)
+    invalid = _INVALID_PARAMETER.search(text)
+    if invalid is not None:
+        # libpq refused a parameter of the URL before any connection: a malformed URL.
+        return CliError(
+            f"the database URL ({db.shown}) has an invalid {invalid.group(1)} value: {invalid.group(2)}. "
+            f"Fix it (expected {URL_SHAPE}, with the parameters libpq documents)",
+            EXIT_USAGE,
+        )
     if "Connection refused" in text or "No such file or directory" in text:
         return CliError(
             f"cannot connect to {where}: connection refused. "

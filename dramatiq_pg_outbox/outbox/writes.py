@@ -73,8 +73,9 @@ def _check_schema(conn: Connection, broker: PostgresBroker) -> None:
     if key in checked:
         return
     row = message_store(broker.schema).schema_revision(DriverCursor(conn))
-    # The command names the bind's database (its secrets masked, to be filled in by the reader).
-    error = schema_not_ready(broker.schema, row, url=key, fix_url=shlex.quote(key))
+    # The command names the bind's database, or $DATABASE_URL when its URL has a password.
+    fix_url = None if conn.engine.url.password else shlex.quote(key)
+    error = schema_not_ready(broker.schema, row, url=key, fix_url=fix_url)
     if error is not None:
         raise error
     checked.add(key)
