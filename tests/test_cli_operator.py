@@ -32,9 +32,9 @@ def run(capsys: pytest.CaptureFixture[str], *args: str, code: int = 0) -> str:
 def add_dead_letter(db: Any, queue: str, hours_ago: float = 0) -> None:
     db.execute(
         "INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts, "
-        "enqueued_at, finished_at, error_type, error, payload) VALUES (-(1 + floor(random() * 1e9))::bigint, "
-        "%s, 'charge', gen_random_uuid()::text, 'failed', 1, now(), now() - %s * interval '1 hour', "
-        "'KeyError', 'KeyError: x', '')",
+        "enqueued_at, finished_at, error_type, error, payload) "
+        "VALUES ((1e9 + floor(random() * 1e9))::bigint, %s, 'charge', gen_random_uuid()::text, "
+        "'failed', 1, now(), now() - %s * interval '1 hour', 'KeyError', 'KeyError: x', '')",
         (queue, hours_ago),
     )
 
@@ -281,3 +281,107 @@ def test_migrate_sql_starts_at_the_database_revision_and_brings_it_to_head(datab
     finally:
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+# -- the dashboard's buttons as subcommands ---------------------------------------------------------
+
+
+def live(db: Any, queue: str) -> list[tuple[int, str]]:
+    return [
+        (int(i), str(s))
+        for i, s in db.execute(
+            "SELECT id, CASE WHEN next_attempt_at > now() THEN 'delayed' ELSE state END "
+            "FROM dramatiq.messages WHERE queue_name = %s ORDER BY id",
+            (queue,),
+        )
+    ]
+
+
+def test_cancel_and_run_now_act_on_the_rows_the_dashboard_would(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given two due messages and a delayed one
+    add_due(db, "jobs", 2)
+    db.execute(
+        "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, payload, next_attempt_at) "
+        "VALUES ('jobs', 'charge', gen_random_uuid()::text, '', now() + interval '1 hour')"
+    )
+    (first, _), (second, _), (later, _) = live(db, "jobs")
+    # When one is canceled (a dry run first), and the delayed one made due
+    out = run(capsys, "cancel", str(first), "--dry-run", "--url", database_url)
+    assert out == f"would cancel message {first} of queue 'jobs': a dead letter (Canceled), retryable\n" + (
+        "dry run: nothing changed\n"
+    )
+    assert len(live(db, "jobs")) == 3
+    assert run(capsys, "cancel", str(first), "--url", database_url).startswith(f"canceled message {first}")
+    assert run(capsys, "run-now", str(later), "--url", database_url).startswith(f"made message {later}")
+    # Then the canceled one is a Canceled dead letter that names who canceled it, and the other is due
+    ((error_type, error),) = db.execute(
+        "SELECT error_type, error FROM dramatiq.history WHERE id = %s", (first,)
+    ).fetchall()
+    assert error_type == "Canceled" and "with dramatiq-pg-outbox cancel" in error
+    assert live(db, "jobs") == [(second, "pending"), (later, "pending")]
+    # And a row that is not waiting (or not delayed) is named, exit 1
+    one_line_error(
+        cli("cancel", str(first), "--url", database_url), 1, says=["no waiting message", str(first)]
+    )
+    one_line_error(cli("run-now", str(second), "--url", database_url), 1, says=["no delayed message"])
+
+
+def test_purge_deletes_the_waiting_messages_of_one_queue(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    add_due(db, "bulk", 5)
+    add_due(db, "other", 2)
+    assert run(capsys, "purge", "bulk", "--dry-run", "--url", database_url).splitlines() == [
+        "would delete 5 waiting message(s) of queue 'bulk' (running ones finish)",
+        "dry run: nothing changed",
+    ]
+    assert len(live(db, "bulk")) == 5
+    assert run(capsys, "purge", "bulk", "--url", database_url).startswith("deleted 5 waiting message(s)")
+    assert (len(live(db, "bulk")), len(live(db, "other"))) == (0, 2)
+
+
+def test_discard_deletes_dead_letters_for_good_by_id_or_by_queue(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for queue in ("d1", "d1", "d2"):
+        add_dead_letter(db, queue)
+    ids = [
+        int(r[0]) for r in db.execute("SELECT id FROM dramatiq.history WHERE queue_name = 'd1' ORDER BY id")
+    ]
+    assert "would delete 2 dead letter(s) for good (d1: 2)" in run(
+        capsys, "discard", "--queue", "d1", "--dry-run", "--url", database_url
+    )
+    assert run(capsys, "discard", str(ids[0]), "--url", database_url).startswith("deleted 1 dead letter(s)")
+    assert run(capsys, "discard", "--queue", "d1", "--url", database_url).startswith(
+        "deleted 1 dead letter(s)"
+    )
+    remaining = db.execute("SELECT queue_name FROM dramatiq.history WHERE queue_name LIKE 'd_'").fetchall()
+    assert remaining == [("d2",)]
+    one_line_error(cli("discard", "--url", database_url), EXIT_USAGE, says=["name the dead letters"])
+    one_line_error(cli("discard", str(ids[0]), "--url", database_url), 1, says=["only 0 of the 1 ids"])
+
+
+def test_schedules_enable_and_disable_one(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db.execute(
+        "INSERT INTO dramatiq.schedules (name, actor_name, queue_name, every_ms, next_run_at) "
+        "VALUES ('toggled', 'ping', 'default', 60000, now())"
+    )
+    assert (
+        run(capsys, "schedules", "disable", "toggled", "--url", database_url)
+        == "disabled schedule 'toggled'\n"
+    )
+    assert db.execute(
+        "SELECT disabled_at IS NOT NULL FROM dramatiq.schedules WHERE name = 'toggled'"
+    ).fetchone() == (True,)
+    assert "already disabled" in run(capsys, "schedules", "disable", "toggled", "--url", database_url)
+    assert (
+        run(capsys, "schedules", "enable", "toggled", "--url", database_url) == "enabled schedule 'toggled'\n"
+    )
+    one_line_error(cli("schedules", "enable", "nope", "--url", database_url), 1, says=["no schedule 'nope'"])
+    one_line_error(
+        cli("schedules", "enable", "--url", database_url), EXIT_USAGE, says=["needs the schedule's NAME"]
+    )

@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..options import HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS
-from . import dashboard, periodic
+from . import actions, dashboard, periodic
 from .commands import (
     failed_command,
     maintain_command,
@@ -195,6 +195,7 @@ def _parser() -> argparse.ArgumentParser:
         help="create the partitions of today and the next N days (default: 7; 3660 at most)",
     )
     maintain.set_defaults(run=maintain_command)
+    actions.add_parsers(sub, common)
     dashboard.add_parser(sub, parents=[common])
     metrics = sub.add_parser(
         "metrics", parents=[common], help="serve the database gauges to Prometheus (extra: metrics)"

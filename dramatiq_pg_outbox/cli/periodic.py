@@ -66,6 +66,13 @@ def add_parser(sub: Any) -> None:
         "schedules", parents=[common_options()], help="periodic jobs with their last and next run"
     )
     schedules.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    schedules.add_argument(
+        "action",
+        nargs="?",
+        choices=("enable", "disable"),
+        help="enable or disable the schedule NAME (as the dashboard's buttons); without: list them",
+    )
+    schedules.add_argument("name", nargs="?", metavar="NAME", help="the schedule to enable or disable")
     schedules.set_defaults(run=run_schedules)
 
 
@@ -193,8 +200,9 @@ def _load_app(spec: str) -> tuple[PostgresBroker, Periodic | None]:
 
 
 def run_schedules(args: argparse.Namespace) -> int:
-    """``dramatiq-pg-outbox schedules``: one table, active schedules first."""
-
+    """``dramatiq-pg-outbox schedules``: one table, active schedules first; or enable/disable one."""
+    if args.action is not None:
+        return _toggle_schedule(args)
     with checked_connection(args) as (conn, _store, _db):
         rows = PeriodicStore(args.schema).list_schedules(conn)
     if args.json:
@@ -230,6 +238,28 @@ def run_schedules(args: argparse.Namespace) -> int:
         )
     header = ["name", "actor", "queue", "schedule", "tz", "if missed", "last run (UTC)", "next run (UTC)"]
     print_table(table, [*header, "runs", "missed ticks", "status"], numeric=(8, 9))
+    return 0
+
+
+def _toggle_schedule(args: argparse.Namespace) -> int:
+    """``schedules enable|disable NAME``: the dashboard's statement (see ``cli.actions``)."""
+    from .actions import with_store
+
+    if args.name is None:
+        raise CliError(f"schedules {args.action} needs the schedule's NAME", EXIT_USAGE)
+    enabled = args.action == "enable"
+
+    async def use(store: Any) -> tuple[bool, list[str]]:
+        changed = await store.set_schedule_enabled(args.name, enabled)
+        return changed, [s.name for s in (await store.schedules() or [])]
+
+    changed, names = with_store(args, use)
+    if args.name not in names:
+        raise CliError(
+            f"no schedule {args.name!r} in schema {args.schema!r} (see: dramatiq-pg-outbox schedules)"
+        )
+    state = "enabled" if enabled else "disabled"
+    print(f"{state} schedule {args.name!r}" if changed else f"schedule {args.name!r} was already {state}")
     return 0
 
 

@@ -1,0 +1,186 @@
+"""The dashboard's buttons as subcommands: ``cancel``, ``purge``, ``discard``, ``run-now``.
+
+Each runs the dashboard's own statement through the dashboard's
+:class:`~dramatiq_pg_outbox.dashboard.store.Store` (one pooled connection,
+``asyncio.run``), with the same retries for rows the ring moved meanwhile, so
+that a button and its command cannot drift apart.  ``--dry-run`` reads what
+the command would change and changes nothing.  Every command prints one line
+per message or queue, and ends with exit 1 naming what it could not find.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import getpass
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from ..names import channel_for
+from .common import (
+    EXIT_USAGE,
+    PROG,
+    CliError,
+    checked_connection,
+    parse_positive_int,
+    parse_queue_name,
+)
+
+T = TypeVar("T")
+
+
+def add_parsers(sub: Any, common: Any) -> None:
+    """Register the subcommands (see ``cli.main._parser``)."""
+    cancel = sub.add_parser(
+        "cancel", parents=[common], help="move waiting messages to the dead letters (Canceled)"
+    )
+    cancel.add_argument("ids", nargs="+", type=parse_positive_int, metavar="ID", help="a message's row id")
+    cancel.add_argument("--reason", help="stored as the dead letter's error (default: who and when)")
+    cancel.add_argument("--dry-run", action="store_true", help="say what would be canceled, change nothing")
+    cancel.set_defaults(run=cancel_command)
+
+    purge = sub.add_parser("purge", parents=[common], help="delete the waiting messages of a queue")
+    purge.add_argument("queue", type=parse_queue_name, metavar="QUEUE", help="a queue name")
+    purge.add_argument("--dry-run", action="store_true", help="say how many would go, change nothing")
+    purge.set_defaults(run=purge_command)
+
+    discard = sub.add_parser("discard", parents=[common], help="delete dead letters for good")
+    discard.add_argument("ids", nargs="*", type=parse_positive_int, metavar="ID", help="a dead letter's id")
+    discard.add_argument("--queue", type=parse_queue_name, help="every dead letter of this queue")
+    discard.add_argument("--actor", help="every dead letter of this actor")
+    discard.add_argument("--dry-run", action="store_true", help="say what would go, change nothing")
+    discard.set_defaults(run=discard_command)
+
+    run_now = sub.add_parser("run-now", parents=[common], help="make delayed messages due now")
+    run_now.add_argument("ids", nargs="+", type=parse_positive_int, metavar="ID", help="a message's row id")
+    run_now.add_argument("--dry-run", action="store_true", help="say which are delayed, change nothing")
+    run_now.set_defaults(run=run_now_command)
+
+
+def with_store(args: argparse.Namespace, use: Callable[[Any], Awaitable[T]]) -> T:
+    """``use(store)`` on the dashboard's store of the schema, once the schema is checked."""
+    import asyncio
+
+    from ..dashboard.store import Store
+
+    with checked_connection(args) as (_, _, db):
+        pass
+
+    async def run() -> T:
+        store = Store(db.conninfo, args.schema, channel_for(args.schema), max_size=1)
+        await store.open()
+        try:
+            return await use(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def _missing(what: str, ids: list[int], args: argparse.Namespace) -> CliError:
+    listed = ", ".join(map(str, ids))
+    return CliError(f"{what} {listed} in schema {args.schema!r} (see: {PROG} status, or the dashboard)")
+
+
+def cancel_command(args: argparse.Namespace) -> int:
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    reason = args.reason or f"canceled by {getpass.getuser()} with {PROG} cancel at {now}"
+
+    async def use(store: Any) -> list[tuple[int, str | None]]:
+        done = []
+        for row_id in args.ids:
+            if args.dry_run:
+                row = await store.message(row_id)
+                waiting = row is not None and row.state == "pending"
+                done.append((row_id, row.queue_name if waiting else None))
+            else:
+                done.append((row_id, await store.cancel_message(row_id, reason)))
+        return done
+
+    results = with_store(args, use)
+    for row_id, queue_name in results:
+        if queue_name is not None:
+            verb = "would cancel" if args.dry_run else "canceled"
+            print(f"{verb} message {row_id} of queue {queue_name!r}: a dead letter (Canceled), retryable")
+    if args.dry_run:
+        print("dry run: nothing changed")
+    missing = [row_id for row_id, queue_name in results if queue_name is None]
+    if missing:
+        raise _missing("no waiting message (running, finished or gone) with id", missing, args)
+    return 0
+
+
+def purge_command(args: argparse.Namespace) -> int:
+    async def use(store: Any) -> int:
+        if args.dry_run:
+            rows = {q.queue_name: q for q in await store.queues()}
+            row = rows.get(args.queue)
+            return 0 if row is None else int(row.pending) + int(row.delayed)
+        return int(await store.purge_queue(args.queue))
+
+    n = with_store(args, use)
+    if args.dry_run:
+        print(f"would delete {n} waiting message(s) of queue {args.queue!r} (running ones finish)")
+        print("dry run: nothing changed")
+    else:
+        print(f"deleted {n} waiting message(s) of queue {args.queue!r} (running ones finish)")
+    return 0
+
+
+def discard_command(args: argparse.Namespace) -> int:
+    from ..dashboard.store import FailedFilter
+
+    if not args.ids and args.queue is None and args.actor is None:
+        raise CliError("name the dead letters: their ids, or --queue and/or --actor", EXIT_USAGE)
+    if args.ids and (args.queue is not None or args.actor is not None):
+        raise CliError("give either ids or --queue/--actor, not both", EXIT_USAGE)
+    where = FailedFilter(queue_name=args.queue, actor_name=args.actor)
+
+    async def use(store: Any) -> dict[str, int]:
+        if args.dry_run:
+            if args.ids:
+                found = [await store.dead_letter(row_id) for row_id in args.ids]
+                queues = [d.queue_name for d in found if d is not None and d.state == "failed"]
+            else:
+                queues = [r.queue_name for r in await store.failed(where, limit=1_000_000, offset=0)]
+            return {q: queues.count(q) for q in sorted(set(queues))}
+        gone: dict[str, int] = await store.discard_failed(args.ids or None, where)
+        return gone
+
+    gone = with_store(args, use)
+    total = sum(gone.values())
+    per_queue = ", ".join(f"{q}: {n}" for q, n in sorted(gone.items()))
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb} {total} dead letter(s) for good" + (f" ({per_queue})" if per_queue else ""))
+    if args.dry_run:
+        print("dry run: nothing changed")
+    if args.ids and total < len(set(args.ids)):
+        raise CliError(
+            f"only {total} of the {len(set(args.ids))} ids are dead letters in schema {args.schema!r}"
+        )
+    return 0
+
+
+def run_now_command(args: argparse.Namespace) -> int:
+    async def use(store: Any) -> list[tuple[int, str | None]]:
+        done = []
+        for row_id in args.ids:
+            if args.dry_run:
+                row = await store.message(row_id)
+                delayed = row is not None and row.state == "pending" and row.due_in_s > 0
+                done.append((row_id, row.queue_name if delayed else None))
+            else:
+                done.append((row_id, await store.run_now(row_id)))
+        return done
+
+    results = with_store(args, use)
+    for row_id, queue_name in results:
+        if queue_name is not None:
+            verb = "would make" if args.dry_run else "made"
+            print(f"{verb} message {row_id} of queue {queue_name!r} due now (its workers woken)")
+    if args.dry_run:
+        print("dry run: nothing changed")
+    missing = [row_id for row_id, queue_name in results if queue_name is None]
+    if missing:
+        raise _missing("no delayed message with id", missing, args)
+    return 0
