@@ -385,3 +385,30 @@ def test_schedules_enable_and_disable_one(
     one_line_error(
         cli("schedules", "enable", "--url", database_url), EXIT_USAGE, says=["needs the schedule's NAME"]
     )
+
+
+def test_a_role_without_the_grants_is_told_which_object_and_which_grant(database_url: str, db: Any) -> None:
+    role = f"cli_nogrant_{os.getpid()}"
+    db.execute(f"DROP ROLE IF EXISTS {role}")
+    db.execute(f"CREATE ROLE {role} LOGIN")
+    url = make_url(database_url).set(username=role).render_as_string(hide_password=False)
+    try:
+        # Without USAGE on the schema: that grant, named
+        result = cli("status", "--url", url)
+        one_line_error(
+            result,
+            1,
+            says=[f"role '{role}' may not use schema dramatiq", f"GRANT USAGE ON SCHEMA dramatiq TO {role}"],
+        )
+        # With it, but no privilege on the tables: the table, and the owner role to grant
+        db.execute(f"GRANT USAGE ON SCHEMA dramatiq TO {role}")
+        result = cli("failed", "--url", url)
+        one_line_error(
+            result,
+            1,
+            says=[f"role '{role}' may not use table dramatiq.", f"GRANT dramatiq_owner TO {role}"],
+        )
+        assert "permission denied: permission denied" not in result.stderr
+    finally:
+        db.execute(f"DROP OWNED BY {role}")
+        db.execute(f"DROP ROLE {role}")

@@ -420,8 +420,42 @@ def checked_connection(
     """(connection, the schema's operator statements, database) once the schema is known to be current."""
     db = database_from(args)
     with open_connection(db) as conn:
-        check_schema(conn, args.schema, url=db.shown, fix_url=db.fix_url)
-        yield conn, AdminStore(args.schema), db
+        try:
+            check_schema(conn, args.schema, url=db.shown, fix_url=db.fix_url)
+            yield conn, AdminStore(args.schema), db
+        except psycopg.errors.InsufficientPrivilege as e:
+            raise permission_error(e, role=conn.info.user, schema=args.schema) from e
+
+
+#: PostgreSQL's refusal: ``permission denied for table messages`` (English ``lc_messages``).
+_DENIED = re.compile(r"permission denied for (table|schema|function|sequence|view|relation) (\S+)")
+
+
+def permission_error(e: psycopg.errors.InsufficientPrivilege, *, role: str, schema: str) -> CliError:
+    """One line naming the role, the object it may not use and the grant that fixes it.
+
+    The operator commands run as the role that owns the broker's tables (``dramatiq_owner``
+    in docs/security.md); a role without ``USAGE`` on the schema gets that grant named.
+    """
+    found = _DENIED.search(str(e))
+    if found is None:
+        return CliError(
+            f"permission denied for role {role!r}: {one_line(e)}. Run the command as the role that owns "
+            f"the tables of schema {schema!r}, or GRANT dramatiq_owner TO {role} (see docs/security.md)"
+        )
+    kind, name = found.group(1), found.group(2)
+    if kind == "schema":
+        return CliError(
+            f"permission denied: role {role!r} may not use schema {name}. "
+            f"Run: GRANT USAGE ON SCHEMA {name} TO {role}, or run the command as the owner of its "
+            "tables (see docs/security.md)"
+        )
+    where = name if "." in name else f"{schema}.{name}"
+    return CliError(
+        f"permission denied: role {role!r} may not use {kind} {where} as this command needs. Run it as "
+        f"the role that owns the tables of schema {schema!r}, or GRANT dramatiq_owner TO {role} (the "
+        "owner role of docs/security.md)"
+    )
 
 
 # -- output helpers ---------------------------------------------------------------------
