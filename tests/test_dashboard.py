@@ -863,3 +863,42 @@ def test_a_retried_attempt_is_not_counted_as_completed(
     cells = re.findall(r'<td class="num[^"]*">([^<]*)<', row.group(1))
     # Then one message completed in the last hour, not two, and none failed
     assert cells[4:6] == ["1", "0"], cells
+
+
+def test_lists_show_priority_and_arguments_and_a_large_payload_page_stays_small(
+    make_broker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given a message with a priority and arguments, and one of 5 MiB (the limit raised for it)
+    broker = make_broker(max_message_bytes=None)
+
+    @dramatiq.actor(broker=broker, queue_name="bills")
+    def bill(customer: int, plan: str, *, note: str = "") -> None:
+        pass
+
+    bill.send_with_options(args=(4711, "gold"), kwargs={"note": "vip"}, broker_priority=7)
+    big = "x" * (5 * 1024 * 1024)
+    bill.send(1, big)
+    small_id, big_id = [r[0] for r in db.execute("SELECT id FROM dramatiq.messages ORDER BY id")]
+    server = serve_dashboard()
+    with httpx.Client(base_url=server.url) as browser:
+        # When the queue's page is opened
+        page = browser.get("/queues/bills").text
+        # Then each row shows its priority and a short preview of its arguments
+        row = re.search(rf'/messages/{small_id}">.*?</tr>', page, re.S)
+        assert row is not None
+        assert "[4711,&#34;gold&#34;] {&#34;note&#34;:&#34;vip&#34;}" in row.group(0)
+        assert re.search(r'<td class="num">7</td>', row.group(0))
+        big_row = re.search(rf'/messages/{big_id}">.*?</tr>', page, re.S)
+        assert big_row is not None and "\u2026" in big_row.group(0) and len(big_row.group(0)) < 2_000
+        # And the big message's page shows its first 64 KiB and its size, with a raw download
+        shown = browser.get(f"/messages/{big_id}")
+        assert shown.status_code == 200 and len(shown.content) < 200_000
+        assert f"The first 65,536 of {len(bill.message(1, big).encode()):,} bytes" in shown.text
+        download = browser.get(f"/messages/{big_id}/payload")
+        assert download.headers["content-disposition"] == f'attachment; filename="message-{big_id}.payload"'
+        assert download.content == bytes(
+            db.execute("SELECT payload FROM dramatiq.messages WHERE id = %s", (big_id,)).fetchone()[0]
+        )
+        # And a small message's page pretty-prints it whole
+        assert "&#34;gold&#34;" in browser.get(f"/messages/{small_id}").text
+        assert browser.get("/messages/999999999/payload").status_code == 404

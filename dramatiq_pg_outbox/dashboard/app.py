@@ -278,9 +278,23 @@ class Dashboard:
             raise HTTPException(
                 404, f"Message {row_id} is not in the messages table (finished or canceled?)."
             )
-        is_json, payload = decode_payload(message.payload or b"")
+        is_json, payload = decode_payload(message.payload or b"", message.payload_bytes)
         return self.render(
             request, "message.html", page="queues", message=message, payload=payload, is_json=is_json
+        )
+
+    async def message_payload(self, request: Request) -> Response:
+        """The raw payload of a live message, as a download (the page shows its first 64 KiB)."""
+        row_id = int(request.path_params["id"])
+        payload = await self.store.message_payload(row_id)
+        if payload is None:
+            raise HTTPException(
+                404, f"Message {row_id} is not in the messages table (finished or canceled?)."
+            )
+        return Response(
+            payload,
+            media_type="application/octet-stream",
+            headers={"Content-Disposition": f'attachment; filename="message-{row_id}.payload"'},
         )
 
     async def workers(self, request: Request) -> Response:
@@ -553,6 +567,7 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
         Route("/queues/{queue_name}/pause", d.pause, methods=["POST"], name="pause"),
         Route("/queues/{queue_name}/resume", d.resume, methods=["POST"], name="resume"),
         Route("/messages/{id:int}", d.message, name="message"),
+        Route("/messages/{id:int}/payload", d.message_payload, name="message_payload"),
         Route("/messages/{id:int}/cancel", d.cancel, methods=["POST"], name="cancel"),
         Route("/messages/{id:int}/run-now", d.run_now, methods=["POST"], name="run_now"),
         Route("/schedules", d.schedules, name="schedules"),

@@ -66,9 +66,13 @@ ORDER BY 1, 2;
 -- One page of the live rows of one queue: processing first, then by due time,
 -- filtered by actor and by what they wait for (%(status)s: due, delayed or
 -- processing; NULL for any).  The caller asks for one row more than a page
--- to know whether there is a next one (no count of a long queue).
+-- to know whether there is a next one (no count of a long queue).  payload_head:
+-- the first bytes of the payload, for the arguments' preview (never the whole of a
+-- large payload).
 SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, next_attempt_at,
-       acquired_at, owner, extract(epoch FROM next_attempt_at - now())::double precision AS due_in_s
+       acquired_at, owner, extract(epoch FROM next_attempt_at - now())::double precision AS due_in_s,
+       NULL::bytea AS payload, NULL::text AS idempotency_key, priority,
+       substring(payload FROM 1 FOR %(head_bytes)s) AS payload_head
 FROM {schema}.messages
 WHERE queue_name = %(queue_name)s
   AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s)
@@ -142,12 +146,18 @@ WHERE name = %(name)s AND removed_at IS NULL
 RETURNING name;
 
 -- name: message --
--- One live row with its payload.
+-- One live row with the first %(shown_bytes)s bytes of its payload and its size (a
+-- page stays small whatever the payload; message_payload gives all of it).
 SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, next_attempt_at,
        acquired_at, owner, extract(epoch FROM next_attempt_at - now())::double precision AS due_in_s,
-       payload, idempotency_key
+       substring(payload FROM 1 FOR %(shown_bytes)s) AS payload, idempotency_key, priority,
+       NULL::bytea AS payload_head, octet_length(payload) AS payload_bytes
 FROM {schema}.messages
 WHERE id = %(id)s;
+
+-- name: message_payload --
+-- The whole payload of one live row (the raw download of the message page).
+SELECT payload FROM {schema}.messages WHERE id = %(id)s;
 
 -- name: workers --
 -- Consumer processes by heartbeat, with the rows each one holds now

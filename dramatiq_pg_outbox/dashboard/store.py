@@ -113,6 +113,18 @@ class MessageRow:
     due_in_s: float
     payload: bytes | None = None
     idempotency_key: str | None = None
+    #: The ``broker_priority`` it is claimed by (0: none).
+    priority: int = 0
+    #: The payload's first :data:`PREVIEW_HEAD_BYTES` bytes (lists of rows only).
+    payload_head: bytes | None = None
+    #: The whole payload's size in bytes (:meth:`Store.message` only, whose ``payload`` is
+    #: its first :data:`SHOWN_PAYLOAD_BYTES` bytes).
+    payload_bytes: int | None = None
+
+    @property
+    def args_preview(self) -> str:
+        """The arguments, shortened (see :func:`args_preview`)."""
+        return args_preview(self.payload_head)
 
 
 @dataclass(frozen=True)
@@ -239,17 +251,51 @@ class FailedFilter:
         }
 
 
-def decode_payload(payload: bytes) -> tuple[bool, str]:
+#: Bytes of a payload shown on its message page (64 KiB); the rest is downloaded raw.
+SHOWN_PAYLOAD_BYTES = 65_536
+#: Bytes of a payload read for the arguments' preview of a list (a large payload stays in the table).
+PREVIEW_HEAD_BYTES = 1_024
+#: Characters of that preview.
+PREVIEW_CHARS = 80
+
+
+def args_preview(head: bytes | None) -> str:
+    """The arguments of a payload written by Dramatiq's ``JSONEncoder``, on one short line.
+
+    ``[7, "gold"]``, then the keyword arguments if any (``{"segment": "gold"}``),
+    cut at :data:`PREVIEW_CHARS` characters with an ellipsis.  Read from the payload's
+    first bytes only, without parsing them as JSON (they may end mid-value).  Another
+    encoder's payload (pickle, a custom one) gets an empty preview: it is never decoded,
+    as on the message page (see :func:`decode_payload`).
+    """
+    if not head or not head.startswith(b'{"'):
+        return ""
+    text = head.decode("utf-8", "replace")
+    start = text.find('"args":')
+    if start < 0:
+        return ""
+    shown = text[start + len('"args":') :].split(',"options":', 1)[0]
+    shown = shown.replace(',"kwargs":{}', "").replace(',"kwargs":', " ")
+    return shown if len(shown) <= PREVIEW_CHARS else shown[: PREVIEW_CHARS - 1] + "\u2026"
+
+
+def decode_payload(payload: bytes, size: int | None = None) -> tuple[bool, str]:
     """Show a stored payload without running it.
 
     Dramatiq's default ``JSONEncoder`` payloads are pretty-printed.  Anything
     else (``PickleEncoder``, a custom encoder) is shown as bytes and never
     decoded: unpickling would run code chosen by whoever wrote the row (see
-    docs/security.md).
+    docs/security.md).  The first bytes of a larger payload (``size``: its whole
+    size) are shown as they are, JSON text or bytes, after a line that says so.
 
     Returns:
       tuple[bool, str]: (whether it was JSON, the text to show).
     """
+    if size is not None and size > len(payload):
+        cut = f"The first {len(payload):,} of {size:,} bytes (download the payload for all of it):\n"
+        if payload.startswith(b"{"):
+            return True, cut + payload.decode("utf-8", "replace")
+        return False, cut + repr(payload[:512])
     try:
         return True, json.dumps(json.loads(payload.decode("utf-8")), indent=2, sort_keys=True)
     except (UnicodeDecodeError, ValueError):
@@ -342,8 +388,9 @@ class Store:
             "offset": offset,
             "actor_name": actor_name,
             "status": status,
+            "head_bytes": PREVIEW_HEAD_BYTES,
         }
-        return await self._rows(MessageRow, "queue_messages", params)
+        return await self._live_rows("queue_messages", params)
 
     async def queue_actors(self, queue_name: str) -> list[str]:
         return [str(row[0]) for row in await self._tuples("queue_actors", {"queue_name": queue_name})]
@@ -357,8 +404,25 @@ class Store:
         return {worker: list(ids) for worker, ids in rows}
 
     async def message(self, row_id: int) -> MessageRow | None:
-        rows = await self._rows(MessageRow, "message", {"id": row_id})
+        """One live row, with the first :data:`SHOWN_PAYLOAD_BYTES` bytes of its payload; None if gone."""
+        params = {"id": row_id, "shown_bytes": SHOWN_PAYLOAD_BYTES}
+        rows = await self._live_rows("message", params)
         return rows[0] if rows else None
+
+    async def _live_rows(self, name: str, params: dict[str, Any]) -> list[MessageRow]:
+        """Rows of ``messages`` by statement ``name``; without ``priority`` before migration 0010."""
+        async with self.pool.connection() as conn:
+            async with conn.cursor(row_factory=class_row(MessageRow)) as cur:
+                try:
+                    await cur.execute(self.queries[name], params)
+                except psycopg.errors.UndefinedColumn:
+                    await cur.execute(without_priority(self.queries[name]), params)
+                return await cur.fetchall()
+
+    async def message_payload(self, row_id: int) -> bytes | None:
+        """The whole payload of a live row (the raw download); None if the row is gone."""
+        rows = await self._tuples("message_payload", {"id": row_id})
+        return bytes(rows[0][0]) if rows else None
 
     async def workers(self) -> list[WorkerRow]:
         return await self._rows(WorkerRow, "workers", {"heartbeat_timeout_ms": self.heartbeat_timeout})
