@@ -902,3 +902,52 @@ def test_lists_show_priority_and_arguments_and_a_large_payload_page_stays_small(
         # And a small message's page pretty-prints it whole
         assert "&#34;gold&#34;" in browser.get(f"/messages/{small_id}").text
         assert browser.get("/messages/999999999/payload").status_code == 404
+
+
+def test_a_wrong_bearer_token_gets_a_plain_401_and_repeated_failures_wait(
+    db: Any, serve_dashboard: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = serve_dashboard(token="s3cret-token")
+
+    def get(token: str) -> httpx.Response:
+        return httpx.get(server.url + "/failed", headers={"Authorization": f"Bearer {token}"})
+
+    # A script's wrong token: a plain answer that says why, not the login page
+    wrong = get("wrong")
+    assert wrong.status_code == 401 and wrong.text == "401 Unauthorized: the Bearer token is wrong"
+    assert 'error="invalid_token"' in wrong.headers["www-authenticate"]
+    # Five failures in a row are free; the sixth attempt must wait (even with the right token)
+    with caplog.at_level("WARNING", logger="dramatiq_pg_outbox.dashboard"):
+        for _ in range(4):
+            assert get("wrong").status_code == 401
+    refused = get("s3cret-token")
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert "too many failed logins from this address" in refused.text
+    failures = [r.getMessage() for r in caplog.records if "failed login" in r.getMessage()]
+    assert failures and all("127.0.0.1" in m and "s3cret" not in m and "wrong Bearer" in m for m in failures)
+    # Once the wait is over, the right token gets in and the count starts again
+    wait_for(lambda: get("s3cret-token").status_code == 200, 5, "the end of the wait", 0.2)
+    assert get("wrong").status_code == 401
+
+
+def test_the_login_throttle_doubles_the_wait_after_five_failures_up_to_its_cap() -> None:
+    from dramatiq_pg_outbox.dashboard.security import LoginThrottle
+
+    now = [100.0]
+    throttle = LoginThrottle(free=5, base=1.0, cap=8.0, clients=2, clock=lambda: now[0])
+    for _ in range(5):
+        assert throttle.wait("a") == 0
+        throttle.failed("a", "wrong token")
+    waits = []
+    for _ in range(5):
+        waits.append(throttle.wait("a"))
+        now[0] += throttle.wait("a")
+        throttle.failed("a", "wrong token")
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0]
+    # Another address is not affected; a success forgets; the oldest address is forgotten first
+    assert throttle.wait("b") == 0
+    throttle.succeeded("a")
+    assert throttle.wait("a") == 0
+    for client in ("c", "d", "e"):
+        throttle.failed(client, "x")
+    assert len(throttle) == 2  # (the bound on memory)

@@ -67,13 +67,16 @@ from .security import (
     LOOPBACK_HOSTS,
     SESSION_COOKIE,
     Guard,
+    LoginThrottle,
     Settings,
     action_form,
     base_context,
     checked_form,
+    client_of,
     flash,
     same_secret,
     token_mark,
+    too_many,
 )
 from .store import MIN_SCHEMA_REVISION, FailedFilter, Store, decode_payload
 
@@ -216,6 +219,8 @@ class Dashboard:
         self.settings = settings
         self.store = store
         self.templates = _templates()
+        #: Failed logins per client address (the login form, Bearer tokens, basic auth).
+        self.throttle = LoginThrottle()
 
     def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
         return self.templates.TemplateResponse(
@@ -487,11 +492,17 @@ class Dashboard:
         target = _safe_next(form.get("next"))
         if self.settings.token is None:
             return RedirectResponse(target, status_code=303)
+        client = client_of(request)
+        wait = self.throttle.wait(client)
+        if wait > 0:
+            return too_many(wait)
         if isinstance(token, str) and same_secret(token, self.settings.token):
+            self.throttle.succeeded(client)
             # A fresh CSRF token with the new privilege (no fixation of the old one).
             request.session.clear()
             request.session["authenticated"] = token_mark(self.settings.token)
             return RedirectResponse(target, status_code=303)
+        self.throttle.failed(client, "wrong token in the login form")
         return self.render(request, "login.html", status_code=401, next=target, error="Wrong token.")
 
     async def logout(self, request: Request) -> Response:
@@ -596,7 +607,7 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
             # from other sites still carry no cookie, and need the CSRF token anyway.
             same_site="lax",
         ),
-        Middleware(Guard, settings=settings, templates=dashboard.templates),
+        Middleware(Guard, settings=settings, templates=dashboard.templates, throttle=dashboard.throttle),
     ]
     app = Starlette(
         routes=routes,

@@ -9,7 +9,11 @@ import base64
 import binascii
 import hashlib
 import hmac
+import logging
 import secrets
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +108,83 @@ class Settings:
         return "token" if self.token else "basic" if self.basic_auth else "none"
 
 
+logger = logging.getLogger("dramatiq_pg_outbox.dashboard")
+
+
+class LoginThrottle:
+    """Failed logins per client: free at first, then an exponential wait.
+
+    After ``free`` failures in a row from one client (its address), each further
+    attempt must wait ``base x 2^(failures - free)`` seconds after the last
+    failure, at most ``cap``; a success forgets the client.  Every failure is
+    logged with the client's address (never the secret).  The idea is
+    fail2ban's and django-axes' lockout, without locking anyone out for good.
+    State is per process, for at most ``clients`` addresses (the least recently
+    failed ones are forgotten first).
+
+    Parameters:
+      free(int): Failures allowed before any wait.  Default 5.
+      base(float): The first wait, in seconds.  Default 1.
+      cap(float): The longest wait, in seconds.  Default 300.
+      clients(int): Addresses remembered.  Default 10,000.
+      clock(Callable[[], float]): Seconds, monotonic.  Default ``time.monotonic``.
+    """
+
+    def __init__(
+        self,
+        free: int = 5,
+        base: float = 1.0,
+        cap: float = 300.0,
+        clients: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.free, self.base, self.cap, self.clients, self.clock = free, base, cap, clients, clock
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def wait(self, client: str) -> float:
+        """Seconds ``client`` must still wait before its next attempt (0: it may try now)."""
+        with self._lock:
+            failures, last = self._failures.get(client, (0, 0.0))
+        if failures < self.free:
+            return 0.0
+        delay = min(self.cap, self.base * float(2 ** (failures - self.free)))
+        return max(0.0, last + delay - self.clock())
+
+    def failed(self, client: str, what: str) -> None:
+        """Count a failed attempt of ``client`` (``what``: e.g. "wrong token"), and log it."""
+        with self._lock:
+            failures = self._failures.pop(client, (0, 0.0))[0] + 1
+            self._failures[client] = (failures, self.clock())
+            while len(self._failures) > self.clients:
+                self._failures.popitem(last=False)
+        logger.warning("dashboard: failed login from %s (%s), %d in a row", client, what, failures)
+
+    def __len__(self) -> int:
+        """Addresses remembered now (at most ``clients``)."""
+        return len(self._failures)
+
+    def succeeded(self, client: str) -> None:
+        """Forget ``client``'s failures."""
+        with self._lock:
+            self._failures.pop(client, None)
+
+
+def client_of(request: Request) -> str:
+    """The address a request came from (the proxy's, behind one), for the throttle and the logs."""
+    return request.client.host if request.client is not None else "unknown"
+
+
+def too_many(wait: float) -> PlainTextResponse:
+    """429 with ``Retry-After``: the client failed too many logins."""
+    seconds = max(1, round(wait))
+    return PlainTextResponse(
+        f"429 Too Many Requests: too many failed logins from this address; try again in {seconds} s",
+        status_code=429,
+        headers={"Retry-After": str(seconds)},
+    )
+
+
 # -- auth ---------------------------------------------------------------------
 def same_secret(given: str, expected: str) -> bool:
     """Whether two secrets are equal, compared in constant time."""
@@ -148,23 +229,43 @@ def _authorized(request: Request, settings: Settings) -> bool:
 class Guard(BaseHTTPMiddleware):
     """401 for requests without the configured credentials; security headers on every response."""
 
-    def __init__(self, app: Any, settings: Settings, templates: Jinja2Templates) -> None:
+    def __init__(
+        self, app: Any, settings: Settings, templates: Jinja2Templates, throttle: LoginThrottle
+    ) -> None:
         super().__init__(app)
         self.settings = settings
         self.templates = templates
+        self.throttle = throttle
 
     async def dispatch(
         self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         path = request.url.path
         public = path in ("/healthz", "/login") or path.startswith("/static/")
-        if public or _authorized(request, self.settings):
+        scheme = request.headers.get("authorization", "").partition(" ")[0].lower()
+        client = client_of(request)
+        wait = self.throttle.wait(client) if scheme in ("bearer", "basic") else 0.0
+        if public or (wait == 0 and _authorized(request, self.settings)):
+            if scheme in ("bearer", "basic") and not public:
+                self.throttle.succeeded(client)
             response = await call_next(request)
+        elif wait > 0:
+            response = too_many(wait)
         elif self.settings.basic_auth is not None:
+            if scheme == "basic":
+                self.throttle.failed(client, "wrong basic auth user or password")
             response = PlainTextResponse(
                 "401 Unauthorized: this dashboard needs HTTP basic auth",
                 status_code=401,
                 headers={"WWW-Authenticate": 'Basic realm="dramatiq-pg-outbox", charset="UTF-8"'},
+            )
+        elif scheme == "bearer":
+            # A script's wrong token: a plain answer with the reason, not the login page.
+            self.throttle.failed(client, "wrong Bearer token")
+            response = PlainTextResponse(
+                "401 Unauthorized: the Bearer token is wrong",
+                status_code=401,
+                headers={"WWW-Authenticate": 'Bearer realm="dramatiq-pg-outbox", error="invalid_token"'},
             )
         else:
             response = self.templates.TemplateResponse(
