@@ -154,3 +154,17 @@ CREATE DATABASE {database};
 
 -- name: drop_database --
 DROP DATABASE IF EXISTS {database} WITH (FORCE);
+
+-- The audit trail (migration 0017): operator actions from the dashboard and the CLI.
+
+-- name: audit_record --
+-- One operator action, after it committed (count: rows it changed).
+INSERT INTO {schema}.audit (operator, source, action, target, count, detail)
+VALUES (%(operator)s, %(source)s, %(action)s, %(target)s, %(count)s, %(detail)s);
+
+-- name: audit_list --
+-- The newest actions first (the Audit page, `dramatiq-pg-outbox audit`).
+SELECT id, at, operator, source, action, target, count, detail
+  FROM {schema}.audit
+ ORDER BY id DESC
+ LIMIT %(limit)s;

@@ -412,3 +412,66 @@ def test_a_role_without_the_grants_is_told_which_object_and_which_grant(database
     finally:
         db.execute(f"DROP OWNED BY {role}")
         db.execute(f"DROP ROLE {role}")
+
+
+# -- the audit trail ----------------------------------------------------------------------------------
+
+
+def audit_rows(db: Any) -> list[tuple[str, str, str, str, int]]:
+    return [
+        (str(o), str(s), str(a), str(t), int(c))
+        for o, s, a, t, c in db.execute(
+            "SELECT operator, source, action, target, count FROM dramatiq.audit ORDER BY id"
+        )
+    ]
+
+
+def test_every_action_of_the_command_line_is_audited_with_the_os_user(
+    database_url: str, db: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import getpass
+
+    db.execute("TRUNCATE dramatiq.audit")
+    user = getpass.getuser()
+    add_due(db, "aq", 3)
+    db.execute(
+        "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, payload, next_attempt_at) "
+        "VALUES ('aq', 'charge', gen_random_uuid()::text, '', now() + interval '1 hour')"
+    )
+    (first, _), _, _, (later, _) = live(db, "aq")
+    add_dead_letter(db, "adl")
+    add_dead_letter(db, "adl")
+    db.execute(
+        "INSERT INTO dramatiq.schedules (name, actor_name, queue_name, every_ms, next_run_at) "
+        "VALUES ('audited', 'ping', 'default', 60000, now())"
+    )
+    # When an operator runs each action (and dry runs, which change nothing and record nothing)
+    for args in (
+        ["pause", "aq"],
+        ["resume", "aq"],
+        ["cancel", str(first)],
+        ["run-now", str(later)],
+        ["purge", "aq", "--dry-run"],
+        ["purge", "aq"],
+        ["retry-failed", "--queue", "adl", "--dry-run"],
+        ["discard", "--queue", "adl", "--actor", "charge"],
+        ["schedules", "disable", "audited"],
+    ):
+        run(capsys, *args, "--url", database_url)
+    # Then each one is a row: who (the OS user), from where, what, on what, how many rows
+    assert audit_rows(db) == [
+        (user, "cli", "pause", "aq", 1),
+        (user, "cli", "resume", "aq", 1),
+        (user, "cli", "cancel", str(first), 1),
+        (user, "cli", "run-now", str(later), 1),
+        (user, "cli", "purge", "aq", 3),
+        (user, "cli", "discard", "queue=adl actor=charge", 2),
+        (user, "cli", "schedule-disable", "audited", 1),
+    ]
+    # And `audit` lists them, newest first, as a table or JSON
+    lines = run(capsys, "audit", "--url", database_url).splitlines()
+    assert re.match(r"^at \(UTC\)\s+operator\s+from\s+action\s+target\s+rows$", lines[0])
+    assert "schedule-disable" in lines[1] and "pause" in lines[-1]
+    listed = json.loads(run(capsys, "audit", "--json", "--limit", "2", "--url", database_url))["audit"]
+    assert [e["action"] for e in listed] == ["schedule-disable", "discard"]
+    assert listed[0]["operator"] == user and listed[0]["at"].endswith("+00:00")

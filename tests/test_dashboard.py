@@ -951,3 +951,28 @@ def test_the_login_throttle_doubles_the_wait_after_five_failures_up_to_its_cap()
     for client in ("c", "d", "e"):
         throttle.failed(client, "x")
     assert len(throttle) == 2  # (the bound on memory)
+
+
+def test_an_action_is_audited_with_the_basic_auth_user_and_the_address(
+    make_broker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    broker = make_broker()
+    _, ship = failing_actors(broker)
+    ship.send(1)
+    server = serve_dashboard(basic_auth=("ops", "pa:ss"))
+    auth = {"Authorization": "Basic " + base64.b64encode(b"ops:pa:ss").decode()}
+    with httpx.Client(base_url=server.url, headers=auth) as browser:
+        token = csrf_token(browser.get("/queues/shipping").text)
+        browser.post("/queues/shipping/pause", data={"csrf_token": token})
+        browser.post("/queues/shipping/pause", data={"csrf_token": token})
+        page = browser.get("/audit").text
+    rows = db.execute(
+        "SELECT operator, source, action, target, count, detail FROM dramatiq.audit "
+        "WHERE target = 'shipping' ORDER BY id"
+    ).fetchall()
+    # (the second click changed nothing: recorded with 0 rows)
+    assert rows == [
+        ("ops", "dashboard", "pause", "shipping", 1, "from 127.0.0.1"),
+        ("ops", "dashboard", "pause", "shipping", 0, "from 127.0.0.1"),
+    ]
+    assert page.count('<td class="action">pause</td>') >= 2

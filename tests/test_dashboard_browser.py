@@ -312,6 +312,13 @@ def test_dead_letters_are_discarded_and_a_schedule_disabled_from_the_browser(
     # And once enabled again, the due tick is enqueued (the next one is a minute away)
     page.locator('#schedules tr[data-name="heartbeat-ping"] button:has-text("Enable")').click()
     assert "Enabled schedule heartbeat-ping." in page.inner_text(".flash")
+    # And the Audit page lists each action, newest first, with who (no auth here: anonymous) and where from
+    page.click("nav >> text=Audit")
+    actions = [cell.inner_text() for cell in page.locator("#audit td.action").all()]
+    assert actions[:3] == ["schedule-enable", "schedule-disable", "discard"], actions
+    newest = page.locator("#audit tbody tr").first.inner_text()
+    assert "anonymous" in newest and "from 127.0.0.1" in newest
+    screenshot(page, tmp_path / "audit.png")
     assert scheduler.run_once().enqueued == 1
     assert (
         count(db, "SELECT count(*) FROM dramatiq.messages WHERE queue_name = 'pings'")

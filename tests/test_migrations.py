@@ -222,3 +222,22 @@ def test_the_upgrade_to_0014_backfills_the_keys_and_the_downgrade_drops_them(dat
         assert comment == ("dramatiq-pg-outbox schema revision 13",)
     finally:
         drop_schema(database_url, "keys_jobs")
+
+
+def test_the_upgrade_to_0017_creates_the_audit_table_and_the_downgrade_drops_it(database_url: str) -> None:
+    schema = "audit_0017"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        try:
+            upgrade(database_url, schema=schema, revision="0017")
+            assert conn.execute(f"SELECT to_regclass('{schema}.audit') IS NOT NULL").fetchone() == (True,)
+            # A source other than the dashboard and the command line is refused
+            with pytest.raises(psycopg.errors.CheckViolation):
+                conn.execute(
+                    f"INSERT INTO {schema}.audit (operator, source, action, target) "
+                    "VALUES ('x', 'y', 'z', 'w')"
+                )
+            downgrade(database_url, schema=schema, revision="0016")
+            assert conn.execute(f"SELECT to_regclass('{schema}.audit') IS NULL").fetchone() == (True,)
+        finally:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")

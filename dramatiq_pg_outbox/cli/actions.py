@@ -24,6 +24,8 @@ from .common import (
     checked_connection,
     parse_positive_int,
     parse_queue_name,
+    record_action,
+    selection_text,
 )
 
 T = TypeVar("T")
@@ -77,6 +79,12 @@ def with_store(args: argparse.Namespace, use: Callable[[Any], Awaitable[T]]) -> 
     return asyncio.run(run())
 
 
+def record(args: argparse.Namespace, action: str, target: str, count: int, detail: str = "") -> None:
+    """The audit row of an action that ran (not of a dry run)."""
+    with checked_connection(args) as (conn, _, _):
+        record_action(conn, args.schema, action=action, target=target, count=count, detail=detail)
+
+
 def _missing(what: str, ids: list[int], args: argparse.Namespace) -> CliError:
     listed = ", ".join(map(str, ids))
     return CliError(f"{what} {listed} in schema {args.schema!r} (see: {PROG} status, or the dashboard)")
@@ -98,6 +106,9 @@ def cancel_command(args: argparse.Namespace) -> int:
         return done
 
     results = with_store(args, use)
+    if not args.dry_run:
+        done = [row_id for row_id, queue_name in results if queue_name is not None]
+        record(args, "cancel", ", ".join(map(str, args.ids)), len(done), reason)
     for row_id, queue_name in results:
         if queue_name is not None:
             verb = "would cancel" if args.dry_run else "canceled"
@@ -119,6 +130,8 @@ def purge_command(args: argparse.Namespace) -> int:
         return int(await store.purge_queue(args.queue))
 
     n = with_store(args, use)
+    if not args.dry_run:
+        record(args, "purge", args.queue, n)
     if args.dry_run:
         print(f"would delete {n} waiting message(s) of queue {args.queue!r} (running ones finish)")
         print("dry run: nothing changed")
@@ -149,6 +162,9 @@ def discard_command(args: argparse.Namespace) -> int:
 
     gone = with_store(args, use)
     total = sum(gone.values())
+    if not args.dry_run:
+        target = ", ".join(map(str, args.ids)) if args.ids else selection_text(args)
+        record(args, "discard", target, total)
     per_queue = ", ".join(f"{q}: {n}" for q, n in sorted(gone.items()))
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{verb} {total} dead letter(s) for good" + (f" ({per_queue})" if per_queue else ""))
@@ -174,6 +190,9 @@ def run_now_command(args: argparse.Namespace) -> int:
         return done
 
     results = with_store(args, use)
+    if not args.dry_run:
+        done = [row_id for row_id, queue_name in results if queue_name is not None]
+        record(args, "run-now", ", ".join(map(str, args.ids)), len(done))
     for row_id, queue_name in results:
         if queue_name is not None:
             verb = "would make" if args.dry_run else "made"

@@ -4,6 +4,7 @@ prune, maintain, metrics, relay."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import os
@@ -36,6 +37,8 @@ from .common import (
     open_connection,
     print_json,
     print_table,
+    record_action,
+    selection_text,
     server_down,
 )
 
@@ -305,6 +308,8 @@ def pause_command(args: argparse.Namespace) -> int:
                     EXIT_USAGE,
                 )
         paused = store.pause_queues(conn, queue_names=names)
+        for queue in args.queues:
+            record_action(conn, args.schema, action="pause", target=queue, count=int(queue in paused))
     _say_each(
         args.queues,
         paused,
@@ -318,6 +323,8 @@ def resume_command(args: argparse.Namespace) -> int:
     names = _queue_names(args.queues)
     with checked_connection(args) as (conn, store, _):
         resumed = store.resume_queues(conn, queue_names=names, channel=channel_for(args.schema))
+        for queue in args.queues:
+            record_action(conn, args.schema, action="resume", target=queue, count=int(queue in resumed))
     _say_each(args.queues, resumed, "resumed queue {!r}: its workers were woken", "queue {!r} was not paused")
     return 0
 
@@ -536,7 +543,10 @@ def retry_failed_command(args: argparse.Namespace) -> int:
                 notify=not args.dry_run,
                 channel=channel_for(args.schema),
             )
-    count = sum(int(row.moved) for row in rows)
+        count = sum(int(row.moved) for row in rows)
+        if not args.dry_run:
+            target = ", ".join(map(str, args.ids)) if args.ids else selection_text(args)
+            record_action(conn, args.schema, action="retry", target=target, count=count)
     moved = {int(i) for row in rows for i in row.ids}
     if args.dry_run:
         per_queue = ", ".join(f"{row.queue_name}: {row.moved}" for row in rows)
@@ -551,6 +561,27 @@ def retry_failed_command(args: argparse.Namespace) -> int:
             f"no dead letter{only} with id {', '.join(map(str, missing))} in schema {args.schema!r}. "
             f"List them with: {PROG} failed --schema {args.schema} --url {db.command_url()}"
         )
+    return 0
+
+
+def audit_command(args: argparse.Namespace) -> int:
+    with checked_connection(args) as (conn, store, _):
+        rows = store.audit(conn, limit=args.limit)
+    if args.json:
+        print_json({"schema": args.schema, "audit": [dataclasses.asdict(row) for row in rows]})
+        return 0
+    if not rows:
+        print(f"no operator action recorded in schema {args.schema!r}")
+        return 0
+    utc = datetime.timezone.utc
+    print_table(
+        [
+            (f"{r.at.astimezone(utc):%Y-%m-%d %H:%M:%S}", r.operator, r.source, r.action, r.target, r.count)
+            for r in rows
+        ],
+        ["at (UTC)", "operator", "from", "action", "target", "rows"],
+        numeric=(5,),
+    )
     return 0
 
 

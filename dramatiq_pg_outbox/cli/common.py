@@ -431,6 +431,37 @@ def checked_connection(
 _DENIED = re.compile(r"permission denied for (table|schema|function|sequence|view|relation) (\S+)")
 
 
+def operator_name() -> str:
+    """Who runs the command, for the audit trail: the OS user (``getpass.getuser()``)."""
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except Exception:
+        return "unknown"
+
+
+def record_action(
+    conn: psycopg.Connection[Any], schema: str, *, action: str, target: str, count: int, detail: str = ""
+) -> None:
+    """Write the audit row of a command's action and log it (logger ``dramatiq_pg_outbox.audit``)."""
+    import logging
+
+    operator = operator_name()
+    AdminStore(schema).record_audit(
+        conn, operator=operator, source="cli", action=action, target=target, count=count, detail=detail
+    )
+    logging.getLogger("dramatiq_pg_outbox.audit").info(
+        "%s by %s (cli): %s, %d row(s)", action, operator, target, count
+    )
+
+
+def selection_text(args: argparse.Namespace) -> str:
+    """How the audit trail names a selection of dead letters: ``queue=Q actor=A``, or ``all``."""
+    parts = [f"{name}={value}" for name, value in (("queue", args.queue), ("actor", args.actor)) if value]
+    return " ".join(parts) or "all"
+
+
 def permission_error(e: psycopg.errors.InsufficientPrivilege, *, role: str, schema: str) -> CliError:
     """One line naming the role, the object it may not use and the grant that fixes it.
 

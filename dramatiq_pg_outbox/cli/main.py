@@ -51,6 +51,7 @@ from typing import Any
 from ..options import HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS
 from . import actions, dashboard, periodic
 from .commands import (
+    audit_command,
     failed_command,
     maintain_command,
     metrics_command,
@@ -133,6 +134,11 @@ def _parser() -> argparse.ArgumentParser:
         help="a worker is live if it heartbeat within this many ms (default: %(default)s, the broker's)",
     )
     workers.set_defaults(run=workers_command)
+
+    audit = sub.add_parser("audit", parents=[common], help="operator actions, newest first (audit trail)")
+    audit.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    audit.add_argument("--limit", type=parse_positive_int, default=50, help="rows to show (default: 50)")
+    audit.set_defaults(run=audit_command)
 
     failed = sub.add_parser("failed", parents=[common], help="newest dead letters")
     failed.add_argument("--queue", type=parse_queue_name, help="only this queue")

@@ -243,7 +243,7 @@ def run_schedules(args: argparse.Namespace) -> int:
 
 def _toggle_schedule(args: argparse.Namespace) -> int:
     """``schedules enable|disable NAME``: the dashboard's statement (see ``cli.actions``)."""
-    from .actions import with_store
+    from .actions import record, with_store
 
     if args.name is None:
         raise CliError(f"schedules {args.action} needs the schedule's NAME", EXIT_USAGE)
@@ -254,6 +254,8 @@ def _toggle_schedule(args: argparse.Namespace) -> int:
         return changed, [s.name for s in (await store.schedules() or [])]
 
     changed, names = with_store(args, use)
+    if args.name in names:
+        record(args, f"schedule-{args.action}", args.name, int(changed))
     if args.name not in names:
         raise CliError(
             f"no schedule {args.name!r} in schema {args.schema!r} (see: dramatiq-pg-outbox schedules)"

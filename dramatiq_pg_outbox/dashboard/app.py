@@ -82,6 +82,8 @@ from .store import MIN_SCHEMA_REVISION, FailedFilter, Store, decode_payload
 
 logger = logging.getLogger(__name__)
 
+#: Rows of the Audit page (the newest actions).
+AUDIT_ROWS = 200
 #: Dead letters per page of ``/failed``; live messages per page of a queue.
 PAGE_SIZE = 50
 QUEUE_MESSAGES = 100
@@ -368,6 +370,24 @@ class Dashboard:
         )
 
     # -- actions ----------------------------------------------------------------
+    async def audit(self, request: Request) -> Response:
+        """The audit trail: the newest operator actions, from here and from the command line."""
+        return self.render(request, "audit.html", page="audit", entries=await self.store.audit(AUDIT_ROWS))
+
+    async def record(self, request: Request, action: str, target: str, count: int, detail: str = "") -> None:
+        """The audit row of an action (who: the basic-auth user, ``token`` or ``anonymous``), logged too."""
+        settings = self.settings
+        operator = (
+            settings.basic_auth[0] if settings.basic_auth else "token" if settings.token else "anonymous"
+        )
+        where = f"from {client_of(request)}" + (f"; {detail}" if detail else "")
+        kept = await self.store.record_audit(
+            operator=operator, source="dashboard", action=action, target=target, count=count, detail=where
+        )
+        logger.info("dashboard: %s by %s %s: %s, %d row(s)", action, operator, where, target, count)
+        if not kept:
+            logger.warning("dashboard: no audit table (migration 0017): run dramatiq-pg-outbox migrate")
+
     async def retry(self, request: Request) -> Response:
         form = await action_form(request)
         where = _failed_filter(form)
@@ -384,7 +404,7 @@ class Dashboard:
         count = sum(moved.values())
         per_queue = ", ".join(f"{n} on {q}" for q, n in moved.items())
         flash(request, f"Re-enqueued {count} dead letter(s)" + (f": {per_queue}." if per_queue else "."))
-        logger.info("dashboard: re-enqueued %d dead letter(s) %s", count, moved)
+        await self.record(request, "retry", _selection(form, where), count)
         return RedirectResponse(f"{request.url_for('failed')}?{_failed_query(where)}", status_code=303)
 
     async def discard(self, request: Request) -> Response:
@@ -404,18 +424,18 @@ class Dashboard:
             gone = await self.store.discard_failed(ids, FailedFilter())
         count = sum(gone.values())
         flash(request, f"Discarded {count} dead letter(s) for good.")
-        logger.info("dashboard: discarded %d dead letter(s) %s", count, gone)
+        await self.record(request, "discard", _selection(form, where), count)
         return back
 
     async def run_now(self, request: Request) -> Response:
         row_id = int(request.path_params["id"])
         await action_form(request)
         queue_name = await self.store.run_now(row_id)
+        await self.record(request, "run-now", str(row_id), int(queue_name is not None))
         if queue_name is None:
             flash(request, f"Message {row_id} was not delayed any more (due, running or gone): unchanged.")
             return RedirectResponse(request.url_for("queues"), status_code=303)
         flash(request, f"Message {row_id} is due now: its workers were woken.")
-        logger.info("dashboard: ran message %d of queue %r now", row_id, queue_name)
         return RedirectResponse(request.url_for("queue", queue_name=queue_name), status_code=303)
 
     async def toggle_schedule(self, request: Request) -> Response:
@@ -423,10 +443,11 @@ class Dashboard:
         name, enabled = form.get("name"), form.get("enabled") == "1"
         if not isinstance(name, str) or not name:
             raise HTTPException(400, "Which schedule? The form names none.")
-        if await self.store.set_schedule_enabled(name, enabled):
+        changed = await self.store.set_schedule_enabled(name, enabled)
+        await self.record(request, "schedule-enable" if enabled else "schedule-disable", name, int(changed))
+        if changed:
             done = "Enabled" if enabled else "Disabled"
             flash(request, f"{done} schedule {name}." + ("" if enabled else " Schedulers skip its ticks."))
-            logger.info("dashboard: %s schedule %r", done.lower(), name)
         else:
             flash(
                 request,
@@ -442,15 +463,16 @@ class Dashboard:
             return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
         n = await self.store.purge_queue(name)
         flash(request, f"Purged {n} waiting message(s) from queue {name}.")
-        logger.info("dashboard: purged %d waiting message(s) of queue %r", n, name)
+        await self.record(request, "purge", name, n)
         return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
 
     async def pause(self, request: Request) -> Response:
         name = _queue_name(request)
         await action_form(request)
-        if await self.store.pause_queue(name):
+        changed = await self.store.pause_queue(name)
+        await self.record(request, "pause", name, int(changed))
+        if changed:
             flash(request, f"Paused queue {name}: workers stop claiming it; messages keep arriving and wait.")
-            logger.info("dashboard: paused queue %r", name)
         else:
             flash(request, f"Queue {name} was already paused.")
         return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
@@ -458,9 +480,10 @@ class Dashboard:
     async def resume(self, request: Request) -> Response:
         name = _queue_name(request)
         await action_form(request)
-        if await self.store.resume_queue(name):
+        changed = await self.store.resume_queue(name)
+        await self.record(request, "resume", name, int(changed))
+        if changed:
             flash(request, f"Resumed queue {name}: its workers were woken.")
-            logger.info("dashboard: resumed queue %r", name)
         else:
             flash(request, f"Queue {name} was not paused.")
         return RedirectResponse(request.url_for("queue", queue_name=name), status_code=303)
@@ -470,6 +493,7 @@ class Dashboard:
         await action_form(request)
         reason = f"canceled from the dashboard at {format_time(dt.datetime.now(dt.timezone.utc))}"
         queue_name = await self.store.cancel_message(row_id, reason)
+        await self.record(request, "cancel", str(row_id), int(queue_name is not None))
         if queue_name is None:
             flash(
                 request,
@@ -477,7 +501,6 @@ class Dashboard:
             )
             return RedirectResponse(request.url_for("queues"), status_code=303)
         flash(request, f"Canceled message {row_id}: it is now a dead letter (Canceled) and can be retried.")
-        logger.info("dashboard: canceled message %d of queue %r", row_id, queue_name)
         return RedirectResponse(request.url_for("queue", queue_name=queue_name), status_code=303)
 
     # -- login --------------------------------------------------------------------
@@ -509,6 +532,14 @@ class Dashboard:
         await checked_form(request)
         request.session.clear()
         return RedirectResponse(request.url_for("queues"), status_code=303)
+
+
+def _selection(form: Any, where: FailedFilter) -> str:
+    """How the audit trail names the dead letters of an action: their ids, or the filter of "all"."""
+    if form.get("all") != "1":
+        return ", ".join(map(str, _ids(form)))
+    parts = [f"{name}={value}" for name, value in where.params().items() if value]
+    return " ".join(parts) or "all"
 
 
 def _safe_next(value: Any) -> str:
@@ -589,6 +620,7 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
         Route("/failed/discard", d.discard, methods=["POST"], name="discard"),
         Route("/failed/{id:int}", d.dead_letter, name="dead_letter"),
         Route("/charts", d.charts, name="charts"),
+        Route("/audit", d.audit, name="audit"),
         Route("/login", d.login_page, name="login_page"),
         Route("/login", d.login, methods=["POST"], name="login"),
         Route("/logout", d.logout, methods=["POST"], name="logout"),

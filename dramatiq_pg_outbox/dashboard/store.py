@@ -25,6 +25,7 @@ from .._isolation import read_committed_async
 from .._queries import CHANGED_ROWS_ROUNDS, DASHBOARD_SQL, file_queries
 from .._queries import queries_for_schema as all_queries_for_schema
 from ..options import HEARTBEAT_TIMEOUT_MS
+from ..store.admin import AuditRow, audit_params
 from ..urls import libpq_url
 
 #: The oldest schema revision the dashboard reads: the analytics views of migration 0003.
@@ -63,6 +64,10 @@ def without_slot(query: str) -> str:
     slot_value = r",\s*CASE WHEN idempotency_key IS NOT NULL THEN -1\s+ELSE \(SELECT [^)]*\)\) END"
     query = re.sub(slot_value, "", query)
     return re.sub(r",\s*slot\b", "", query)
+
+
+#: Statements of the package's namespace (``admin.sql``) that the dashboard runs too.
+SHARED_QUERIES = ("audit_record", "audit_list")
 
 
 def queries_for_schema(schema: str) -> dict[str, str]:
@@ -329,7 +334,9 @@ class Store:
         self.schema = schema
         self.channel = channel
         self.heartbeat_timeout = heartbeat_timeout
-        self.queries = queries_for_schema(schema)
+        shared = all_queries_for_schema(schema)
+        # The audit trail's statements are the command line's too (admin.sql): one text for both.
+        self.queries = {**queries_for_schema(schema), **{name: shared[name] for name in SHARED_QUERIES}}
         self.pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
             libpq_url(url),
             min_size=1,
@@ -538,6 +545,21 @@ class Store:
         try:
             return await self._rows(ScheduleRow, "schedules")
         except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedTable):
+            return None
+
+    async def record_audit(self, **action: Any) -> bool:
+        """Write one row of the audit trail (the keywords of ``audit_params``); False before 0017."""
+        try:
+            await self._tuples("audit_record", audit_params(**action))
+        except psycopg.errors.UndefinedTable:
+            return False
+        return True
+
+    async def audit(self, limit: int) -> list[AuditRow] | None:
+        """The newest ``limit`` operator actions; None on a schema older than migration 0017."""
+        try:
+            return await self._rows(AuditRow, "audit_list", {"limit": limit})
+        except psycopg.errors.UndefinedTable:
             return None
 
     async def set_schedule_enabled(self, name: str, enabled: bool) -> bool:

@@ -124,6 +124,57 @@ class Gauge:
     value: float
 
 
+@dataclass(frozen=True)
+class AuditRow:
+    """One operator action of the audit trail (migration 0017), newest first."""
+
+    id: int
+    at: dt.datetime
+    #: The dashboard's basic-auth user or ``token``; the command line's OS user.
+    operator: str
+    #: ``dashboard`` or ``cli``.
+    source: str
+    action: str
+    target: str
+    count: int
+    detail: str
+
+
+#: The actions of the audit trail (``audit.action``).
+AUDIT_ACTIONS = (
+    "retry",
+    "discard",
+    "cancel",
+    "purge",
+    "run-now",
+    "pause",
+    "resume",
+    "schedule-enable",
+    "schedule-disable",
+)
+
+
+def audit_params(
+    *, operator: str, source: str, action: str, target: str, count: int, detail: str = ""
+) -> dict[str, Any]:
+    """The parameters of ``audit_record`` (shared by the sync and the dashboard's async store).
+
+    Raises:
+      ValueError: For an action not in :data:`AUDIT_ACTIONS` (a typo would make an
+        audit row nobody searches for).
+    """
+    if action not in AUDIT_ACTIONS:
+        raise ValueError(f"unknown audit action {action!r}; one of {', '.join(AUDIT_ACTIONS)}")
+    return {
+        "operator": operator,
+        "source": source,
+        "action": action,
+        "target": target,
+        "count": int(count),
+        "detail": detail,
+    }
+
+
 # -- the stores ---------------------------------------------------------------
 class AdminStore(SchemaStore):
     """The operator statements on one schema (see :class:`~.base.SchemaStore`)."""
@@ -163,6 +214,14 @@ class AdminStore(SchemaStore):
     def paused_queues(self, conn: psycopg.Connection[Any]) -> list[PausedQueue]:
         """The paused queues (delay queues included), oldest pause first."""
         return _fetch(conn, class_row(PausedQueue), self.queries["paused_queues"])
+
+    def record_audit(self, conn: psycopg.Connection[Any], **action: Any) -> None:
+        """Write one row of the audit trail (the keywords of :func:`audit_params`)."""
+        conn.execute(self.queries["audit_record"], audit_params(**action))
+
+    def audit(self, conn: psycopg.Connection[Any], *, limit: int) -> list[AuditRow]:
+        """The newest ``limit`` actions of the audit trail, newest first."""
+        return _fetch(conn, class_row(AuditRow), self.queries["audit_list"], {"limit": limit})
 
     def known_queues(self, conn: psycopg.Connection[Any], *, queue_names: Sequence[str]) -> list[str]:
         """Those of ``queue_names`` that some message, worker, schedule or pause has named."""
