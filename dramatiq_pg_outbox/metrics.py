@@ -66,7 +66,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -268,59 +268,58 @@ class DatabaseCollector:
             for state in STATES:
                 messages.add_metric([queue_name, state], snap.messages.get((queue_name, state), 0.0))
         yield messages
-        oldest = GaugeMetricFamily(
-            f"{PREFIX}_oldest_due_message_age_seconds",
-            "Seconds since the longest-waiting due message of the queue became due (0 if none)",
-            labels=["queue_name"],
+
+        def per_queue(family: Any, values: Callable[[str], float]) -> Any:
+            # Every queue seen gets a sample (0 rather than absent once it empties).
+            for queue_name in queues:
+                family.add_metric([queue_name], values(queue_name))
+            return family
+
+        def gauge(name: str, text: str) -> Any:
+            return GaugeMetricFamily(f"{PREFIX}_{name}", text, labels=["queue_name"])
+
+        yield per_queue(
+            gauge(
+                "oldest_due_message_age_seconds",
+                "Seconds since the longest-waiting due message of the queue became due (0 if none)",
+            ),
+            lambda q: snap.oldest_due_age.get(q, 0.0),
         )
-        for queue_name in queues:
-            oldest.add_metric([queue_name], snap.oldest_due_age.get(queue_name, 0.0))
-        yield oldest
-        dead = GaugeMetricFamily(
-            f"{PREFIX}_dead_letters_last_hour",
-            "Messages dead-lettered (failed) in the last hour",
-            labels=["queue_name"],
+        yield per_queue(
+            gauge("dead_letters_last_hour", "Messages dead-lettered (failed) in the last hour"),
+            lambda q: snap.dead_letters_last_hour.get(q, 0.0),
         )
-        for queue_name in queues:
-            dead.add_metric([queue_name], snap.dead_letters_last_hour.get(queue_name, 0.0))
-        yield dead
-        dead_total = CounterMetricFamily(
-            f"{PREFIX}_dead_lettered",
-            "Messages dead-lettered by the workers so far (counted as archived; prune does not lower it)",
-            labels=["queue_name"],
+        yield per_queue(
+            CounterMetricFamily(
+                f"{PREFIX}_dead_lettered",
+                "Messages dead-lettered by the workers so far (counted as archived; prune does not lower it)",
+                labels=["queue_name"],
+            ),
+            lambda q: snap.dead_lettered.get(q, 0.0),
         )
-        for queue_name in queues:
-            dead_total.add_metric([queue_name], snap.dead_lettered.get(queue_name, 0.0))
-        yield dead_total
         workers = GaugeMetricFamily(
             f"{PREFIX}_live_workers", "Worker processes whose last heartbeat is within heartbeat_timeout"
         )
         workers.add_metric([], snap.live_workers)
         yield workers
-        paused = GaugeMetricFamily(
-            f"{PREFIX}_queue_paused",
-            "1 while the queue is paused (dramatiq-pg-outbox pause), 0 once resumed",
-            labels=["queue_name"],
+        yield per_queue(
+            gauge("queue_paused", "1 while the queue is paused (dramatiq-pg-outbox pause), 0 once resumed"),
+            lambda q: 1.0 if q in snap.paused else 0.0,
         )
-        for queue_name in queues:
-            paused.add_metric([queue_name], 1.0 if queue_name in snap.paused else 0.0)
-        yield paused
-        running = GaugeMetricFamily(
-            f"{PREFIX}_oldest_running_message_age_seconds",
-            "Seconds since the oldest claim of a message still processing in the queue (0 if none)",
-            labels=["queue_name"],
+        yield per_queue(
+            gauge(
+                "oldest_running_message_age_seconds",
+                "Seconds since the oldest claim of a message still processing in the queue (0 if none)",
+            ),
+            lambda q: snap.oldest_running_age.get(q, 0.0),
         )
-        for queue_name in queues:
-            running.add_metric([queue_name], snap.oldest_running_age.get(queue_name, 0.0))
-        yield running
-        queue_workers = GaugeMetricFamily(
-            f"{PREFIX}_queue_live_workers",
-            "Worker processes consuming the queue whose last heartbeat is within heartbeat_timeout",
-            labels=["queue_name"],
+        yield per_queue(
+            gauge(
+                "queue_live_workers",
+                "Worker processes consuming the queue whose last heartbeat is within heartbeat_timeout",
+            ),
+            lambda q: snap.queue_workers.get(q, 0.0),
         )
-        for queue_name in queues:
-            queue_workers.add_metric([queue_name], snap.queue_workers.get(queue_name, 0.0))
-        yield queue_workers
         late = GaugeMetricFamily(
             f"{PREFIX}_schedule_lateness_seconds",
             "Seconds the next tick of an enabled schedule is overdue (0 when it is not)",

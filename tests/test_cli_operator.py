@@ -133,14 +133,15 @@ def test_schedules_json_gives_each_schedule_and_its_status(
 ) -> None:
     db.execute(
         "INSERT INTO dramatiq.schedules (name, actor_name, queue_name, every_ms, next_run_at) VALUES "
-        "('beat', 'ping', 'default', 60000, now() + interval '30 seconds'), "
-        "('late', 'ping', 'default', 60000, now() - interval '1 hour')"
+        "('json_beat', 'ping', 'default', 60000, now() + interval '30 seconds'), "
+        "('json_late', 'ping', 'default', 60000, now() - interval '1 hour')"
     )
     listed = json.loads(run(capsys, "schedules", "--url", database_url, "--json"))["schedules"]
     by_name = {s["name"]: s for s in listed}
-    assert (by_name["beat"]["status"], by_name["late"]["status"]) == ("ok", "late")
-    assert by_name["beat"]["late_seconds"] == 0 and by_name["late"]["late_seconds"] >= 3600
-    assert by_name["beat"]["every_ms"] == 60000 and by_name["beat"]["next_run_at"].endswith("+00:00")
+    beat, late = by_name["json_beat"], by_name["json_late"]
+    assert (beat["status"], late["status"]) == ("ok", "late")
+    assert beat["late_seconds"] == 0 and late["late_seconds"] >= 3600
+    assert beat["every_ms"] == 60000 and beat["next_run_at"].endswith("+00:00")
 
 
 def test_pause_refuses_a_queue_nothing_has_named_unless_create(
@@ -228,9 +229,12 @@ def test_the_fix_for_an_unmigrated_database_can_be_pasted_when_the_url_has_a_pas
     assert "after setting DATABASE_URL to the URL" in command and "***" not in command
     # And it works as printed once the variable is set
     env = {"DATABASE_URL": url}
+    # (dramatiq-pg-outbox as this checkout's module, whichever copy the console script points to)
+    this_checkout = f'dramatiq-pg-outbox() {{ "{sys.executable}" -m dramatiq_pg_outbox.cli "$@"; }}; '
     pasted = subprocess.run(
-        ["bash", "-c", command.split(" (after", 1)[0]],
-        env={**os.environ, **env, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"},
+        ["bash", "-c", this_checkout + command.split(" (after", 1)[0]],
+        cwd=ROOT,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=120,

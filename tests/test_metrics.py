@@ -171,8 +171,9 @@ def seed(db: psycopg.Connection[Any], broker: PostgresBroker) -> None:
     # A schedule whose tick is 90 s overdue, and a disabled one further behind
     db.execute(
         "INSERT INTO dramatiq.schedules (name, actor_name, queue_name, every_ms, next_run_at, "
-        "disabled_at) VALUES ('beat', 'email', 'emails', 60000, now() - interval '90 seconds', NULL), "
-        "('off', 'email', 'emails', 60000, now() - interval '1 hour', now())"
+        "disabled_at) VALUES "
+        "('metrics_beat', 'email', 'emails', 60000, now() - interval '90 seconds', NULL), "
+        "('metrics_off', 'email', 'emails', 60000, now() - interval '1 hour', now())"
     )
 
 
@@ -205,8 +206,8 @@ def test_the_scraped_gauges_match_the_tables(db: Any, broker: PostgresBroker, me
     assert sample("queue_live_workers", queue_name="reports") == 1
     assert 0 <= sample("oldest_running_message_age_seconds", queue_name="reports") < 60
     assert sample("oldest_running_message_age_seconds", queue_name="emails") == 0
-    assert 90 <= sample("schedule_lateness_seconds", schedule="beat", queue_name="emails") < 150
-    assert not [key for key in samples if ("schedule", "off") in key[1]]
+    assert 90 <= sample("schedule_lateness_seconds", schedule="metrics_beat", queue_name="emails") < 150
+    assert not [key for key in samples if ("schedule", "metrics_off") in key[1]]
     # And the example alerting rules name only metrics that are served
     alerts = (ROOT / "docs" / "prometheus-alerts.yml").read_text()
     served = {name for name, _ in samples}

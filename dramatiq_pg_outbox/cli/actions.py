@@ -93,31 +93,55 @@ def _missing(what: str, ids: list[int], args: argparse.Namespace) -> CliError:
 def cancel_command(args: argparse.Namespace) -> int:
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     reason = args.reason or f"canceled by {getpass.getuser()} with {PROG} cancel at {now}"
+    return _each_message(
+        args,
+        action="cancel",
+        act=lambda store, row_id: store.cancel_message(row_id, reason),
+        would=lambda row: row.state == "pending",
+        did=("would cancel", "canceled", "a dead letter (Canceled), retryable"),
+        missing="no waiting message (running, finished or gone) with id",
+        detail=reason,
+    )
+
+
+def _each_message(
+    args: argparse.Namespace,
+    *,
+    action: str,
+    act: Callable[[Any, int], Awaitable[str | None]],
+    would: Callable[[Any], bool],
+    did: tuple[str, str, str],
+    missing: str,
+    detail: str = "",
+) -> int:
+    """Run ``act(store, id)`` (its queue, or None if the row was not in the state it needs) per id.
+
+    A dry run reads each row instead and keeps those that ``would(row)`` accept.  One line per
+    row acted on (``did``: the dry run's verb, the verb, what became of it), one audit row
+    (not for a dry run), exit 1 naming the ids left alone.
+    """
 
     async def use(store: Any) -> list[tuple[int, str | None]]:
         done = []
         for row_id in args.ids:
             if args.dry_run:
                 row = await store.message(row_id)
-                waiting = row is not None and row.state == "pending"
-                done.append((row_id, row.queue_name if waiting else None))
+                done.append((row_id, row.queue_name if row is not None and would(row) else None))
             else:
-                done.append((row_id, await store.cancel_message(row_id, reason)))
+                done.append((row_id, await act(store, row_id)))
         return done
 
     results = with_store(args, use)
+    acted = [(row_id, queue_name) for row_id, queue_name in results if queue_name is not None]
     if not args.dry_run:
-        done = [row_id for row_id, queue_name in results if queue_name is not None]
-        record(args, "cancel", ", ".join(map(str, args.ids)), len(done), reason)
-    for row_id, queue_name in results:
-        if queue_name is not None:
-            verb = "would cancel" if args.dry_run else "canceled"
-            print(f"{verb} message {row_id} of queue {queue_name!r}: a dead letter (Canceled), retryable")
+        record(args, action, ", ".join(map(str, args.ids)), len(acted), detail)
+    for row_id, queue_name in acted:
+        print(f"{did[0] if args.dry_run else did[1]} message {row_id} of queue {queue_name!r}: {did[2]}")
     if args.dry_run:
         print("dry run: nothing changed")
-    missing = [row_id for row_id, queue_name in results if queue_name is None]
-    if missing:
-        raise _missing("no waiting message (running, finished or gone) with id", missing, args)
+    left = [row_id for row_id, queue_name in results if queue_name is None]
+    if left:
+        raise _missing(missing, left, args)
     return 0
 
 
@@ -178,28 +202,11 @@ def discard_command(args: argparse.Namespace) -> int:
 
 
 def run_now_command(args: argparse.Namespace) -> int:
-    async def use(store: Any) -> list[tuple[int, str | None]]:
-        done = []
-        for row_id in args.ids:
-            if args.dry_run:
-                row = await store.message(row_id)
-                delayed = row is not None and row.state == "pending" and row.due_in_s > 0
-                done.append((row_id, row.queue_name if delayed else None))
-            else:
-                done.append((row_id, await store.run_now(row_id)))
-        return done
-
-    results = with_store(args, use)
-    if not args.dry_run:
-        done = [row_id for row_id, queue_name in results if queue_name is not None]
-        record(args, "run-now", ", ".join(map(str, args.ids)), len(done))
-    for row_id, queue_name in results:
-        if queue_name is not None:
-            verb = "would make" if args.dry_run else "made"
-            print(f"{verb} message {row_id} of queue {queue_name!r} due now (its workers woken)")
-    if args.dry_run:
-        print("dry run: nothing changed")
-    missing = [row_id for row_id, queue_name in results if queue_name is None]
-    if missing:
-        raise _missing("no delayed message with id", missing, args)
-    return 0
+    return _each_message(
+        args,
+        action="run-now",
+        act=lambda store, row_id: store.run_now(row_id),
+        would=lambda row: row.state == "pending" and row.due_in_s > 0,
+        did=("would make", "made", "due now (its workers woken)"),
+        missing="no delayed message with id",
+    )

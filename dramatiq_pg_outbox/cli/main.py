@@ -88,6 +88,17 @@ from .common import (
 )
 
 
+def _heartbeat_timeout(parser: argparse.ArgumentParser) -> None:
+    """``--heartbeat-timeout MS``: when a worker counts as live (status, workers, metrics)."""
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=parse_positive_int,
+        default=HEARTBEAT_TIMEOUT_MS,
+        metavar="MS",
+        help="a worker is live if it heartbeat within this many ms (default: %(default)s, the broker's)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog=PROG,
@@ -115,24 +126,12 @@ def _parser() -> argparse.ArgumentParser:
         "messages and no live worker, a late schedule) and exit 3 if anything does: for cron or a "
         "health probe",
     )
-    status.add_argument(
-        "--heartbeat-timeout",
-        type=parse_positive_int,
-        default=HEARTBEAT_TIMEOUT_MS,
-        metavar="MS",
-        help="a worker is live if it heartbeat within this many ms (default: %(default)s, the broker's)",
-    )
+    _heartbeat_timeout(status)
     status.set_defaults(run=status_command)
 
     workers = sub.add_parser("workers", parents=[common], help="worker processes and their heartbeats")
     workers.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    workers.add_argument(
-        "--heartbeat-timeout",
-        type=parse_positive_int,
-        default=HEARTBEAT_TIMEOUT_MS,
-        metavar="MS",
-        help="a worker is live if it heartbeat within this many ms (default: %(default)s, the broker's)",
-    )
+    _heartbeat_timeout(workers)
     workers.set_defaults(run=workers_command)
 
     audit = sub.add_parser("audit", parents=[common], help="operator actions, newest first (audit trail)")
@@ -216,13 +215,7 @@ def _parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds a reading is reused by later scrapes (default: 5; 0: read at every scrape)",
     )
-    metrics.add_argument(
-        "--heartbeat-timeout",
-        type=parse_positive_int,
-        default=HEARTBEAT_TIMEOUT_MS,
-        metavar="MS",
-        help="a worker is live if it heartbeat within this many ms (default: %(default)s, the broker's)",
-    )
+    _heartbeat_timeout(metrics)
     metrics.set_defaults(run=metrics_command)
     relay = sub.add_parser(
         "relay", parents=[common], help="move the messages of chosen queues to RabbitMQ or Redis"
