@@ -158,16 +158,20 @@ def test_a_result_over_the_limit_quarantines_its_message(
 
     big, small = report.send(10_000), report.send(10)
     start_worker(broker)
-    assert backend.get_result(small, block=True, timeout=30_000) == "y" * 10
-    wait_for(lambda: len(history(db)) == 2, 30, "both messages to end")
-    ((error_type, error, attempts),) = db.execute(
-        "SELECT error_type, error, attempts FROM dramatiq.history WHERE message_id = %s",
-        (big.message_id,),
-    ).fetchall()
-    assert (error_type, attempts) == ("FollowUpNotWritable", 1)
-    assert "the result of actor 'report'" in error and "max_message_bytes=4,000" in error
-    with pytest.raises(ResultMissing):
-        backend.get_result(big)
+    try:
+        assert backend.get_result(small, block=True, timeout=30_000) == "y" * 10
+        wait_for(lambda: len(history(db)) == 2, 30, "both messages to end")
+        ((error_type, error, attempts),) = db.execute(
+            "SELECT error_type, error, attempts FROM dramatiq.history WHERE message_id = %s",
+            (big.message_id,),
+        ).fetchall()
+        assert (error_type, attempts) == ("FollowUpNotWritable", 1)
+        assert "the result of actor 'report'" in error and "max_message_bytes=4,000" in error
+        with pytest.raises(ResultMissing):
+            backend.get_result(big)
+    finally:
+        # (its LISTEN connection for blocking reads ends with it, not with the broker)
+        backend.close()
 
 
 def test_a_schedule_whose_message_is_over_the_limit_is_refused_when_declared(make_broker: Any) -> None:
