@@ -163,6 +163,8 @@ def test_pause_refuses_a_queue_nothing_has_named_unless_create(
     assert "paused queue 'newq'" in run(capsys, "pause", "newq", "--create", "--url", database_url)
     paused = {r[0] for r in db.execute("SELECT queue_name FROM dramatiq.queue_pauses")}
     assert {"emails", "archive", "newq", "newq.DQ"} <= paused
+    # (pauses outlive a test in this database: lift them)
+    assert run(capsys, "resume", "emails", "archive", "newq", "--url", database_url).count("resumed") == 3
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(database_url: str, db: Any) -> None:

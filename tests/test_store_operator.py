@@ -33,6 +33,7 @@ def test_every_admin_read_returns_its_row_type(db: psycopg.Connection[Any]) -> N
     # Given a live message, a dead letter and a paused queue, and no schedule left by an earlier
     # test in this database (the db fixture keeps them)
     db.execute("DELETE FROM dramatiq.schedules")
+    db.execute("DELETE FROM dramatiq.queue_pauses")  # (kept too: another test's pause would show)
     _insert(db, "mail")
     db.execute(
         "INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts, enqueued_at,"
