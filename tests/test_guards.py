@@ -89,24 +89,26 @@ def test_inside_an_outbox_the_send_fails_before_the_commit_and_nothing_is_writte
     def receipt(order: int, pdf: str) -> None:
         pass
 
-    db.execute("CREATE TABLE orders (id int PRIMARY KEY)")
+    # (a table of its own: the test database is shared, and test_chaos has its own "orders")
+    db.execute("DROP TABLE IF EXISTS guarded_orders; CREATE TABLE guarded_orders (id int PRIMARY KEY)")
     engine = create_engine(normalize_sqlalchemy_url(database_url))
     try:
         # When an order and its too-large message are written in one transaction
         with pytest.raises(MessageTooLarge), Session(engine) as session, session.begin():
             with outbox(session):
-                session.execute(text("INSERT INTO orders VALUES (1)"))
+                session.execute(text("INSERT INTO guarded_orders VALUES (1)"))
                 receipt.send(1, "x" * 5_000)
         # Then neither is: send() raised inside the block, so the transaction rolled back
-        assert count(db, "SELECT count(*) FROM orders") == 0
+        assert count(db, "SELECT count(*) FROM guarded_orders") == 0
         assert count(db, MESSAGES) == 0
         # And a message under the limit commits with its order
         with Session(engine) as session, session.begin(), outbox(session):
-            session.execute(text("INSERT INTO orders VALUES (2)"))
+            session.execute(text("INSERT INTO guarded_orders VALUES (2)"))
             receipt.send(2, "x" * 100)
-        assert (count(db, "SELECT count(*) FROM orders"), count(db, MESSAGES)) == (1, 1)
+        assert (count(db, "SELECT count(*) FROM guarded_orders"), count(db, MESSAGES)) == (1, 1)
     finally:
         engine.dispose()
+        db.execute("DROP TABLE IF EXISTS guarded_orders")
 
 
 def test_a_pipeline_step_over_the_limit_quarantines_the_step_that_sent_it(
