@@ -22,9 +22,10 @@ from .common import (
     PROG,
     CliError,
     checked_connection,
+    log_action,
+    operator_name,
     parse_positive_int,
     parse_queue_name,
-    record_action,
     selection_text,
 )
 
@@ -59,8 +60,16 @@ def add_parsers(sub: Any, common: Any) -> None:
     run_now.set_defaults(run=run_now_command)
 
 
-def with_store(args: argparse.Namespace, use: Callable[[Any], Awaitable[T]]) -> T:
-    """``use(store)`` on the dashboard's store of the schema, once the schema is checked."""
+def with_store(
+    args: argparse.Namespace,
+    use: Callable[[Any], Awaitable[T]],
+    audit: Callable[[T], dict[str, Any] | None] | None = None,
+) -> T:
+    """``use(store)`` on the dashboard's store of the schema, once the schema is checked.
+
+    ``audit(result)`` gives the audit row of what ``use`` did (``action``, ``target``,
+    ``count``, optionally ``detail``), written on the same connection; none for a dry run.
+    """
     import asyncio
 
     from ..dashboard.store import Store
@@ -72,17 +81,17 @@ def with_store(args: argparse.Namespace, use: Callable[[Any], Awaitable[T]]) -> 
         store = Store(db.conninfo, args.schema, channel_for(args.schema), max_size=1)
         await store.open()
         try:
-            return await use(store)
+            result = await use(store)
+            entry = None if audit is None or getattr(args, "dry_run", False) else audit(result)
+            if entry is not None:
+                operator = operator_name()
+                await store.record_audit(operator=operator, source="cli", **entry)
+                log_action(operator, "cli", entry["action"], entry["target"], entry["count"])
+            return result
         finally:
             await store.close()
 
     return asyncio.run(run())
-
-
-def record(args: argparse.Namespace, action: str, target: str, count: int, detail: str = "") -> None:
-    """The audit row of an action that ran (not of a dry run)."""
-    with checked_connection(args) as (conn, _, _):
-        record_action(conn, args.schema, action=action, target=target, count=count, detail=detail)
 
 
 def _missing(what: str, ids: list[int], args: argparse.Namespace) -> CliError:
@@ -131,10 +140,12 @@ def _each_message(
                 done.append((row_id, await act(store, row_id)))
         return done
 
-    results = with_store(args, use)
+    def audited(results: list[tuple[int, str | None]]) -> dict[str, Any]:
+        count = sum(queue_name is not None for _, queue_name in results)
+        return {"action": action, "target": ", ".join(map(str, args.ids)), "count": count, "detail": detail}
+
+    results = with_store(args, use, audited)
     acted = [(row_id, queue_name) for row_id, queue_name in results if queue_name is not None]
-    if not args.dry_run:
-        record(args, action, ", ".join(map(str, args.ids)), len(acted), detail)
     for row_id, queue_name in acted:
         print(f"{did[0] if args.dry_run else did[1]} message {row_id} of queue {queue_name!r}: {did[2]}")
     if args.dry_run:
@@ -153,9 +164,7 @@ def purge_command(args: argparse.Namespace) -> int:
             return 0 if row is None else int(row.pending) + int(row.delayed)
         return int(await store.purge_queue(args.queue))
 
-    n = with_store(args, use)
-    if not args.dry_run:
-        record(args, "purge", args.queue, n)
+    n = with_store(args, use, lambda n: {"action": "purge", "target": args.queue, "count": n})
     if args.dry_run:
         print(f"would delete {n} waiting message(s) of queue {args.queue!r} (running ones finish)")
         print("dry run: nothing changed")
@@ -184,11 +193,11 @@ def discard_command(args: argparse.Namespace) -> int:
         gone: dict[str, int] = await store.discard_failed(args.ids or None, where)
         return gone
 
-    gone = with_store(args, use)
+    target = ", ".join(map(str, args.ids)) if args.ids else selection_text(args)
+    gone = with_store(
+        args, use, lambda gone: {"action": "discard", "target": target, "count": sum(gone.values())}
+    )
     total = sum(gone.values())
-    if not args.dry_run:
-        target = ", ".join(map(str, args.ids)) if args.ids else selection_text(args)
-        record(args, "discard", target, total)
     per_queue = ", ".join(f"{q}: {n}" for q, n in sorted(gone.items()))
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{verb} {total} dead letter(s) for good" + (f" ({per_queue})" if per_queue else ""))

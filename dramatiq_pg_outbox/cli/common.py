@@ -445,14 +445,19 @@ def record_action(
     conn: psycopg.Connection[Any], schema: str, *, action: str, target: str, count: int, detail: str = ""
 ) -> None:
     """Write the audit row of a command's action and log it (logger ``dramatiq_pg_outbox.audit``)."""
-    import logging
-
     operator = operator_name()
     AdminStore(schema).record_audit(
         conn, operator=operator, source="cli", action=action, target=target, count=count, detail=detail
     )
+    log_action(operator, "cli", action, target, count)
+
+
+def log_action(operator: str, source: str, action: str, target: str, count: int) -> None:
+    """The log line of an audited action (logger ``dramatiq_pg_outbox.audit``, INFO)."""
+    import logging
+
     logging.getLogger("dramatiq_pg_outbox.audit").info(
-        "%s by %s (cli): %s, %d row(s)", action, operator, target, count
+        "%s by %s (%s): %s, %d row(s)", action, operator, source, target, count
     )
 
 

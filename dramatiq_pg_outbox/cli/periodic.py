@@ -243,7 +243,7 @@ def run_schedules(args: argparse.Namespace) -> int:
 
 def _toggle_schedule(args: argparse.Namespace) -> int:
     """``schedules enable|disable NAME``: the dashboard's statement (see ``cli.actions``)."""
-    from .actions import record, with_store
+    from .actions import with_store
 
     if args.name is None:
         raise CliError(f"schedules {args.action} needs the schedule's NAME", EXIT_USAGE)
@@ -253,9 +253,12 @@ def _toggle_schedule(args: argparse.Namespace) -> int:
         changed = await store.set_schedule_enabled(args.name, enabled)
         return changed, [s.name for s in (await store.schedules() or [])]
 
-    changed, names = with_store(args, use)
-    if args.name in names:
-        record(args, f"schedule-{args.action}", args.name, int(changed))
+    def audited(done: tuple[bool, list[str]]) -> dict[str, Any] | None:
+        changed, names = done
+        action = f"schedule-{args.action}"
+        return {"action": action, "target": args.name, "count": int(changed)} if args.name in names else None
+
+    changed, names = with_store(args, use, audited)
     if args.name not in names:
         raise CliError(
             f"no schedule {args.name!r} in schema {args.schema!r} (see: dramatiq-pg-outbox schedules)"
