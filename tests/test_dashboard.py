@@ -697,7 +697,7 @@ def test_the_workers_page_judges_workers_by_the_heartbeat_timeout_it_is_given(
 # -- pieces -------------------------------------------------------------------
 def test_every_query_the_dashboard_runs_is_defined_once_in_its_sql_file() -> None:
     source = (ROOT / "dramatiq_pg_outbox" / "dashboard" / "store.py").read_text()
-    used = set(re.findall(r'_(?:rows|tuples)\(\s*(?:\w+,\s*)?"([a-z_]+)"', source))
+    used = set(re.findall(r'_(?:rows|tuples|rows_any_revision)\(\s*(?:\w+,\s*)?"([a-z_]+)"', source))
     used |= set(re.findall(r'self\.queries\["([a-z_]+)"\]', source))
     # (and the audit trail's, which come from admin.sql: the command line's text, see SHARED_QUERIES)
     assert used == set(raw_queries()) | set(SHARED_QUERIES), used ^ set(raw_queries())

@@ -73,6 +73,13 @@ def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ())
         metavar="SECONDS",
         help="reload the queues, queue, workers and schedules pages every SECONDS (default: 5; 0: never)",
     )
+    parser.add_argument(
+        "--results-namespace",
+        default="dramatiq-results",
+        metavar="NAME",
+        help="the namespace of the results backend whose results a finished message's page shows "
+        "(default: dramatiq-results, Dramatiq's)",
+    )
     auth = parser.add_mutually_exclusive_group()
     auth.add_argument(
         "--token",
@@ -129,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             basic_auth=basic_auth,
             allowed_hosts=allowed_hosts,
             refresh=args.refresh,
+            results_namespace=args.results_namespace,
         )
     except ValueError as e:
         raise CliError(str(e).rstrip("."), EXIT_USAGE) from None

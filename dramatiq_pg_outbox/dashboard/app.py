@@ -78,7 +78,18 @@ from .security import (
     token_mark,
     too_many,
 )
-from .store import MIN_SCHEMA_REVISION, FailedFilter, Store, decode_payload
+from .store import (
+    HISTORY_PAGE,
+    HISTORY_SEARCH_TIMEOUT_MS,
+    MIN_SCHEMA_REVISION,
+    FailedFilter,
+    HistoryFilter,
+    HistoryRow,
+    Store,
+    decode_payload,
+    follow_ups,
+    message_timestamp,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +198,77 @@ def _failed_query(where: FailedFilter, page: int = 1) -> str:
     return urlencode({k: v for k, v in params.items() if v})
 
 
+#: The history page's quick time ranges: label -> how far back.
+HISTORY_RANGES: dict[str, dt.timedelta] = {
+    "1 h": dt.timedelta(hours=1),
+    "24 h": dt.timedelta(days=1),
+    "7 d": dt.timedelta(days=7),
+    "30 d": dt.timedelta(days=30),
+}
+#: How far back the history page looks when no ``since`` is given.
+HISTORY_DEFAULT_RANGE = dt.timedelta(days=1)
+HISTORY_STATES = ("completed", "failed")
+
+
+def _epoch_ms(value: Any) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromtimestamp(int(value) / 1000, dt.timezone.utc)
+    except (TypeError, ValueError, OverflowError, OSError):
+        return None
+
+
+def parse_time(value: str, now: dt.datetime) -> dt.datetime:
+    """A time of the history filters: ISO 8601 (UTC unless it names an offset) or an age back from ``now``.
+
+    ``2026-11-27``, ``2026-11-27T10:00``, ``2026-11-27 10:00:00+01:00``; ``90m``, ``6h``, ``2d``.
+
+    Raises:
+      ValueError: Neither form, with a one-line reason.
+    """
+    text = value.strip()
+    age = re.fullmatch(r"(\d+)\s*(s|m|min|h|d)", text)
+    if age:
+        unit = {"s": "seconds", "m": "minutes", "min": "minutes", "h": "hours", "d": "days"}[age.group(2)]
+        return now - dt.timedelta(**{unit: int(age.group(1))})
+    try:
+        parsed = dt.datetime.fromisoformat(text.replace(" UTC", "").replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(
+            f"{value!r} is not a time: give 2026-11-27T10:00 (UTC) or an age such as 6h or 2d"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+
+
+def _history_filter(params: Any, now: dt.datetime) -> tuple[str | None, HistoryFilter]:
+    """The history page's filter from its query parameters, and a problem to show (None: none)."""
+    problem = None
+    since, until = now - HISTORY_DEFAULT_RANGE, None
+    try:
+        if _optional(params.get("since")):
+            since = parse_time(params["since"], now)
+        if _optional(params.get("until")):
+            until = parse_time(params["until"], now)
+    except ValueError as exc:
+        problem = str(exc)
+    state = _optional(params.get("state"))
+    if state not in (None, *HISTORY_STATES):
+        problem, state = f"No state {state!r}: completed or failed.", None
+    before = None
+    cursor = _optional(params.get("before"))
+    if cursor:
+        at, _, row_id = cursor.rpartition("_")
+        try:
+            before = (dt.datetime.fromisoformat(at), int(row_id))
+        except ValueError:
+            problem = f"Not a page cursor: {cursor!r}."
+    where = HistoryFilter(
+        since=since, until=until, queue_name=_optional(params.get("queue")),
+        actor_name=_optional(params.get("actor")), state=state,
+        message_id=_optional(params.get("message_id")), args=_optional(params.get("args")), before=before,
+    )  # fmt: skip
+    return problem, where
+
+
 def _ids(form: Any) -> list[int]:
     """The ticked dead letter ids of a form (400 if one is not an integer)."""
     try:
@@ -279,24 +361,63 @@ class Dashboard:
         return 0 if request.query_params.get("refresh") == "off" else self.settings.refresh
 
     async def message(self, request: Request) -> Response:
+        """One message, live (``messages``) or finished (``history``), with every delivery of it."""
         row_id = int(request.path_params["id"])
         message = await self.store.message(row_id)
         if message is None:
-            raise HTTPException(
-                404, f"Message {row_id} is not in the messages table (finished or canceled?)."
-            )
+            return await self._finished(request, row_id, page="history")
         is_json, payload = decode_payload(message.payload or b"", message.payload_bytes)
+        since = message_timestamp(message.payload, message.payload_tail)
+        whole = message.payload or b""
         return self.render(
-            request, "message.html", page="queues", message=message, payload=payload, is_json=is_json
+            request, "message.html", page="queues", message=message, payload=payload, is_json=is_json,
+            deliveries=await self.store.deliveries(message.message_id, since), since=since,
+            follow_ups=follow_ups(whole) if message.payload_bytes == len(whole) else {},
+        )  # fmt: skip
+
+    async def _finished(self, request: Request, row_id: int, page: str, state: str | None = None) -> Response:
+        """The page of a finished row: its deliveries, errors, result and follow-ups, linked."""
+        letter = await self.store.finished_message(row_id)
+        if letter is None or (state is not None and letter.state != state):
+            what = "dead letter" if state == "failed" else "message"
+            raise HTTPException(
+                404, f"No {what} {row_id}: not in the messages table nor in history (pruned, or discarded?)."
+            )
+        is_json, payload = decode_payload(letter.payload, letter.payload_bytes)
+        since = message_timestamp(letter.payload, letter.payload_tail)
+        complete = letter.payload_bytes == len(letter.payload)
+        result = await self.store.message_result(
+            letter.queue_name, letter.actor_name, letter.message_id, self.settings.results_namespace
         )
+        return self.render(
+            request, "finished.html", page=page, letter=letter, payload=payload, is_json=is_json,
+            deliveries=await self.store.deliveries(letter.message_id, since), since=since,
+            follow_ups=follow_ups(letter.payload) if complete else {},
+            result=decode_payload(result)[1] if result is not None else None,
+        )  # fmt: skip
+
+    async def find_message(self, request: Request) -> Response:
+        """``/messages/find?message_id=...&since=<epoch ms>``: the newest row of a Dramatiq message id."""
+        message_id = _optional(request.query_params.get("message_id"))
+        if message_id is None:
+            raise HTTPException(400, "Give a message id: /messages/find?message_id=<id>.")
+        since = _epoch_ms(request.query_params.get("since"))
+        row_id = await self.store.find_message(message_id, since)
+        if row_id is None:
+            raise HTTPException(
+                404, f"No row of message {message_id}: not enqueued yet, or finished and pruned."
+            )
+        return RedirectResponse(request.url_for("message", id=row_id), status_code=303)
 
     async def message_payload(self, request: Request) -> Response:
-        """The raw payload of a live message, as a download (the page shows its first 64 KiB)."""
+        """The raw payload of a message, live or finished, as a download (its page shows 64 KiB)."""
         row_id = int(request.path_params["id"])
         payload = await self.store.message_payload(row_id)
         if payload is None:
+            payload = await self.store.finished_payload(row_id)
+        if payload is None:
             raise HTTPException(
-                404, f"Message {row_id} is not in the messages table (finished or canceled?)."
+                404, f"No message {row_id}: not in the messages table nor in history (pruned, or discarded?)."
             )
         return Response(
             payload,
@@ -341,14 +462,31 @@ class Dashboard:
         )
 
     async def dead_letter(self, request: Request) -> Response:
-        row_id = int(request.path_params["id"])
-        letter = await self.store.dead_letter(row_id)
-        if letter is None:
-            raise HTTPException(404, f"No dead letter {row_id} in history (retried or pruned?).")
-        is_json, payload = decode_payload(letter.payload)
+        """``/failed/{id}``: the finished message's page, for a dead letter only."""
+        return await self._finished(request, int(request.path_params["id"]), page="failed", state="failed")
+
+    async def history(self, request: Request) -> Response:
+        """Finished messages, newest first, filtered (see :class:`HistoryFilter`); keyset pages."""
+        params = request.query_params
+        now = await self.store.now()
+        problem, where = _history_filter(params, now)
+        rows: list[HistoryRow] = []
+        if problem is None:
+            try:
+                rows = await self.store.history(where, HISTORY_PAGE + 1)
+            except psycopg.errors.QueryCanceled:
+                problem = (
+                    f"The search ran longer than {HISTORY_SEARCH_TIMEOUT_MS // 1000} s: narrow the time "
+                    "range, or name the actor or the queue."
+                )
+        more = len(rows) > HISTORY_PAGE
+        rows = rows[:HISTORY_PAGE]
         return self.render(
-            request, "dead_letter.html", page="failed", letter=letter, payload=payload, is_json=is_json
-        )
+            request, "history.html", page="history", rows=rows, where=where, problem=problem,
+            next_query=merge_query(params, before=rows[-1].cursor) if more and rows else None,
+            first_query=merge_query(params, before=None) if where.before else None,
+            ranges=HISTORY_RANGES, now=now,
+        )  # fmt: skip
 
     async def charts(self, request: Request) -> Response:
         window_name = request.query_params.get("window", "1h")
@@ -608,7 +746,9 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
         Route("/queues/{queue_name}/purge", d.purge, methods=["POST"], name="purge"),
         Route("/queues/{queue_name}/pause", d.pause, methods=["POST"], name="pause"),
         Route("/queues/{queue_name}/resume", d.resume, methods=["POST"], name="resume"),
+        Route("/messages/find", d.find_message, name="find_message"),
         Route("/messages/{id:int}", d.message, name="message"),
+        Route("/history", d.history, name="history"),
         Route("/messages/{id:int}/payload", d.message_payload, name="message_payload"),
         Route("/messages/{id:int}/cancel", d.cancel, methods=["POST"], name="cancel"),
         Route("/messages/{id:int}/run-now", d.run_now, methods=["POST"], name="run_now"),

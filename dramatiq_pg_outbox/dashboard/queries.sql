@@ -151,7 +151,8 @@ RETURNING name;
 SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, next_attempt_at,
        acquired_at, owner, extract(epoch FROM next_attempt_at - now())::double precision AS due_in_s,
        substring(payload FROM 1 FOR %(shown_bytes)s) AS payload, idempotency_key, priority,
-       NULL::bytea AS payload_head, octet_length(payload) AS payload_bytes
+       NULL::bytea AS payload_head, octet_length(payload) AS payload_bytes,
+       substring(payload FROM greatest(octet_length(payload) - %(tail_bytes)s + 1, 1)) AS payload_tail
 FROM {schema}.messages
 WHERE id = %(id)s;
 
@@ -253,3 +254,97 @@ ORDER BY actor_name, bucket_start;
 
 -- name: message_attempts --
 SELECT actor_name, attempts, messages FROM {schema}.message_attempts ORDER BY actor_name, attempts;
+
+-- name: finished_message --
+-- One finished row (history) with the first %(shown_bytes)s bytes of its payload
+-- and its size, found by its id (the primary key (id, finished_at) of each day
+-- partition: one index probe per partition).
+SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at, finished_at,
+       error_type, error, substring(payload FROM 1 FOR %(shown_bytes)s) AS payload,
+       octet_length(payload) AS payload_bytes, idempotency_key, priority,
+       substring(payload FROM greatest(octet_length(payload) - %(tail_bytes)s + 1, 1)) AS payload_tail
+FROM {schema}.history
+WHERE id = %(id)s;
+
+-- name: finished_payload --
+-- The whole payload of one finished row (the raw download of its page).
+SELECT payload FROM {schema}.history WHERE id = %(id)s;
+
+-- name: message_deliveries --
+-- Every stored delivery of one Dramatiq message, live and finished, oldest
+-- first: Retries enqueues a retry as a new row with the same message_id, so
+-- each row is one delivery (or several, when a worker died and the row was
+-- released: its attempts).  No index of history has message_id (one would be
+-- a write on every ack): the finished rows are looked for in the partitions
+-- from %(since)s on (the message's own timestamp, which its retries keep, less
+-- a day for the clocks of producers), a sequential read of each.  messages has
+-- no index on message_id either: a scan of the live rows, which the claims keep
+-- few.
+SELECT id, state, attempts, enqueued_at, acquired_at AS started_at, NULL::timestamptz AS finished_at,
+       NULL::text AS error_type, NULL::text AS error_line, next_attempt_at
+FROM {schema}.messages
+WHERE message_id = %(message_id)s
+UNION ALL
+SELECT id, state, attempts, enqueued_at, started_at, finished_at, error_type,
+       regexp_replace(rtrim(coalesce(error, ''), E'\n'), '^.*\n', '') AS error_line, NULL
+FROM {schema}.history
+WHERE message_id = %(message_id)s AND finished_at >= %(since)s
+ORDER BY enqueued_at, id
+LIMIT 1000;
+
+-- name: find_message --
+-- The newest row (live first, then finished from %(since)s on, as in
+-- message_deliveries) of one Dramatiq message id: where a follow-up's link
+-- (a pipeline's next step) leads.
+(SELECT id FROM {schema}.messages WHERE message_id = %(message_id)s ORDER BY id DESC LIMIT 1)
+UNION ALL
+(SELECT id FROM {schema}.history
+ WHERE message_id = %(message_id)s AND finished_at >= %(since)s
+ ORDER BY finished_at DESC, id DESC LIMIT 1)
+LIMIT 1;
+
+-- name: message_results --
+-- The stored result of a message (results backend, migration 0004) under any of
+-- the keys Dramatiq's ResultBackend.build_message_key gives it (the MD5 and the
+-- readable form); an expired one is not shown.
+SELECT message_key, result, expires_at FROM {schema}.results
+WHERE message_key = ANY(%(keys)s::text[]) AND expires_at > now();
+
+-- name: search_timeout --
+-- The longest a history search may run (this transaction only), in milliseconds.
+SELECT set_config('statement_timeout', %(ms)s::text, true);
+
+-- name: history --
+-- One page of finished rows, newest first, between %(since)s and %(until)s
+-- (partition pruning: only the days of the range are read), filtered by queue,
+-- actor, state and message id (each NULL for any) and by %(needle)s, bytes
+-- that must appear in the arguments of the payload as Dramatiq's JSONEncoder
+-- writes it: between "args": and the "},"options": that closes the keyword
+-- arguments (a string value's quotes are escaped, so neither can occur inside
+-- one).  The cheap test of the whole payload first, then of that span; no
+-- decoding, so no payload (pickle, another encoder) can make the search fail.
+-- No index serves the arguments or the order (an index would be a write on
+-- every ack): each day of the range is read sequentially, the top rows kept
+-- (benchmarks/README.md, "History search", has the cost on 10 million rows).
+-- Keyset paging: the page after (%(before_at)s, %(before_id)s).
+SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at, finished_at,
+       error_type, regexp_replace(rtrim(coalesce(error, ''), E'\n'), '^.*\n', '') AS error_line,
+       substring(payload FROM 1 FOR %(head_bytes)s) AS payload_head, priority
+FROM {schema}.history
+WHERE finished_at >= %(since)s AND finished_at < %(until)s
+  AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
+  AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s)
+  AND (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(message_id)s::text IS NULL OR message_id = %(message_id)s)
+  AND (%(before_at)s::timestamptz IS NULL OR (finished_at, id) < (%(before_at)s, %(before_id)s::bigint))
+  AND (%(needle)s::bytea IS NULL
+       OR (position(%(needle)s::bytea IN payload) > 0
+           AND position('"args":'::bytea IN payload) > 0
+           AND position(%(needle)s::bytea IN substring(
+                   payload
+                   FROM position('"args":'::bytea IN payload)
+                   FOR greatest(position('},"options":'::bytea IN payload)
+                                - position('"args":'::bytea IN payload) + 1, 0)
+               )) > 0))
+ORDER BY finished_at DESC, id DESC
+LIMIT %(limit)s;

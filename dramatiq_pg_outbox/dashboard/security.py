@@ -71,6 +71,9 @@ class Settings:
         the dashboard judges them: one silent for longer counts as dead (its messages are
         not running).  Default :data:`~dramatiq_pg_outbox.options.HEARTBEAT_TIMEOUT_MS`, the
         broker's default; pass the workers' value if they are configured otherwise.
+      results_namespace(str): The ``namespace`` of the results backend whose stored result a
+        finished message's page shows (Dramatiq's ``ResultBackend``).  Default
+        ``dramatiq-results``, Dramatiq's.
 
     Raises:
       ValueError: If both ``token`` and ``basic_auth`` are given, either is empty,
@@ -87,6 +90,7 @@ class Settings:
     allowed_hosts: tuple[str, ...] = ()
     refresh: int = 5
     heartbeat_timeout: int = HEARTBEAT_TIMEOUT_MS
+    results_namespace: str = "dramatiq-results"
 
     def __post_init__(self) -> None:
         if not self.allowed_hosts:

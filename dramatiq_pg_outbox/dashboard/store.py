@@ -9,6 +9,7 @@ transaction).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import re
 import uuid
@@ -125,6 +126,9 @@ class MessageRow:
     #: The whole payload's size in bytes (:meth:`Store.message` only, whose ``payload`` is
     #: its first :data:`SHOWN_PAYLOAD_BYTES` bytes).
     payload_bytes: int | None = None
+    #: The payload's last :data:`TAIL_BYTES` bytes (:meth:`Store.message` only): where
+    #: Dramatiq's JSON keeps ``message_timestamp`` (see :func:`message_timestamp`).
+    payload_tail: bytes | None = None
 
     @property
     def args_preview(self) -> str:
@@ -256,6 +260,213 @@ class FailedFilter:
         }
 
 
+@dataclass(frozen=True)
+class FinishedMessage:
+    """A finished row of ``history`` (completed or failed) for its page.
+
+    ``payload`` is its first :data:`SHOWN_PAYLOAD_BYTES` bytes, ``payload_bytes``
+    the whole size; ``error`` the full error text (a traceback) of the delivery.
+    """
+
+    id: int
+    queue_name: str
+    actor_name: str
+    message_id: str
+    state: str
+    attempts: int
+    enqueued_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime
+    error_type: str | None
+    error: str | None
+    payload: bytes
+    payload_bytes: int
+    idempotency_key: str | None
+    priority: int = 0
+    payload_tail: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One stored delivery of a Dramatiq message (:meth:`Store.deliveries`), live or finished.
+
+    ``state``: ``pending``/``processing`` (live) or ``completed``/``failed``; a
+    ``completed`` row with an ``error_type`` is an attempt whose actor raised and
+    that Retries enqueued again.  ``error_line``: the last line of its error.
+    """
+
+    id: int
+    state: str
+    attempts: int
+    enqueued_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    error_type: str | None
+    error_line: str | None
+    next_attempt_at: dt.datetime | None
+
+    @property
+    def live(self) -> bool:
+        return self.state in ("pending", "processing")
+
+    @property
+    def outcome(self) -> str:
+        """What became of it: ``pending``, ``processing``, ``completed``, ``retried`` or ``failed``."""
+        return "retried" if self.state == "completed" and self.error_type else self.state
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """A finished row in the history list; ``payload_head`` for the arguments' preview."""
+
+    id: int
+    queue_name: str
+    actor_name: str
+    message_id: str
+    state: str
+    attempts: int
+    enqueued_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime
+    error_type: str | None
+    error_line: str
+    payload_head: bytes | None
+    priority: int = 0
+
+    @property
+    def args_preview(self) -> str:
+        """The arguments, shortened (see :func:`args_preview`)."""
+        return args_preview(self.payload_head)
+
+    @property
+    def outcome(self) -> str:
+        """``completed``, ``retried`` (its actor raised, Retries enqueued it again) or ``failed``."""
+        return "retried" if self.state == "completed" and self.error_type else self.state
+
+    @property
+    def cursor(self) -> str:
+        """The keyset cursor of the page after this row (``HistoryFilter.before``)."""
+        return f"{self.finished_at.isoformat()}_{self.id}"
+
+
+@dataclass(frozen=True)
+class HistoryFilter:
+    """The history search; ``None`` means "any".
+
+    Parameters:
+      since(datetime): Finished at or after (aware).  Required: the days searched.
+      until(datetime|None): Finished before; None: now and later.
+      queue_name, actor_name(str|None): Exact names.
+      state(str|None): ``completed`` or ``failed``.
+      message_id(str|None): A Dramatiq message id (exact).
+      args(str|None): Text the arguments must contain, as Dramatiq's ``JSONEncoder``
+        writes them (:func:`args_needle`): ``cust-42`` matches the string
+        ``"cust-42"`` and ``"x-cust-42"`` and the number 1342 for ``42``; in double
+        quotes (``"cust-42"``) only a whole string value.  Exact and case-sensitive.
+        Payloads of another encoder are not searched reliably.
+      before(tuple[datetime, int]|None): The keyset cursor: rows older than this
+        (finished_at, id).
+    """
+
+    since: dt.datetime
+    until: dt.datetime | None = None
+    queue_name: str | None = None
+    actor_name: str | None = None
+    state: str | None = None
+    message_id: str | None = None
+    args: str | None = None
+    before: tuple[dt.datetime, int] | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "since": self.since,
+            "until": self.until or dt.datetime.max.replace(tzinfo=dt.timezone.utc),
+            "queue_name": self.queue_name,
+            "actor_name": self.actor_name,
+            "state": self.state,
+            "message_id": self.message_id,
+            "needle": args_needle(self.args) if self.args else None,
+            "before_at": self.before[0] if self.before else None,
+            "before_id": self.before[1] if self.before else None,
+        }
+
+
+def args_needle(term: str) -> bytes:
+    """The bytes a search for ``term`` looks for in a payload of Dramatiq's ``JSONEncoder``.
+
+    That encoder writes ``json.dumps(..., separators=(",", ":"))`` (ASCII, with
+    ``\\uXXXX`` escapes); the term is escaped the same way, so ``café`` and a
+    term with quotes find their arguments.  A term in double quotes stands for a
+    whole string value (its quotes are kept).
+    """
+    term = term.strip()
+    if len(term) >= 2 and term[0] == term[-1] == '"':
+        return json.dumps(term[1:-1]).encode()
+    return json.dumps(term)[1:-1].encode()
+
+
+_TIMESTAMP = re.compile(rb'"message_timestamp":(\d+)')
+
+
+def message_timestamp(*parts: bytes | None) -> dt.datetime | None:
+    """When a message was first enqueued (its ``message_timestamp``, which retries keep), from its payload.
+
+    ``parts``: the payload or its first and last bytes (the field is written last
+    by Dramatiq's ``JSONEncoder``).  None if not found (another encoder).
+    """
+    for part in parts:
+        found = _TIMESTAMP.findall(part or b"")
+        if found:
+            return dt.datetime.fromtimestamp(int(found[-1]) / 1000, dt.timezone.utc)
+    return None
+
+
+def follow_ups(payload: bytes) -> dict[str, Any]:
+    """What a message asks to run after it, from its options (Dramatiq's ``JSONEncoder`` only).
+
+    Returns ``{"pipe_target": [(actor_name, message_id), ...], "on_success": str,
+    "on_failure": str}``, each key present only when set: the next steps of a
+    pipeline (Dramatiq stores the whole next message, and its own next one, in
+    ``options.pipe_target``) and the actors of the ``Callbacks`` middleware.
+    Empty for a payload that is not complete JSON.
+    """
+    try:
+        options = json.loads(payload.decode("utf-8")).get("options") or {}
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return {}
+    found: dict[str, Any] = {}
+    target, steps = options.get("pipe_target"), list[tuple[str, str]]()
+    while isinstance(target, dict) and len(steps) < 100:
+        steps.append((str(target.get("actor_name")), str(target.get("message_id"))))
+        target = (target.get("options") or {}).get("pipe_target")
+    if steps:
+        found["pipe_target"] = steps
+    for name in ("on_success", "on_failure"):
+        if isinstance(options.get(name), str):
+            found[name] = options[name]
+    return found
+
+
+def result_keys(queue_name: str, actor_name: str, message_id: str, namespace: str) -> list[str]:
+    """The keys Dramatiq's ``ResultBackend.build_message_key`` gives a message's result.
+
+    Both forms: the MD5 (the default) and the readable one
+    (``use_namespace_prefix_keys=True``).  Source: dramatiq/results/backend.py.
+    """
+    readable = f"{namespace}:{q_name(queue_name)}:{actor_name}:{message_id}"
+    return [hashlib.md5(readable.encode()).hexdigest(), readable]  # Dramatiq's key, not a secret
+
+
+#: Dramatiq's default results namespace (``ResultBackend(namespace=...)``).
+RESULTS_NAMESPACE = "dramatiq-results"
+#: Bytes of a payload's end read for its ``message_timestamp``.
+TAIL_BYTES = 256
+#: Longest a history search runs, in milliseconds (then the page asks for a narrower one).
+HISTORY_SEARCH_TIMEOUT_MS = 15_000
+#: Rows of one page of the history list.
+HISTORY_PAGE = 50
+
+
 #: Bytes of a payload shown on its message page (64 KiB); the rest is downloaded raw.
 SHOWN_PAYLOAD_BYTES = 65_536
 #: Bytes of a payload read for the arguments' preview of a list (a large payload stays in the table).
@@ -305,6 +516,14 @@ def decode_payload(payload: bytes, size: int | None = None) -> tuple[bool, str]:
         return True, json.dumps(json.loads(payload.decode("utf-8")), indent=2, sort_keys=True)
     except (UnicodeDecodeError, ValueError):
         return False, f"{len(payload)} bytes, not JSON (not decoded): {payload[:512]!r}"
+
+
+def _day_before(since: dt.datetime | None) -> dt.datetime:
+    """Where to start looking for a message's rows in history: a day before its timestamp
+    (a producer's clock may be ahead of the database's), or the beginning of time."""
+    if since is None:
+        return dt.datetime.min.replace(tzinfo=dt.timezone.utc)
+    return since - dt.timedelta(days=1)
 
 
 class Store:
@@ -360,6 +579,16 @@ class Store:
                 await cur.execute(self.queries[name], params or {})
                 return await cur.fetchall()
 
+    async def _rows_any_revision(self, cls: type[T], name: str, params: dict[str, Any]) -> list[T]:
+        """:meth:`_rows`, without the ``priority`` column on a schema older than migration 0010."""
+        async with self.pool.connection() as conn:
+            async with conn.cursor(row_factory=class_row(cls)) as cur:
+                try:
+                    await cur.execute(self.queries[name], params)
+                except psycopg.errors.UndefinedColumn:
+                    await cur.execute(without_priority(self.queries[name]), params)
+                return await cur.fetchall()
+
     async def _tuples(self, name: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
         async with self.pool.connection() as conn:
             cur = await conn.execute(self.queries[name], params or {})
@@ -412,7 +641,7 @@ class Store:
 
     async def message(self, row_id: int) -> MessageRow | None:
         """One live row, with the first :data:`SHOWN_PAYLOAD_BYTES` bytes of its payload; None if gone."""
-        params = {"id": row_id, "shown_bytes": SHOWN_PAYLOAD_BYTES}
+        params = {"id": row_id, "shown_bytes": SHOWN_PAYLOAD_BYTES, "tail_bytes": TAIL_BYTES}
         rows = await self._live_rows("message", params)
         return rows[0] if rows else None
 
@@ -430,6 +659,60 @@ class Store:
         """The whole payload of a live row (the raw download); None if the row is gone."""
         rows = await self._tuples("message_payload", {"id": row_id})
         return bytes(rows[0][0]) if rows else None
+
+    async def finished_message(self, row_id: int) -> FinishedMessage | None:
+        """One finished row (history), its payload cut as :meth:`message`'s; None if not there."""
+        params = {"id": row_id, "shown_bytes": SHOWN_PAYLOAD_BYTES, "tail_bytes": TAIL_BYTES}
+        rows = await self._rows_any_revision(FinishedMessage, "finished_message", params)
+        return rows[0] if rows else None
+
+    async def finished_payload(self, row_id: int) -> bytes | None:
+        """The whole payload of a finished row (the raw download); None if it is not in history."""
+        rows = await self._tuples("finished_payload", {"id": row_id})
+        return bytes(rows[0][0]) if rows else None
+
+    async def deliveries(self, message_id: str, since: dt.datetime | None) -> list[Delivery]:
+        """Every stored delivery of one Dramatiq message, oldest first (at most 1,000).
+
+        ``since``: the message's first enqueue (:func:`message_timestamp`); history is
+        read from the day before it on (None: all of it, slow on a long history).
+        """
+        return await self._rows(
+            Delivery, "message_deliveries", {"message_id": message_id, "since": _day_before(since)}
+        )
+
+    async def find_message(self, message_id: str, since: dt.datetime | None = None) -> int | None:
+        """The id of the newest row, live or finished (from the day before ``since``), of a message id."""
+        rows = await self._tuples("find_message", {"message_id": message_id, "since": _day_before(since)})
+        return int(rows[0][0]) if rows else None
+
+    async def message_result(
+        self, queue_name: str, actor_name: str, message_id: str, namespace: str = RESULTS_NAMESPACE
+    ) -> bytes | None:
+        """The result a results backend of ``namespace`` stored for a message; None if none (or expired)."""
+        keys = result_keys(queue_name, actor_name, message_id, namespace)
+        try:
+            rows = await self._tuples("message_results", {"keys": keys})
+        except psycopg.errors.UndefinedTable:  # before migration 0004
+            return None
+        return bytes(rows[0][1]) if rows else None
+
+    async def history(self, where: HistoryFilter, limit: int = HISTORY_PAGE) -> list[HistoryRow]:
+        """One page of finished rows, newest first (see the ``history`` statement for the plan).
+
+        Raises:
+          psycopg.errors.QueryCanceled: The search ran longer than
+            :data:`HISTORY_SEARCH_TIMEOUT_MS` (narrow the time range or name the actor).
+        """
+        params = {**where.params(), "limit": limit, "head_bytes": PREVIEW_HEAD_BYTES}
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute(self.queries["search_timeout"], {"ms": HISTORY_SEARCH_TIMEOUT_MS})
+            async with conn.cursor(row_factory=class_row(HistoryRow)) as cur:
+                try:
+                    await cur.execute(self.queries["history"], params)
+                except psycopg.errors.UndefinedColumn:  # before migration 0010: no priority
+                    await cur.execute(without_priority(self.queries["history"]), params)
+                return await cur.fetchall()
 
     async def workers(self) -> list[WorkerRow]:
         return await self._rows(WorkerRow, "workers", {"heartbeat_timeout_ms": self.heartbeat_timeout})
