@@ -3,6 +3,7 @@
 Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained;
 (issue 8): delay (due time -> actor start of delayed messages and retries);
 (issue 9): prune (retention of a large history, DELETE vs DROP PARTITION);
+(issue 33): history_search (the dashboard's history search on 10 million rows);
 (issue 10): relay (outbox + relay to RabbitMQ vs publishing after commit);
 (issue 19): rate_limits (acquisitions per second of the rate-limiter backends), priorities
 (the claim with priorities against the claim before them, EXPLAIN and drains), migrate
@@ -41,6 +42,7 @@ SCENARIOS = (
     "sustained",
     "delay",
     "prune",
+    "history_search",
     "relay",
     "rate_limits",
     "priorities",
@@ -68,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sustained-seconds", type=int, default=None)
     parser.add_argument("--sustained-rate", type=int, default=None, help="messages per second")
     parser.add_argument("--prune-rows", type=int, default=None, help="history rows of prune (10000000)")
+    parser.add_argument(
+        "--history-rows", type=int, default=None, help="history rows of history_search (10000000)"
+    )
     parser.add_argument("--drain-messages", type=int, default=None, help="messages per drain (20000)")
     parser.add_argument("--migrate-rows", type=int, default=None, help="history rows of migrate (1000000)")
     parser.add_argument("--spark-rows", type=int, default=None, help="rows of spark's batch (1000000)")
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BENCH_SPARK_ROWS"] = str(args.spark_rows)
     if args.prune_rows:
         os.environ["BENCH_PRUNE_ROWS"] = str(args.prune_rows)
+    if args.history_rows:
+        os.environ["BENCH_HISTORY_ROWS"] = str(args.history_rows)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     failed: dict[str, str] = {}  # scenario -> what failed
     outcomes: dict[str, str] = {}  # scenario -> "ok (12.3 s)", "skipped: ...", "FAILED"

@@ -80,7 +80,6 @@ from .security import (
 )
 from .store import (
     HISTORY_PAGE,
-    HISTORY_SEARCH_TIMEOUT_MS,
     MIN_SCHEMA_REVISION,
     FailedFilter,
     HistoryFilter,
@@ -476,7 +475,7 @@ class Dashboard:
                 rows = await self.store.history(where, HISTORY_PAGE + 1)
             except psycopg.errors.QueryCanceled:
                 problem = (
-                    f"The search ran longer than {HISTORY_SEARCH_TIMEOUT_MS // 1000} s: narrow the time "
+                    f"The search ran longer than {self.store.search_timeout_ms / 1000:g} s: narrow the time "
                     "range, or name the actor or the queue."
                 )
         more = len(rows) > HISTORY_PAGE

@@ -553,6 +553,8 @@ class Store:
         self.schema = schema
         self.channel = channel
         self.heartbeat_timeout = heartbeat_timeout
+        #: Longest a history search runs, in milliseconds (:data:`HISTORY_SEARCH_TIMEOUT_MS`).
+        self.search_timeout_ms = HISTORY_SEARCH_TIMEOUT_MS
         shared = all_queries_for_schema(schema)
         # The audit trail's statements are the command line's too (admin.sql): one text for both.
         self.queries = {**queries_for_schema(schema), **{name: shared[name] for name in SHARED_QUERIES}}
@@ -701,12 +703,12 @@ class Store:
         """One page of finished rows, newest first (see the ``history`` statement for the plan).
 
         Raises:
-          psycopg.errors.QueryCanceled: The search ran longer than
-            :data:`HISTORY_SEARCH_TIMEOUT_MS` (narrow the time range or name the actor).
+          psycopg.errors.QueryCanceled: The search ran longer than ``search_timeout_ms``
+            (default :data:`HISTORY_SEARCH_TIMEOUT_MS`; narrow the time range or name the actor).
         """
         params = {**where.params(), "limit": limit, "head_bytes": PREVIEW_HEAD_BYTES}
         async with self.pool.connection() as conn, conn.transaction():
-            await conn.execute(self.queries["search_timeout"], {"ms": HISTORY_SEARCH_TIMEOUT_MS})
+            await conn.execute(self.queries["search_timeout"], {"ms": self.search_timeout_ms})
             async with conn.cursor(row_factory=class_row(HistoryRow)) as cur:
                 try:
                     await cur.execute(self.queries["history"], params)
