@@ -19,8 +19,7 @@ import pytest
 from dramatiq.results import Results
 
 from dramatiq_pg_outbox import PostgresBroker
-from dramatiq_pg_outbox.dashboard.app import parse_time
-from dramatiq_pg_outbox.dashboard.store import args_needle
+from dramatiq_pg_outbox.dashboard.store import args_needle, parse_time
 from dramatiq_pg_outbox.results import PostgresBackend
 from tests.dashboard_support import DashboardServer, serve_dashboard
 from tests.helpers import count, wait_for
@@ -210,3 +209,31 @@ def test_history_search_terms_and_times() -> None:
     assert parse_time("2026-11-27T10:00", now) == dt.datetime(2026, 11, 27, 10, tzinfo=dt.timezone.utc)
     with pytest.raises(ValueError, match="is not a time"):
         parse_time("soon", now)
+
+
+def test_the_history_command_runs_the_pages_search_as_a_table_or_json(database_url: str, db: Any) -> None:
+    from tests.test_cli import cli
+
+    # Given three finished messages, two of them for the ticket's customer
+    now = db.execute("SELECT now()").fetchone()[0]
+    _archive(db, 21, "charge", _payload("charge", ["cust-9001", 5]), now - dt.timedelta(hours=2))
+    _archive(db, 22, "charge", _payload("charge", ["cust-1", 5]), now - dt.timedelta(hours=1))
+    _archive(
+        db, 23, "refund", _payload("refund", ["cust-9001"]), now - dt.timedelta(minutes=5), state="failed"
+    )
+
+    # When the command searches by argument, as JSON and as a table
+    found = cli("history", "--url", database_url, "--args", "cust-9001", "--json")
+    table = cli("history", "--url", database_url, "--actor", "refund")
+    bad = cli("history", "--url", database_url, "--since", "last tuesday")
+
+    # Then it finds what the History page finds, newest first
+    assert found.returncode == 0, found.stderr
+    rows = json.loads(found.stdout)
+    assert [(r["id"], r["outcome"], r["args"]) for r in rows] == [
+        (23, "failed", '["cust-9001"]'),
+        (21, "completed", '["cust-9001",5]'),
+    ]
+    assert rows[0]["error"] == "Boom: no"
+    assert table.returncode == 0 and "refund" in table.stdout and "charge" not in table.stdout
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not a time" in bad.stderr, bad.stderr

@@ -22,10 +22,13 @@ from .common import (
     PROG,
     CliError,
     checked_connection,
+    clip,
     log_action,
     operator_name,
     parse_positive_int,
     parse_queue_name,
+    print_json,
+    print_table,
     selection_text,
 )
 
@@ -58,6 +61,22 @@ def add_parsers(sub: Any, common: Any) -> None:
     run_now.add_argument("ids", nargs="+", type=parse_positive_int, metavar="ID", help="a message's row id")
     run_now.add_argument("--dry-run", action="store_true", help="say which are delayed, change nothing")
     run_now.set_defaults(run=run_now_command)
+
+    history = sub.add_parser(
+        "history", parents=[common], help="finished messages, newest first (the dashboard's History)"
+    )
+    history.add_argument("--since", default="24h", help="finished at or after: an age (90m, 6h, 2d) or "
+                         "an ISO time, UTC unless it says (default: 24h)")  # fmt: skip
+    history.add_argument("--until", help="finished before: an age or an ISO time (default: now)")
+    history.add_argument("--queue", type=parse_queue_name, help="only this queue")
+    history.add_argument("--actor", help="only this actor")
+    history.add_argument("--state", choices=("completed", "failed"), help="only this outcome")
+    history.add_argument("--message-id", help="only the rows of this Dramatiq message id")
+    history.add_argument("--args", metavar="TEXT", help="arguments containing TEXT (Dramatiq's JSON "
+                         'encoder only; "TEXT" in double quotes: a whole string value)')  # fmt: skip
+    history.add_argument("--limit", type=parse_positive_int, default=50, help="rows (default: 50)")
+    history.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    history.set_defaults(run=history_command)
 
 
 def with_store(
@@ -219,3 +238,76 @@ def run_now_command(args: argparse.Namespace) -> int:
         did=("would make", "made", "due now (its workers woken)"),
         missing="no delayed message with id",
     )
+
+
+def history_command(args: argparse.Namespace) -> int:
+    """``history``: the History page's search (the same statement), newest first."""
+    from ..dashboard.store import HISTORY_SEARCH_TIMEOUT_MS, HistoryFilter, args_preview, parse_time
+
+    async def search(store: Any) -> tuple[list[Any], HistoryFilter]:
+        now = await store.now()
+        try:
+            since = parse_time(args.since, now)
+            until = parse_time(args.until, now) if args.until else None
+        except ValueError as e:
+            raise CliError(str(e), EXIT_USAGE) from None
+        where = HistoryFilter(
+            since=since, until=until, queue_name=args.queue, actor_name=args.actor, state=args.state,
+            message_id=args.message_id, args=args.args,
+        )  # fmt: skip
+        return await store.history(where, args.limit), where
+
+    import psycopg
+
+    try:
+        rows, where = with_store(args, search)
+    except psycopg.errors.QueryCanceled:
+        raise CliError(
+            f"the search ran longer than {HISTORY_SEARCH_TIMEOUT_MS / 1000:g} s: "
+            "narrow --since/--until, or name --actor or --queue"
+        ) from None
+    if args.json:
+        print_json(
+            [
+                {
+                    "id": r.id,
+                    "queue": r.queue_name,
+                    "actor": r.actor_name,
+                    "message_id": r.message_id,
+                    "outcome": r.outcome,
+                    "attempts": r.attempts,
+                    "enqueued_at": r.enqueued_at,
+                    "started_at": r.started_at,
+                    "finished_at": r.finished_at,
+                    "error_type": r.error_type,
+                    "error": r.error_line or None,
+                    "args": args_preview(r.payload_head),
+                }
+                for r in rows
+            ]
+        )
+        return 0
+    if not rows:
+        print(
+            f"no finished message matches since {where.since:%Y-%m-%d %H:%M:%S} UTC in schema {args.schema!r}"
+        )
+        return 0
+    utc = dt.timezone.utc
+    print_table(
+        [
+            (
+                r.id,
+                f"{r.finished_at.astimezone(utc):%Y-%m-%d %H:%M:%S}",
+                r.queue_name,
+                r.actor_name,
+                r.outcome,
+                r.attempts,
+                clip(r.args_preview, 40),
+                clip(r.error_line, 60),
+            )
+            for r in rows
+        ],
+        ["id", "finished (UTC)", "queue", "actor", "outcome", "attempts", "arguments", "error"],
+        numeric=(0, 5),
+    )
+    return 0

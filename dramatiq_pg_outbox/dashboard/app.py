@@ -2,7 +2,10 @@
 
 Pages (GET): ``/`` queues, ``/queues/{queue}`` a queue's live messages
 (filters: status, actor; pages of 100; running told from prefetched),
-``/messages/{id}`` one live message, ``/workers``, ``/schedules`` periodic
+``/messages/{id}`` one message, live or finished, with every delivery of it
+(``/messages/find?message_id=`` the newest row of a Dramatiq message id),
+``/history`` finished messages (filters: time range, queue, actor, state,
+message id, arguments; keyset pages of 50), ``/workers``, ``/schedules`` periodic
 jobs, ``/failed`` dead letters (filters: queue, actor, error type, text),
 ``/failed/{id}`` one dead letter, ``/charts`` throughput and latency per
 actor, ``/healthz`` (no auth; "ok" when the database answers).  The queues,
@@ -88,6 +91,7 @@ from .store import (
     decode_payload,
     follow_ups,
     message_timestamp,
+    parse_time,
 )
 
 logger = logging.getLogger(__name__)
@@ -214,28 +218,6 @@ def _epoch_ms(value: Any) -> dt.datetime | None:
         return dt.datetime.fromtimestamp(int(value) / 1000, dt.timezone.utc)
     except (TypeError, ValueError, OverflowError, OSError):
         return None
-
-
-def parse_time(value: str, now: dt.datetime) -> dt.datetime:
-    """A time of the history filters: ISO 8601 (UTC unless it names an offset) or an age back from ``now``.
-
-    ``2026-11-27``, ``2026-11-27T10:00``, ``2026-11-27 10:00:00+01:00``; ``90m``, ``6h``, ``2d``.
-
-    Raises:
-      ValueError: Neither form, with a one-line reason.
-    """
-    text = value.strip()
-    age = re.fullmatch(r"(\d+)\s*(s|m|min|h|d)", text)
-    if age:
-        unit = {"s": "seconds", "m": "minutes", "min": "minutes", "h": "hours", "d": "days"}[age.group(2)]
-        return now - dt.timedelta(**{unit: int(age.group(1))})
-    try:
-        parsed = dt.datetime.fromisoformat(text.replace(" UTC", "").replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(
-            f"{value!r} is not a time: give 2026-11-27T10:00 (UTC) or an age such as 6h or 2d"
-        ) from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
 
 
 def _history_filter(params: Any, now: dt.datetime) -> tuple[str | None, HistoryFilter]:

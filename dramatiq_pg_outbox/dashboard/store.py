@@ -391,6 +391,28 @@ class HistoryFilter:
         }
 
 
+def parse_time(value: str, now: dt.datetime) -> dt.datetime:
+    """A time of the history filters: ISO 8601 (UTC unless it names an offset) or an age back from ``now``.
+
+    ``2026-11-27``, ``2026-11-27T10:00``, ``2026-11-27 10:00:00+01:00``; ``90m``, ``6h``, ``2d``.
+
+    Raises:
+      ValueError: Neither form, with a one-line reason.
+    """
+    text = value.strip()
+    age = re.fullmatch(r"(\d+)\s*(s|m|min|h|d)", text)
+    if age:
+        unit = {"s": "seconds", "m": "minutes", "min": "minutes", "h": "hours", "d": "days"}[age.group(2)]
+        return now - dt.timedelta(**{unit: int(age.group(1))})
+    try:
+        parsed = dt.datetime.fromisoformat(text.replace(" UTC", "").replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(
+            f"{value!r} is not a time: give 2026-11-27T10:00 (UTC) or an age such as 6h or 2d"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+
+
 def args_needle(term: str) -> bytes:
     """The bytes a search for ``term`` looks for in a payload of Dramatiq's ``JSONEncoder``.
 
