@@ -362,7 +362,18 @@ def test_a_live_queue_page_keeps_what_the_operator_ticked_and_where_they_scrolle
     assert page.is_checked("input[name=confirm]")
     assert page.evaluate("window.scrollY") == scrolled
     assert page.evaluate("window.__marker") == 1 and documents == [server.url + "/queues/exports"]
-    assert problems == []
+
+    # When the operator is choosing a filter (its drop-down has the focus) as ten more arrive
+    page.focus("select[name=status]")
+    for i in range(10):
+        export.send_with_options(args=(i,), delay=3_600_000)
+    # Then the updates leave the page alone until the operator is done with it
+    updates = live_updates(page)
+    wait_for(lambda: live_updates(page) >= updates + 2, 10, "two updates of the page")
+    assert page.inner_text("button#purge") == "Purge 160 waiting message(s)"
+    page.evaluate("document.activeElement.blur()")
+    sync_api.expect(page.locator("button#purge")).to_have_text("Purge 170 waiting message(s)", timeout=15_000)
+    assert page.is_checked("input[name=confirm]") and problems == []
 
 
 def test_without_javascript_a_live_page_still_reloads_itself(
