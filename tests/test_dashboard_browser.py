@@ -49,17 +49,23 @@ def chromium_path() -> str | None:
 
 
 @pytest.fixture
-def page() -> Iterator[Any]:
-    """A fresh Chromium page (1280 x 800)."""
+def browser() -> Iterator[Any]:
+    """Headless Chromium (closed when the test ends)."""
     executable = chromium_path()
     if executable is None:
         pytest.skip("Chromium not found: apt-get install -y chromium chromium-driver, or set DPO_CHROMIUM")
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         try:
-            yield browser.new_page(viewport={"width": 1280, "height": 800})
+            yield browser
         finally:
             browser.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Any:
+    """A fresh Chromium page (1280 x 800)."""
+    return browser.new_page(viewport={"width": 1280, "height": 800})
 
 
 def screenshot(page: Any, path: Path) -> None:
@@ -156,12 +162,42 @@ def test_a_script_in_an_error_text_does_not_run_in_the_browser(
     assert dialogs == []
 
 
-def marker(page: Any) -> Any:
-    """``window.__marker`` of the page (1 when set, None once the page has reloaded)."""
-    try:
-        return page.evaluate("window.__marker")
-    except sync_api.Error:  # the page is navigating
-        return 1
+def live_updates(page: Any) -> int:
+    """How many times the live page's script has updated it in place (``data-live-updates``)."""
+    return int(page.get_attribute("body", "data-live-updates") or 0)
+
+
+def watch(page: Any) -> tuple[list[str], list[str], list[str]]:
+    """What a page loads and reports, as it happens: (whole-page loads, live updates, problems).
+
+    Problems: console errors (a Content-Security-Policy violation is one; the browser's own
+    request of ``/favicon.ico`` aside), script errors and ``securitypolicyviolation`` events.
+    """
+    documents: list[str] = []
+    updates: list[str] = []
+    problems: list[str] = []
+
+    def on_request(request: Any) -> None:
+        if request.resource_type == "document":
+            documents.append(request.url)
+        elif request.headers.get("x-live") == "1":
+            updates.append(request.url)
+
+    page.on("request", on_request)
+
+    def on_console(message: Any) -> None:
+        # The browser asks for /favicon.ico of its own accord: the dashboard has none (404).
+        if message.type == "error" and not message.location.get("url", "").endswith("/favicon.ico"):
+            problems.append(f"{message.text} ({message.location.get('url')})")
+
+    page.on("console", on_console)
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    page.expose_function("reportViolation", lambda text: problems.append(f"CSP: {text}"))
+    page.add_init_script(
+        "document.addEventListener('securitypolicyviolation',"
+        " e => window.reportViolation(e.violatedDirective + ' ' + e.blockedURI))"
+    )
+    return documents, updates, problems
 
 
 def test_a_queue_page_pages_filters_tells_running_from_prefetched_and_runs_a_delayed_message_now(
@@ -204,9 +240,11 @@ def test_a_queue_page_pages_filters_tells_running_from_prefetched_and_runs_a_del
         assert states[:3].count("running") == 1 and states[:3].count("prefetched") == 2, states[:4]
         assert len(states) == 100 and set(states[3:]) == {"delayed"}
         assert "Messages 1 to 100" in page.inner_text("#showing")
-        # And the page reloads itself (a marker set in the page is gone after the reload)
+        # And the page updates itself in place (a marker set in the page survives the updates)
         page.evaluate("window.__marker = 1")
-        wait_for(lambda: marker(page) is None, 10, "the page to reload itself")
+        updates = live_updates(page)
+        wait_for(lambda: live_updates(page) >= updates + 2, 10, "two updates of the page")
+        assert page.evaluate("window.__marker") == 1
         screenshot(page, tmp_path / "queue.png")
         # And the next page holds the last 8 rows
         page.click("#next-page")
@@ -243,6 +281,116 @@ def test_a_queue_page_pages_filters_tells_running_from_prefetched_and_runs_a_del
         assert count(db, "SELECT count(*) FROM dramatiq.messages WHERE actor_name = 'archive'") == 104
     finally:
         release.set()
+
+
+def test_the_queues_page_shows_counts_moving_in_place_under_a_strict_policy(
+    make_broker: Any, db: Any, serve_dashboard: Callable[..., DashboardServer], page: Any
+) -> None:
+    # Given three orders waiting, and a dashboard whose live pages update every second
+    broker = make_broker()
+
+    @dramatiq.actor(broker=broker, queue_name="orders")
+    def place(i: int) -> None:
+        pass
+
+    @dramatiq.actor(broker=broker, queue_name="invoices")
+    def invoice(i: int) -> None:
+        pass
+
+    for i in range(3):
+        place.send(i)
+    server = serve_dashboard(refresh=1)
+    documents, updates, problems = watch(page)
+
+    # When the operator opens the queues page, and four more orders and a first invoice arrive
+    response = page.goto(server.url + "/")
+    due = page.locator('tr[data-queue="orders"] td.num').first
+    assert due.inner_text() == "3"
+    assert page.locator("meta[http-equiv=refresh]").count() == 0  # in <noscript>: not for this browser
+    page.evaluate("window.__marker = 1")
+    for i in range(4):
+        place.send(i)
+    invoice.send(1)
+
+    # Then the counts move on the page and the new queue's row appears, without a reload
+    # (the marker set in the page survives; the page itself was loaded once)
+    sync_api.expect(due).to_have_text("7", timeout=15_000)
+    invoices = page.locator('tr[data-queue="invoices"] td.num').first
+    sync_api.expect(invoices).to_have_text("1", timeout=15_000)
+    assert page.evaluate("window.__marker") == 1
+    assert documents == [server.url + "/"] and updates, (documents, updates)
+    # And the policy lets only the dashboard's own script run, which breaks none of its rules
+    csp = response.headers["content-security-policy"]
+    assert "script-src 'self';" in csp and "connect-src 'self';" in csp and "unsafe" not in csp
+    assert problems == []
+
+    # When the dashboard goes away
+    server.stop()
+    # Then the page says so, and keeps the last counts
+    sync_api.expect(page.locator("#live-status")).to_have_text("connection lost, retrying", timeout=15_000)
+    assert due.inner_text() == "7" and page.evaluate("window.__marker") == 1
+
+
+def test_a_live_queue_page_keeps_what_the_operator_ticked_and_where_they_scrolled(
+    make_broker: Any, db: Any, serve_dashboard: Callable[..., DashboardServer], page: Any
+) -> None:
+    # Given 150 exports delayed by an hour on one queue, and a dashboard updating every second
+    broker = make_broker()
+
+    @dramatiq.actor(broker=broker, queue_name="exports")
+    def export(i: int) -> None:
+        pass
+
+    for i in range(150):
+        export.send_with_options(args=(i,), delay=3_600_000)
+    server = serve_dashboard(refresh=1)
+    documents, _, problems = watch(page)
+    page.goto(server.url + "/queues/exports")
+    page.evaluate("window.__marker = 1")
+
+    # When the operator ticks the purge confirmation, scrolls down to the messages, and ten more
+    # exports arrive
+    page.check("input[name=confirm]")
+    page.evaluate("window.scrollTo(0, 1500)")
+    scrolled = page.evaluate("window.scrollY")
+    assert scrolled == 1500
+    for i in range(10):
+        export.send_with_options(args=(i,), delay=3_600_000)
+
+    # Then the page shows them, and the box is still ticked, the page where it was scrolled to
+    sync_api.expect(page.locator("button#purge")).to_have_text("Purge 160 waiting message(s)", timeout=15_000)
+    assert page.is_checked("input[name=confirm]")
+    assert page.evaluate("window.scrollY") == scrolled
+    assert page.evaluate("window.__marker") == 1 and documents == [server.url + "/queues/exports"]
+
+    # When the operator is choosing a filter (its drop-down has the focus) as ten more arrive
+    page.focus("select[name=status]")
+    for i in range(10):
+        export.send_with_options(args=(i,), delay=3_600_000)
+    # Then the updates leave the page alone until the operator is done with it
+    updates = live_updates(page)
+    wait_for(lambda: live_updates(page) >= updates + 2, 10, "two updates of the page")
+    assert page.inner_text("button#purge") == "Purge 160 waiting message(s)"
+    page.evaluate("document.activeElement.blur()")
+    sync_api.expect(page.locator("button#purge")).to_have_text("Purge 170 waiting message(s)", timeout=15_000)
+    assert page.is_checked("input[name=confirm]") and problems == []
+
+
+def test_without_javascript_a_live_page_still_reloads_itself(
+    db: Any, serve_dashboard: Callable[..., DashboardServer], browser: Any
+) -> None:
+    # Given a dashboard whose live pages update every second, and a browser that runs no script
+    server = serve_dashboard(refresh=1)
+    page = browser.new_context(java_script_enabled=False).new_page()
+    documents, updates, _ = watch(page)
+
+    # When the operator opens the workers page
+    page.goto(server.url + "/workers")
+
+    # Then its <noscript> refresh reloads it whole, over and over, as before the script
+    assert page.locator("meta[http-equiv=refresh]").count() == 1
+    wait_for(lambda: page.wait_for_timeout(50) or len(documents) >= 3, 15, "two reloads of the page")
+    assert set(documents) == {server.url + "/workers"} and updates == []
 
 
 def test_dead_letters_are_discarded_and_a_schedule_disabled_from_the_browser(

@@ -71,7 +71,7 @@ def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ())
         type=int,
         default=5,
         metavar="SECONDS",
-        help="reload the queues, queue, workers and schedules pages every SECONDS (default: 5; 0: never)",
+        help="update the queues, queue, workers and schedules pages every SECONDS (default: 5; 0: never)",
     )
     parser.add_argument(
         "--results-namespace",

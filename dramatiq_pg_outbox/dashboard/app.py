@@ -9,9 +9,12 @@ message id, arguments; keyset pages of 50), ``/workers``, ``/schedules`` periodi
 jobs, ``/failed`` dead letters (filters: queue, actor, error type, text),
 ``/failed/{id}`` one dead letter, ``/charts`` throughput and latency per
 actor, ``/healthz`` (no auth; "ok" when the database answers).  The queues,
-queue, workers and schedules pages reload themselves every
-``Settings.refresh`` seconds (``<meta http-equiv="refresh">``: no script,
-so the CSP stays without a script source); ``?refresh=off`` stops it.
+queue, workers and schedules pages update themselves every
+``Settings.refresh`` seconds: ``static/live.js`` fetches the page again
+(header ``X-Live: 1``) and brings its ``[data-live]`` regions up to date in
+place, keeping what the operator ticked, selected and scrolled to; without
+JavaScript a ``<noscript>`` ``<meta http-equiv="refresh">`` reloads the page
+instead.  ``?refresh=off`` stops both.
 
 Actions (POST, refused with 403 in read-only mode or without the CSRF token
 of the session): ``/failed/retry``, ``/failed/discard``, ``/queues/{queue}/purge``,
@@ -22,8 +25,8 @@ Security:
 
 - Every value from the database reaches the page through Jinja2 with
   autoescaping on (HTML and the inline SVG alike); a Content-Security-Policy
-  without any script source is sent as a second line of defence (the
-  dashboard uses no JavaScript).
+  is sent as a second line of defence: scripts only from the dashboard's own
+  files (``script-src 'self'``, no inline script, no eval), fetches only to it.
 - CSRF: a random token is kept in the session (Starlette's signed session
   cookie, ``SameSite=lax``, ``HttpOnly``) and every form carries it; a POST
   whose token is missing or different gets 403 (the synchronizer-token
@@ -334,7 +337,7 @@ class Dashboard:
         )  # fmt: skip
 
     def refresh(self, request: Request) -> int:
-        """Seconds between reloads of a live page (``<meta http-equiv="refresh">``); 0: none.
+        """Seconds between updates of a live page (``static/live.js``, or a reload without it); 0: none.
 
         ``Settings.refresh`` (default 5), unless the page was opened with
         ``?refresh=off`` (its link "pause auto-refresh").

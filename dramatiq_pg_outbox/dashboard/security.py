@@ -31,10 +31,11 @@ from ..options import HEARTBEAT_TIMEOUT_MS, check_positive_ints
 #: Name of the dashboard's signed session cookie.
 SESSION_COOKIE = "dpo_dashboard"
 _SECURITY_HEADERS = {
-    # No script may run at all: the dashboard has none.
+    # Scripts only from files of the dashboard itself (static/live.js: no inline script, no eval),
+    # which may fetch only from it.
     "Content-Security-Policy": (
-        "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
-        "frame-ancestors 'none'; base-uri 'none'"
+        "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; "
+        "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     ),
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
@@ -65,8 +66,8 @@ class Settings:
         a leading ``*`` matches any prefix, ``*`` alone any host); any other gets 400,
         so a page elsewhere cannot read the dashboard through DNS rebinding.  Default
         :data:`LOOPBACK_HOSTS`; the CLI adds its ``--host`` and ``--allowed-host`` values.
-      refresh(int): Seconds between reloads of the live pages (queues, a queue, workers,
-        schedules); 0 for none.  Default 5.
+      refresh(int): Seconds between updates of the live pages (queues, a queue, workers,
+        schedules): in place with JavaScript, a reload without; 0 for none.  Default 5.
       heartbeat_timeout(int): The workers' ``heartbeat_timeout``, in milliseconds, by which
         the dashboard judges them: one silent for longer counts as dead (its messages are
         not running).  Default :data:`~dramatiq_pg_outbox.options.HEARTBEAT_TIMEOUT_MS`, the
@@ -316,14 +317,24 @@ def flash(request: Request, text: str) -> None:
     request.session["flash"] = text
 
 
+#: Request header of a live page's own updates (static/live.js): the page is fetched again,
+#: and the flashed message is left for the next page the operator opens.
+LIVE_HEADER = "X-Live"
+
+
 def base_context(request: Request, settings: Settings, **extra: Any) -> dict[str, Any]:
-    """What every template gets (mode, schema, CSRF token, the flashed message), plus ``extra``."""
+    """What every template gets (mode, schema, CSRF token, the flashed message), plus ``extra``.
+
+    An update of a live page (header :data:`LIVE_HEADER`) shows no flashed message and
+    leaves it in the session: the operator has not seen it yet.
+    """
+    live = request.headers.get(LIVE_HEADER) == "1"
     return {
         "read_only": settings.read_only,
         "auth": settings.auth,
         "schema": settings.schema,
         "csrf_token": _csrf_token(request),
         "refresh": 0,
-        "flash": request.session.pop("flash", None),
+        "flash": None if live else request.session.pop("flash", None),
         **extra,
     }
