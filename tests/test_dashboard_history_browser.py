@@ -11,9 +11,9 @@ import dramatiq
 
 from tests.dashboard_support import DashboardServer, serve_dashboard
 from tests.helpers import count, wait_for
-from tests.test_dashboard_browser import page, screenshot
+from tests.test_dashboard_browser import browser, page, screenshot
 
-__all__ = ["page", "serve_dashboard"]  # the fixtures, imported for pytest
+__all__ = ["browser", "page", "serve_dashboard"]  # the fixtures, imported for pytest
 
 
 class MailboxFull(Exception):
