@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import psycopg
@@ -481,3 +483,65 @@ def test_every_action_of_the_command_line_is_audited_with_the_os_user(
     listed = json.loads(run(capsys, "audit", "--json", "--limit", "2", "--url", database_url))["audit"]
     assert [e["action"] for e in listed] == ["schedule-disable", "discard"]
     assert listed[0]["operator"] == user and listed[0]["at"].endswith("+00:00")
+
+
+#: A sitecustomize that makes one import slow: it touches $DPO_IMPORTING, then sleeps in the
+#: import of $DPO_SLOW_IMPORT, so that a test can press Ctrl-C while the command still imports.
+SLOW_IMPORT = """
+import importlib.abc, os, pathlib, sys, time
+
+class SlowImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == os.environ["DPO_SLOW_IMPORT"]:
+            pathlib.Path(os.environ["DPO_IMPORTING"]).touch()
+            time.sleep(60)
+        return None
+
+sys.meta_path.insert(0, SlowImport())
+"""
+
+
+@pytest.mark.parametrize(
+    "slow",
+    [
+        # the package itself: psycopg is among its first imports
+        "psycopg",
+        # the command line's own modules, after the package
+        "dramatiq_pg_outbox.cli.commands",
+    ],
+)
+def test_ctrl_c_while_the_command_still_imports_is_one_line_and_exit_130(tmp_path: Any, slow: str) -> None:
+    # Given the command started, and held in the import of `slow`
+    (tmp_path / "sitecustomize.py").write_text(SLOW_IMPORT)
+    importing = tmp_path / "importing"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        "DPO_SLOW_IMPORT": slow,
+        "DPO_IMPORTING": str(importing),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq_pg_outbox.cli", "status"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(600):
+            if importing.exists() or process.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert importing.exists(), process.communicate(timeout=10)
+        # When Ctrl-C is pressed there
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    # Then one line, no traceback, and the exit code of an interruption
+    assert process.returncode == 130, err
+    assert err.splitlines() == ["dramatiq-pg-outbox: error: interrupted"]
+    assert out == ""

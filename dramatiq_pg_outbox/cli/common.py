@@ -21,6 +21,7 @@ import psycopg
 from dramatiq.common import q_name
 from psycopg.conninfo import conninfo_to_dict
 
+from .. import _launch
 from .._isolation import connect
 from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, login_name, rejection_reason
 from ..migrations import check_schema
@@ -29,7 +30,7 @@ from ..store.admin import AdminStore
 from ..urls import SECRET_PARAMETERS, libpq_url, mask_password
 
 #: Name of the program in messages.
-PROG = "dramatiq-pg-outbox"
+PROG = _launch.PROG
 #: Environment variable that turns ``--debug`` on for every subcommand (any value but ``0`` or empty).
 DEBUG_ENV_VAR = "DRAMATIQ_PG_OUTBOX_DEBUG"
 #: Environment variable read when ``--url`` is not given.
@@ -41,7 +42,7 @@ EXIT_FAILURE = 1
 #: Exit code of a usage error (argparse's).
 EXIT_USAGE = 2
 #: Exit code after Ctrl-C (128 + SIGINT).
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = _launch.EXIT_INTERRUPTED
 #: ``status --check`` found something that needs attention.
 EXIT_ATTENTION = 3
 #: The reader of the output went away (``... | head``): 128 + SIGPIPE, as a process SIGPIPE ended.
