@@ -545,3 +545,38 @@ def test_ctrl_c_while_the_command_still_imports_is_one_line_and_exit_130(tmp_pat
     assert process.returncode == 130, err
     assert err.splitlines() == ["dramatiq-pg-outbox: error: interrupted"]
     assert out == ""
+
+
+GOOD_DIGEST = "0" * 64
+
+
+@pytest.mark.parametrize(
+    ("lines", "says"),
+    [
+        ([f"alice:admin:token:sha256:{GOOD_DIGEST}"], ":3: unknown role 'admin'"),
+        (
+            [f"alice:operator:token:sha256:{GOOD_DIGEST}", f"alice:read-only:basic:sha256:{'1' * 64}"],
+            ":4: user 'alice' is named twice",
+        ),
+        (["alice:operator:token:hunter2"], ":3: the secret must be sha256:"),
+        (["alice:operator"], ":3: expected NAME:ROLE:KIND:sha256:HEX"),
+        (["# nobody"], "names no user"),
+    ],
+)
+def test_a_bad_users_file_is_a_usage_error_naming_the_file_and_line(
+    tmp_path: Any, database_url: str, lines: list[str], says: str
+) -> None:
+    path = tmp_path / "users"
+    path.write_text("# name:role:kind:sha256:hex\n\n" + "\n".join(lines) + "\n")
+    result = cli("dashboard", "--port", "0", "--users-file", str(path), "--url", database_url)
+    line = one_line_error(result, EXIT_USAGE, says=[str(path), says])
+    assert "hunter2" not in line
+
+
+def test_a_missing_users_file_from_the_environment_is_a_usage_error(tmp_path: Any, database_url: str) -> None:
+    missing = str(tmp_path / "nowhere")
+    result = cli(
+        "dashboard", "--port", "0", "--url", database_url,
+        env={"DRAMATIQ_PG_OUTBOX_DASHBOARD_USERS_FILE": missing},
+    )  # fmt: skip
+    one_line_error(result, EXIT_USAGE, says=[f"cannot read the users file {missing}", "No such file"])

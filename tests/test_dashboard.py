@@ -20,6 +20,7 @@ import pytest
 from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.dashboard import TOKEN_ENV, charts
 from dramatiq_pg_outbox.dashboard.app import Settings
+from dramatiq_pg_outbox.dashboard.security import load_users, secret_digest
 from dramatiq_pg_outbox.dashboard.store import SHARED_QUERIES, Store, raw_queries
 from dramatiq_pg_outbox.migrations import libpq_url
 from dramatiq_pg_outbox.testing import free_port
@@ -979,3 +980,67 @@ def test_an_action_is_audited_with_the_basic_auth_user_and_the_address(
         ("ops", "dashboard", "pause", "shipping", 0, "from 127.0.0.1"),
     ]
     assert page.count('<td class="action">pause</td>') >= 2
+
+
+def users_file(tmp_path: Path, *lines: str) -> str:
+    path = tmp_path / "users"
+    path.write_text("# name:role:kind:sha256:hex\n\n" + "".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def test_named_users_act_by_their_role_and_the_audit_names_them(
+    make_broker: Any, db: Any, serve_dashboard: Serve, tmp_path: Path
+) -> None:
+    # Given a dashboard with an operator (a token) and a read-only user (basic auth)
+    make_broker()
+    queue = f"roles_{os.getpid()}_{free_port()}"
+    path = users_file(
+        tmp_path,
+        f"alice:operator:token:sha256:{secret_digest('alice-token')}",
+        f"grafana:read-only:basic:sha256:{secret_digest('pa:ss')}",
+    )
+    server = serve_dashboard(users=load_users(path))
+    viewer = {"Authorization": "Basic " + base64.b64encode(b"grafana:pa:ss").decode()}
+    operator = {"Authorization": "Bearer alice-token"}
+    try:
+        with httpx.Client(base_url=server.url, headers=viewer) as browser:
+            # When the read-only user opens a queue and posts its pause anyway
+            page = browser.get(f"/queues/{queue}")
+            refused = browser.post(f"/queues/{queue}/pause", data={"csrf_token": csrf_token(page.text)})
+        with httpx.Client(base_url=server.url, headers=operator) as browser:
+            mine = browser.get(f"/queues/{queue}")
+            paused = browser.post(f"/queues/{queue}/pause", data={"csrf_token": csrf_token(mine.text)})
+        with httpx.Client(base_url=server.url, follow_redirects=True) as browser:
+            # (the login form knows alice's token, not the basic-auth user's password)
+            login = browser.get("/login")
+            wrong = browser.post("/login", data={"csrf_token": csrf_token(login.text), "token": "pa:ss"})
+            right = browser.post(
+                "/login", data={"csrf_token": csrf_token(wrong.text), "token": "alice-token", "next": "/"}
+            )
+    finally:
+        db.execute("DELETE FROM dramatiq.queue_pauses WHERE queue_name = %s", (queue,))
+    # Then the read-only user sees no action button and is refused; the operator acts
+    assert page.status_code == 200 and 'id="user">grafana<' in page.text
+    assert 'id="pause"' not in page.text
+    assert refused.status_code == 403 and "grafana is read-only" in refused.text
+    assert mine.status_code == 200 and 'id="pause"' in mine.text
+    assert paused.status_code == 303
+    assert wrong.status_code == 401 and right.status_code == 200 and 'id="user">alice<' in right.text
+    # And the audit trail names the operator, and only the action that happened
+    rows = db.execute(
+        "SELECT operator, action, count FROM dramatiq.audit WHERE target = %s ORDER BY id", (queue,)
+    ).fetchall()
+    assert rows == [("alice", "pause", 1)]
+
+
+def test_a_read_only_token_user_gets_no_retry_form_and_403(
+    serve_dashboard: Serve, tmp_path: Path, make_broker: Any
+) -> None:
+    make_broker()
+    path = users_file(tmp_path, f"viewer:read-only:token:sha256:{secret_digest('v-token')}")
+    server = serve_dashboard(users=load_users(path))
+    with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer v-token"}) as browser:
+        failed = browser.get("/failed")
+        retry = browser.post("/failed/retry", data={"all": "1", "csrf_token": csrf_token(failed.text)})
+    assert failed.status_code == 200 and 'id="retry-form"' not in failed.text and "read-only" in failed.text
+    assert retry.status_code == 403

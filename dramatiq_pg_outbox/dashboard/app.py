@@ -73,10 +73,11 @@ from .security import (
     base_context,
     checked_form,
     client_of,
+    current_user,
     flash,
-    same_secret,
-    token_mark,
+    token_user,
     too_many,
+    user_mark,
 )
 from .store import MIN_SCHEMA_REVISION, FailedFilter, Store, decode_payload
 
@@ -375,11 +376,13 @@ class Dashboard:
         return self.render(request, "audit.html", page="audit", entries=await self.store.audit(AUDIT_ROWS))
 
     async def record(self, request: Request, action: str, target: str, count: int, detail: str = "") -> None:
-        """The audit row of an action (who: the basic-auth user, ``token`` or ``anonymous``), logged too."""
-        settings = self.settings
-        operator = (
-            settings.basic_auth[0] if settings.basic_auth else "token" if settings.token else "anonymous"
-        )
+        """The audit row of an action, logged too.
+
+        Who acted: the name of the user (of the users file; the basic-auth user; ``token``
+        for the single ``--token``), or ``anonymous`` on a dashboard without auth.
+        """
+        user = current_user(request)
+        operator = user.name if user is not None else "anonymous"
         where = f"from {client_of(request)}" + (f"; {detail}" if detail else "")
         kept = await self.store.record_audit(
             operator=operator, source="dashboard", action=action, target=target, count=count, detail=where
@@ -505,7 +508,7 @@ class Dashboard:
 
     # -- login --------------------------------------------------------------------
     async def login_page(self, request: Request) -> Response:
-        if self.settings.token is None:
+        if self.settings.auth != "token":
             return RedirectResponse(request.url_for("queues"), status_code=303)
         return self.render(request, "login.html", next=_safe_next(request.query_params.get("next")))
 
@@ -513,17 +516,19 @@ class Dashboard:
         form = await checked_form(request)
         token = form.get("token")
         target = _safe_next(form.get("next"))
-        if self.settings.token is None:
+        if self.settings.auth != "token":
             return RedirectResponse(target, status_code=303)
         client = client_of(request)
         wait = self.throttle.wait(client)
         if wait > 0:
             return too_many(wait)
-        if isinstance(token, str) and same_secret(token, self.settings.token):
+        user = token_user(self.settings, token) if isinstance(token, str) else None
+        if user is not None:
             self.throttle.succeeded(client)
             # A fresh CSRF token with the new privilege (no fixation of the old one).
             request.session.clear()
-            request.session["authenticated"] = token_mark(self.settings.token)
+            request.session["user"] = user.name
+            request.session["authenticated"] = user_mark(user.digest)
             return RedirectResponse(target, status_code=303)
         self.throttle.failed(client, "wrong token in the login form")
         return self.render(request, "login.html", status_code=401, next=target, error="Wrong token.")
