@@ -95,7 +95,7 @@ def test_status_check_reports_only_what_needs_attention_and_exits_3(
     )
     assert lines[1] == "queue 'reports': 3 due message(s) and no live worker consumes it"
     assert re.fullmatch(
-        r"schedule 'nightly': its tick is 10m\d\ds overdue: is a scheduler running\?", lines[2]
+        r"schedule 'nightly': its tick is 10 min \d\d s overdue: is a scheduler running\?", lines[2]
     )
     assert len(lines) == 3
     # And --json carries the same lines, with the same exit code
@@ -116,7 +116,7 @@ def test_workers_lists_each_process_live_or_silent(
     add_worker(db, ["reports"], seconds_ago=90)
     lines = run(capsys, "workers", "--url", database_url).splitlines()
     assert re.match(r"^host\s+pid\s+queues\s+last heartbeat\s+status$", lines[0])
-    assert sum(bool(re.search(r"\semails\s+\d+(\.\d)?s ago\s+live$", line)) for line in lines) == 1
+    assert sum(bool(re.search(r"\semails\s+\d+(\.\d)? s ago\s+live$", line)) for line in lines) == 1
     assert sum(line.endswith("silent: counted dead") for line in lines) == 1
     listed = json.loads(run(capsys, "workers", "--url", database_url, "--json"))["workers"]
     assert sorted((w["queues"], w["live"]) for w in listed) == [
@@ -478,7 +478,7 @@ def test_every_action_of_the_command_line_is_audited_with_the_os_user(
     ]
     # And `audit` lists them, newest first, as a table or JSON
     lines = run(capsys, "audit", "--url", database_url).splitlines()
-    assert re.match(r"^at \(UTC\)\s+operator\s+from\s+action\s+target\s+rows$", lines[0])
+    assert re.match(r"^at\s+operator\s+from\s+action\s+target\s+rows$", lines[0])
     assert "schedule-disable" in lines[1] and "pause" in lines[-1]
     listed = json.loads(run(capsys, "audit", "--json", "--limit", "2", "--url", database_url))["audit"]
     assert [e["action"] for e in listed] == ["schedule-disable", "discard"]

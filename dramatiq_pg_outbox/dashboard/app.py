@@ -61,6 +61,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from ..formats import error_parts, format_age, format_time
 from ..urls import mask_password
 from . import charts
 from .security import (
@@ -117,29 +118,6 @@ def broker_channel(url: str, schema: str) -> str:
 
 
 # -- formatting ---------------------------------------------------------------
-def format_age(seconds: float | None) -> str:
-    """``0.4 s``, ``42 s``, ``3.5 min``, ``2.0 h``, ``3.1 d``; ``-`` for None."""
-    if seconds is None:
-        return "-"
-    s = float(seconds)
-    if abs(s) < 10:
-        return f"{s:.1f} s"
-    if abs(s) < 120:
-        return f"{s:.0f} s"
-    if abs(s) < 7200:
-        return f"{s / 60:.1f} min"
-    if abs(s) < 172800:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} d"
-
-
-def format_time(value: dt.datetime | None) -> str:
-    """A database time in UTC, to the second."""
-    if value is None:
-        return "-"
-    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
 def merge_query(params: Any, **changes: str | None) -> str:
     """The query string of ``params`` (a request's query parameters) with ``changes``; None drops one."""
     merged = [(k, v) for k, v in params.multi_items() if k not in changes]
@@ -160,6 +138,7 @@ def _templates() -> Jinja2Templates:
     env.filters["time"] = format_time
     env.filters["number"] = lambda n: f"{int(n):,}"
     env.filters["merge"] = merge_query
+    env.globals["error_parts"] = error_parts
     return Jinja2Templates(env=env)
 
 
