@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from .broker import PostgresBroker
-from .errors import MessageTooLarge, OutboxError, SchemaNotReady
-from .migrations import downgrade, upgrade, versions_path
-from .outbox import Outbox, outbox, outside_outbox
-from .results import PostgresBackend
+from ._launch import interruptible_imports
+
+# A Ctrl-C while these import (the command's first moments) is one line in the command.
+with interruptible_imports():
+    from .broker import PostgresBroker
+    from .errors import MessageTooLarge, OutboxError, SchemaNotReady
+    from .migrations import downgrade, upgrade, versions_path
+    from .outbox import Outbox, outbox, outside_outbox
+    from .results import PostgresBackend
 
 __all__ = [
     "MessageTooLarge",

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import psycopg
@@ -93,7 +95,7 @@ def test_status_check_reports_only_what_needs_attention_and_exits_3(
     )
     assert lines[1] == "queue 'reports': 3 due message(s) and no live worker consumes it"
     assert re.fullmatch(
-        r"schedule 'nightly': its tick is 10m\d\ds overdue: is a scheduler running\?", lines[2]
+        r"schedule 'nightly': its tick is 10 min \d\d s overdue: is a scheduler running\?", lines[2]
     )
     assert len(lines) == 3
     # And --json carries the same lines, with the same exit code
@@ -114,7 +116,7 @@ def test_workers_lists_each_process_live_or_silent(
     add_worker(db, ["reports"], seconds_ago=90)
     lines = run(capsys, "workers", "--url", database_url).splitlines()
     assert re.match(r"^host\s+pid\s+queues\s+last heartbeat\s+status$", lines[0])
-    assert sum(bool(re.search(r"\semails\s+\d+(\.\d)?s ago\s+live$", line)) for line in lines) == 1
+    assert sum(bool(re.search(r"\semails\s+\d+(\.\d)? s ago\s+live$", line)) for line in lines) == 1
     assert sum(line.endswith("silent: counted dead") for line in lines) == 1
     listed = json.loads(run(capsys, "workers", "--url", database_url, "--json"))["workers"]
     assert sorted((w["queues"], w["live"]) for w in listed) == [
@@ -476,8 +478,105 @@ def test_every_action_of_the_command_line_is_audited_with_the_os_user(
     ]
     # And `audit` lists them, newest first, as a table or JSON
     lines = run(capsys, "audit", "--url", database_url).splitlines()
-    assert re.match(r"^at \(UTC\)\s+operator\s+from\s+action\s+target\s+rows$", lines[0])
+    assert re.match(r"^at\s+operator\s+from\s+action\s+target\s+rows$", lines[0])
     assert "schedule-disable" in lines[1] and "pause" in lines[-1]
     listed = json.loads(run(capsys, "audit", "--json", "--limit", "2", "--url", database_url))["audit"]
     assert [e["action"] for e in listed] == ["schedule-disable", "discard"]
     assert listed[0]["operator"] == user and listed[0]["at"].endswith("+00:00")
+
+
+#: A sitecustomize that makes one import slow: it touches $DPO_IMPORTING, then sleeps in the
+#: import of $DPO_SLOW_IMPORT, so that a test can press Ctrl-C while the command still imports.
+SLOW_IMPORT = """
+import importlib.abc, os, pathlib, sys, time
+
+class SlowImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == os.environ["DPO_SLOW_IMPORT"]:
+            pathlib.Path(os.environ["DPO_IMPORTING"]).touch()
+            time.sleep(60)
+        return None
+
+sys.meta_path.insert(0, SlowImport())
+"""
+
+
+@pytest.mark.parametrize(
+    "slow",
+    [
+        # the package itself: psycopg is among its first imports
+        "psycopg",
+        # the command line's own modules, after the package
+        "dramatiq_pg_outbox.cli.commands",
+    ],
+)
+def test_ctrl_c_while_the_command_still_imports_is_one_line_and_exit_130(tmp_path: Any, slow: str) -> None:
+    # Given the command started, and held in the import of `slow`
+    (tmp_path / "sitecustomize.py").write_text(SLOW_IMPORT)
+    importing = tmp_path / "importing"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        "DPO_SLOW_IMPORT": slow,
+        "DPO_IMPORTING": str(importing),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq_pg_outbox.cli", "status"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(600):
+            if importing.exists() or process.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert importing.exists(), process.communicate(timeout=10)
+        # When Ctrl-C is pressed there
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    # Then one line, no traceback, and the exit code of an interruption
+    assert process.returncode == 130, err
+    assert err.splitlines() == ["dramatiq-pg-outbox: error: interrupted"]
+    assert out == ""
+
+
+GOOD_DIGEST = "0" * 64
+
+
+@pytest.mark.parametrize(
+    ("lines", "says"),
+    [
+        ([f"alice:admin:token:sha256:{GOOD_DIGEST}"], ":3: unknown role 'admin'"),
+        (
+            [f"alice:operator:token:sha256:{GOOD_DIGEST}", f"alice:read-only:basic:sha256:{'1' * 64}"],
+            ":4: user 'alice' is named twice",
+        ),
+        (["alice:operator:token:hunter2"], ":3: the secret must be sha256:"),
+        (["alice:operator"], ":3: expected NAME:ROLE:KIND:sha256:HEX"),
+        (["# nobody"], "names no user"),
+    ],
+)
+def test_a_bad_users_file_is_a_usage_error_naming_the_file_and_line(
+    tmp_path: Any, database_url: str, lines: list[str], says: str
+) -> None:
+    path = tmp_path / "users"
+    path.write_text("# name:role:kind:sha256:hex\n\n" + "\n".join(lines) + "\n")
+    result = cli("dashboard", "--port", "0", "--users-file", str(path), "--url", database_url)
+    line = one_line_error(result, EXIT_USAGE, says=[str(path), says])
+    assert "hunter2" not in line
+
+
+def test_a_missing_users_file_from_the_environment_is_a_usage_error(tmp_path: Any, database_url: str) -> None:
+    missing = str(tmp_path / "nowhere")
+    result = cli(
+        "dashboard", "--port", "0", "--url", database_url,
+        env={"DRAMATIQ_PG_OUTBOX_DASHBOARD_USERS_FILE": missing},
+    )  # fmt: skip
+    one_line_error(result, EXIT_USAGE, says=[f"cannot read the users file {missing}", "No such file"])

@@ -86,14 +86,14 @@ def test_prune_dry_run_counts_what_prune_then_removes(
     dry = cli("prune", "--older-than", "36h", "--dry-run", "--url", database_url)
     assert dry.returncode == 0, dry
     assert dry.stdout.strip() == (
-        "would drop 0 day partition(s) of about 0 row(s), would delete 1 history row(s) older than 1d12h, "
+        "would drop 0 day partition(s) of about 0 row(s), would delete 1 history row(s) older than 1 d 12 h, "
         "would free 0 idempotency key(s) (dry run: nothing changed)"
     )
     assert count(db, "SELECT count(*) FROM dramatiq.history") == 1
     real = cli("prune", "--older-than", "36h", "--url", database_url)
     assert (
         real.stdout.strip()
-        == "dropped 0 day partition(s) of about 0 row(s), deleted 1 history row(s) older than 1d12h, "
+        == "dropped 0 day partition(s) of about 0 row(s), deleted 1 history row(s) older than 1 d 12 h, "
         "freed 0 idempotency key(s)"
     )
     assert count(db, "SELECT count(*) FROM dramatiq.history") == 0

@@ -18,9 +18,12 @@ import psycopg
 import pytest
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
+from dramatiq_pg_outbox.cli import main
 from dramatiq_pg_outbox.dashboard import TOKEN_ENV, charts
 from dramatiq_pg_outbox.dashboard.app import Settings
+from dramatiq_pg_outbox.dashboard.security import load_users, secret_digest
 from dramatiq_pg_outbox.dashboard.store import SHARED_QUERIES, Store, raw_queries
+from dramatiq_pg_outbox.formats import error_parts, format_age, format_time
 from dramatiq_pg_outbox.migrations import libpq_url
 from dramatiq_pg_outbox.testing import free_port
 from tests.dashboard_support import DashboardServer, csrf_token, serve_dashboard
@@ -102,7 +105,9 @@ def test_pages_show_the_queues_workers_dead_letters_and_charts_of_the_database(
     assert "<rect " in row.group(1)  # the last hour's sparkline has a bar
 
     assert socket.gethostname() in workers and f">{os.getpid()}<" in workers
-    assert "2 dead letter(s)" in failed and failed.count("CardDeclined: card declined for order") == 2
+    assert (
+        "2 dead letter(s)" in failed and failed.count("CardDeclined</strong>: card declined for order") == 2
+    )
     assert "Traceback (most recent call last):" in letter
     assert "raise CardDeclined(" in letter
     assert "&#34;actor_name&#34;: &#34;charge&#34;" in letter  # the decoded JSON payload
@@ -1030,3 +1035,119 @@ def test_an_action_is_audited_with_the_basic_auth_user_and_the_address(
         ("ops", "dashboard", "pause", "shipping", 0, "from 127.0.0.1"),
     ]
     assert page.count('<td class="action">pause</td>') >= 2
+
+
+def users_file(tmp_path: Path, *lines: str) -> str:
+    path = tmp_path / "users"
+    path.write_text("# name:role:kind:sha256:hex\n\n" + "".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def test_named_users_act_by_their_role_and_the_audit_names_them(
+    make_broker: Any, db: Any, serve_dashboard: Serve, tmp_path: Path
+) -> None:
+    # Given a dashboard with an operator (a token) and a read-only user (basic auth)
+    make_broker()
+    queue = f"roles_{os.getpid()}_{free_port()}"
+    path = users_file(
+        tmp_path,
+        f"alice:operator:token:sha256:{secret_digest('alice-token')}",
+        f"grafana:read-only:basic:sha256:{secret_digest('pa:ss')}",
+    )
+    server = serve_dashboard(users=load_users(path))
+    viewer = {"Authorization": "Basic " + base64.b64encode(b"grafana:pa:ss").decode()}
+    operator = {"Authorization": "Bearer alice-token"}
+    try:
+        with httpx.Client(base_url=server.url, headers=viewer) as browser:
+            # When the read-only user opens a queue and posts its pause anyway
+            page = browser.get(f"/queues/{queue}")
+            refused = browser.post(f"/queues/{queue}/pause", data={"csrf_token": csrf_token(page.text)})
+        with httpx.Client(base_url=server.url, headers=operator) as browser:
+            mine = browser.get(f"/queues/{queue}")
+            paused = browser.post(f"/queues/{queue}/pause", data={"csrf_token": csrf_token(mine.text)})
+        with httpx.Client(base_url=server.url, follow_redirects=True) as browser:
+            # (the login form knows alice's token, not the basic-auth user's password)
+            login = browser.get("/login")
+            wrong = browser.post("/login", data={"csrf_token": csrf_token(login.text), "token": "pa:ss"})
+            right = browser.post(
+                "/login", data={"csrf_token": csrf_token(wrong.text), "token": "alice-token", "next": "/"}
+            )
+    finally:
+        db.execute("DELETE FROM dramatiq.queue_pauses WHERE queue_name = %s", (queue,))
+    # Then the read-only user sees no action button and is refused; the operator acts
+    assert page.status_code == 200 and 'id="user">grafana<' in page.text
+    assert 'id="pause"' not in page.text
+    assert refused.status_code == 403 and "grafana is read-only" in refused.text
+    assert mine.status_code == 200 and 'id="pause"' in mine.text
+    assert paused.status_code == 303
+    assert wrong.status_code == 401 and right.status_code == 200 and 'id="user">alice<' in right.text
+    # And the audit trail names the operator, and only the action that happened
+    rows = db.execute(
+        "SELECT operator, action, count FROM dramatiq.audit WHERE target = %s ORDER BY id", (queue,)
+    ).fetchall()
+    assert rows == [("alice", "pause", 1)]
+
+
+def test_a_read_only_token_user_gets_no_retry_form_and_403(
+    serve_dashboard: Serve, tmp_path: Path, make_broker: Any
+) -> None:
+    make_broker()
+    path = users_file(tmp_path, f"viewer:read-only:token:sha256:{secret_digest('v-token')}")
+    server = serve_dashboard(users=load_users(path))
+    with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer v-token"}) as browser:
+        failed = browser.get("/failed")
+        retry = browser.post("/failed/retry", data={"all": "1", "csrf_token": csrf_token(failed.text)})
+    assert failed.status_code == 200 and 'id="retry-form"' not in failed.text and "read-only" in failed.text
+    assert retry.status_code == 403
+
+
+def test_the_dashboard_and_the_command_line_print_a_dead_letter_alike_its_type_once(
+    make_broker: Any, db: Any, serve_dashboard: Serve, capsys: pytest.CaptureFixture[str], database_url: str
+) -> None:
+    # Given a dead letter whose error text starts with its type
+    make_broker()
+    queue = f"alike_{os.getpid()}_{free_port()}"
+    row_id, finished = db.execute(
+        "INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts, "
+        "enqueued_at, finished_at, error_type, error, payload) "
+        "VALUES ((1e9 + floor(random() * 1e9))::bigint, %s, 'charge', gen_random_uuid()::text, "
+        "'failed', 1, now(), now() - interval '200 seconds', 'ValueError', 'ValueError: bad input', '') "
+        "RETURNING id, finished_at",
+        (queue,),
+    ).fetchone()
+    try:
+        # When the failed page and `dramatiq-pg-outbox failed` show it
+        server = serve_dashboard()
+        page = httpx.get(f"{server.url}/failed?queue={queue}").text
+        assert main(["failed", "--queue", queue, "--url", database_url]) == 0
+        table = capsys.readouterr().out
+    finally:
+        db.execute("DELETE FROM dramatiq.history WHERE id = %s", (row_id,))
+    # Then both print the time the same way, and the type once
+    shown = format_time(finished)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", shown)
+    cell = re.search(r'<td class="error-line">(.*?)</td>', page, re.S)
+    assert cell is not None and cell.group(1).strip() == "<strong>ValueError</strong>: bad input"
+    assert f"<td>{shown}</td>" in page
+    line = next(line for line in table.splitlines() if line.startswith(str(row_id)))
+    assert shown in line and line.endswith("ValueError: bad input") and line.count("ValueError") == 1
+
+
+def test_ages_read_the_same_on_the_pages_and_in_the_tables() -> None:
+    from dramatiq_pg_outbox.dashboard.app import _templates
+
+    age = _templates().env.filters["age"]
+    for seconds, text in [
+        (0.42, "0.4 s"),
+        (42, "42 s"),
+        (200, "3 min 20 s"),
+        (7500, "2 h 05 min"),
+        (273600, "3 d 04 h"),
+    ]:
+        assert age(seconds) == format_age(seconds) == text
+    assert error_parts("ValueError", "ValueError: bad") == ("ValueError", ": bad")
+    assert error_parts("CardDeclined", "Traceback (most recent call last):\n  ...\napp.CardDeclined: no") == (
+        "CardDeclined",
+        ": no",
+    )
+    assert error_parts("DecodeError", "ValueError: bad json") == ("DecodeError", ": ValueError: bad json")

@@ -445,7 +445,7 @@ def test_dead_letters_are_discarded_and_a_schedule_disabled_from_the_browser(
     page.goto(server.url + "/schedules?refresh=off")
     row = page.locator('#schedules tr[data-name="heartbeat-ping"]')
     assert "enabled" in row.locator("td.status").inner_text()
-    assert "every 60 s" in row.inner_text()
+    assert "every 1 min 00 s" in row.inner_text()
     row.locator("button:has-text('Disable')").click()
     assert "Disabled schedule heartbeat-ping." in page.inner_text(".flash")
     screenshot(page, tmp_path / "schedules.png")

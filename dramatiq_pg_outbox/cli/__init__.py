@@ -9,6 +9,10 @@ the package never imports this one.
 
 from __future__ import annotations
 
-from .main import main
+from .._launch import interruptible_imports
+
+# A Ctrl-C while the subcommands import is one line and exit code 130, as later on.
+with interruptible_imports():
+    from .main import main
 
 __all__ = ["main"]

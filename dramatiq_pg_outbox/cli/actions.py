@@ -16,6 +16,7 @@ import getpass
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from ..formats import format_time
 from ..names import channel_for
 from .common import (
     EXIT_USAGE,
@@ -119,7 +120,7 @@ def _missing(what: str, ids: list[int], args: argparse.Namespace) -> CliError:
 
 
 def cancel_command(args: argparse.Namespace) -> int:
-    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    now = format_time(dt.datetime.now(dt.timezone.utc))
     reason = args.reason or f"canceled by {getpass.getuser()} with {PROG} cancel at {now}"
     return _each_message(
         args,

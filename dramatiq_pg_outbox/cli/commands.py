@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import logging
 import os
 import shutil
@@ -17,6 +16,7 @@ from typing import Any
 import psycopg
 from dramatiq.common import dq_name, q_name
 
+from ..formats import exception_line, format_age, format_time
 from ..migrations import VERSION_TABLE, script_location, upgrade, upgrade_sql
 from ..names import channel_for
 from ..store.admin import AdminStore
@@ -31,8 +31,6 @@ from .common import (
     checked_connection,
     clip,
     database_from,
-    exception_line,
-    format_duration,
     format_queue_list,
     open_connection,
     print_json,
@@ -170,7 +168,7 @@ def attention(conn: psycopg.Connection[Any], store: AdminStore, heartbeat_timeou
         if queue not in paused and queue not in consumed
     ]
     found += [
-        f"schedule {row.name!r}: its tick is {format_duration(row.late_s)} overdue: is a scheduler running?"
+        f"schedule {row.name!r}: its tick is {format_age(row.late_s)} overdue: is a scheduler running?"
         for row in PeriodicStore(store.schema).list_schedules(conn)
         if row.removed_s is None and row.disabled_at is None and row.late_s * 1000 > row.grace_ms
     ]
@@ -220,7 +218,7 @@ def status_command(args: argparse.Namespace) -> int:
         return EXIT_ATTENTION if needs else 0
     if messages:
         print_table(
-            [(m.queue_name, m.state, m.messages, m.delayed, format_duration(m.oldest_s)) for m in messages],
+            [(m.queue_name, m.state, m.messages, m.delayed, format_age(m.oldest_s)) for m in messages],
             ["queue", "state", "messages", "delayed", "oldest"],
             numeric=(2, 3, 4),
         )
@@ -237,16 +235,13 @@ def status_command(args: argparse.Namespace) -> int:
         print("no dead letters")
     print()
     if paused:
-        utc = datetime.timezone.utc
-        since = ", ".join(
-            f"{p.queue_name} (since {p.paused_at.astimezone(utc):%Y-%m-%d %H:%M:%S} UTC)" for p in paused
-        )
+        since = ", ".join(f"{p.queue_name} (since {format_time(p.paused_at)})" for p in paused)
         print(f"paused: {since}")
         print()
     if workers:
         print_table(
             [
-                (w.hostname, w.pid, format_queue_list(w.queues), f"{format_duration(w.heartbeat_age_s)} ago")
+                (w.hostname, w.pid, format_queue_list(w.queues), f"{format_age(w.heartbeat_age_s)} ago")
                 for w in workers
             ],
             ["host", "pid", "queues", "last heartbeat"],
@@ -284,7 +279,7 @@ def workers_command(args: argparse.Namespace) -> int:
                 w.hostname,
                 w.pid,
                 format_queue_list(w.queues),
-                f"{format_duration(w.heartbeat_age_s)} ago",
+                f"{format_age(w.heartbeat_age_s)} ago",
                 "live" if w.heartbeat_age_s * 1000 < args.heartbeat_timeout else "silent: counted dead",
             )
             for w in workers
@@ -507,19 +502,18 @@ def failed_command(args: argparse.Namespace) -> int:
         only = f" of queue {args.queue!r}" if args.queue else ""
         print(f"no dead letters{only} in schema {args.schema!r}")
         return 0
-    utc = datetime.timezone.utc
     table = [
         (
             row.id,
             row.queue_name,
             row.actor_name,
             row.attempts,
-            f"{row.finished_at.astimezone(utc):%Y-%m-%d %H:%M:%S}",
+            format_time(row.finished_at),
             exception_line(row.error_type, row.error),
         )
         for row in rows
     ]
-    header = ["id", "queue", "actor", "attempts", "finished (UTC)", "error"]
+    header = ["id", "queue", "actor", "attempts", "finished", "error"]
     used = sum(max(len(str(r[i])) for r in [header, *table]) + 2 for i in range(len(header) - 1))
     width = max(MIN_ERROR_WIDTH, shutil.get_terminal_size((120, 24)).columns - used)
     print_table([(*line[:-1], clip(line[-1], width)) for line in table], header, numeric=(0, 3))
@@ -573,13 +567,9 @@ def audit_command(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no operator action recorded in schema {args.schema!r}")
         return 0
-    utc = datetime.timezone.utc
     print_table(
-        [
-            (f"{r.at.astimezone(utc):%Y-%m-%d %H:%M:%S}", r.operator, r.source, r.action, r.target, r.count)
-            for r in rows
-        ],
-        ["at (UTC)", "operator", "from", "action", "target", "rows"],
+        [(format_time(r.at), r.operator, r.source, r.action, r.target, r.count) for r in rows],
+        ["at", "operator", "from", "action", "target", "rows"],
         numeric=(5,),
     )
     return 0
@@ -592,7 +582,7 @@ def prune_command(args: argparse.Namespace) -> int:
         result = prune(
             conn, args.schema, args.older_than, lock_timeout=args.lock_timeout, dry_run=args.dry_run
         )
-    age = format_duration(args.older_than.total_seconds())
+    age = format_age(args.older_than.total_seconds())
     days = f" ({result.dropped[0].day} to {result.dropped[-1].day})" if result.dropped else ""
     would = "would drop" if args.dry_run else "dropped"
     deleted = "would delete" if args.dry_run else "deleted"

@@ -21,6 +21,7 @@ import psycopg
 from dramatiq.common import q_name
 from psycopg.conninfo import conninfo_to_dict
 
+from .. import _launch
 from .._isolation import connect
 from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, login_name, rejection_reason
 from ..migrations import check_schema
@@ -29,7 +30,7 @@ from ..store.admin import AdminStore
 from ..urls import SECRET_PARAMETERS, libpq_url, mask_password
 
 #: Name of the program in messages.
-PROG = "dramatiq-pg-outbox"
+PROG = _launch.PROG
 #: Environment variable that turns ``--debug`` on for every subcommand (any value but ``0`` or empty).
 DEBUG_ENV_VAR = "DRAMATIQ_PG_OUTBOX_DEBUG"
 #: Environment variable read when ``--url`` is not given.
@@ -41,7 +42,7 @@ EXIT_FAILURE = 1
 #: Exit code of a usage error (argparse's).
 EXIT_USAGE = 2
 #: Exit code after Ctrl-C (128 + SIGINT).
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = _launch.EXIT_INTERRUPTED
 #: ``status --check`` found something that needs attention.
 EXIT_ATTENTION = 3
 #: The reader of the output went away (``... | head``): 128 + SIGPIPE, as a process SIGPIPE ended.
@@ -509,23 +510,6 @@ def print_table(rows: Sequence[Sequence[Any]], header: Sequence[str], numeric: S
         print(line.rstrip())
 
 
-def format_duration(seconds: float | decimal.Decimal | None) -> str:
-    """``0.4s``, ``42s``, ``5m03s``, ``2h05m``, ``3d04h``."""
-    if seconds is None:
-        return ""
-    seconds = max(0.0, float(seconds))
-    if seconds < 10:
-        return f"{seconds:.1f}s"
-    whole = int(seconds)
-    if whole < 60:
-        return f"{whole}s"
-    if whole < 3_600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    if whole < 86_400:
-        return f"{whole // 3_600}h{whole % 3_600 // 60:02d}m"
-    return f"{whole // 86_400}d{whole % 86_400 // 3_600:02d}h"
-
-
 def format_queue_list(queues: Sequence[str]) -> str:
     """``default, emails``: Dramatiq's delay queues (``emails.DQ``) are the same rows as their queue."""
     return ", ".join(dict.fromkeys(q_name(q) for q in queues))
@@ -533,40 +517,6 @@ def format_queue_list(queues: Sequence[str]) -> str:
 
 def clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(0, width - 3)].rstrip() + "..."
-
-
-def exception_line(error_type: str | None, error: str | None) -> str:
-    """The line that says what failed: ``KeyError: 'no such customer'``.
-
-    For a stored traceback, its exception line (the last line naming
-    ``error_type``, else its last unindented line); for any other error text
-    (``MaxDeliveriesExceeded``, ``DecodeError``), the type and the text's first
-    line.
-
-    Parameters:
-      error_type(str|None): ``history.error_type``, the exception's class name.
-      error(str|None): ``history.error``, a traceback or a message.
-
-    Returns:
-      str: One line.
-    """
-    lines = [line.rstrip() for line in (error or "").splitlines() if line.strip()]
-    kind = error_type or ""
-    named = re.compile(rf"^(?:[\w.]+\.)?{re.escape(kind)}(?::|$)") if kind else None
-    if any(line.startswith("Traceback (most recent call last):") for line in lines):
-        if named is not None:
-            for line in reversed(lines):
-                if named.match(line):
-                    return line
-        for line in reversed(lines):
-            if not line[:1].isspace() and line != "[...]":
-                return f"{kind}: {line}" if kind and not line.startswith(kind) else line
-    if not lines:
-        return kind
-    first = lines[0].strip()
-    if not kind or (named is not None and named.match(first)):
-        return first
-    return f"{kind}: {first}"
 
 
 # -- subcommands ------------------------------------------------------------------------------

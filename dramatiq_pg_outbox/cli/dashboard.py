@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..dashboard import BASIC_AUTH_ENV, TOKEN_ENV
+from ..dashboard import BASIC_AUTH_ENV, TOKEN_ENV, USERS_FILE_ENV
 from ..migrations import check_schema
 from .common import EXIT_USAGE, CliError, database_from, open_connection
 
@@ -91,6 +91,12 @@ def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ())
         metavar="USER:PASSWORD",
         help=f"require HTTP basic auth; prefer ${BASIC_AUTH_ENV}, which does not show in ps",
     )
+    auth.add_argument(
+        "--users-file",
+        metavar="PATH",
+        help="named users, each with a role (read-only or operator) and a token or basic-auth "
+        f"password stored as its SHA-256: one NAME:ROLE:KIND:sha256:HEX a line (or ${USERS_FILE_ENV})",
+    )
     return parser
 
 
@@ -108,11 +114,15 @@ def run(args: argparse.Namespace) -> int:
     """
 
     # An option given on the command line wins; otherwise the environment (both set: an error).
-    token, basic = args.token, args.basic_auth
-    if token is None and basic is None:
+    token, basic, users_file = args.token, args.basic_auth, args.users_file
+    if token is None and basic is None and users_file is None:
         token, basic = os.environ.get(TOKEN_ENV) or None, os.environ.get(BASIC_AUTH_ENV) or None
-        if token and basic:
-            raise CliError(f"both ${TOKEN_ENV} and ${BASIC_AUTH_ENV} are set: choose one", EXIT_USAGE)
+        users_file = os.environ.get(USERS_FILE_ENV) or None
+        if sum(value is not None for value in (token, basic, users_file)) > 1:
+            raise CliError(
+                f"more than one of ${TOKEN_ENV}, ${BASIC_AUTH_ENV} and ${USERS_FILE_ENV} is set: choose one",
+                EXIT_USAGE,
+            )
     basic_auth = None
     if basic is not None:
         user, sep, password = basic.partition(":")
@@ -124,9 +134,14 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from ..dashboard.app import MIN_SCHEMA_REVISION, Settings, create_app
+        from ..dashboard.security import load_users
     except ImportError as e:
         raise CliError(f"the dashboard needs its extra ({e.name} is missing): {_INSTALL_HINT}") from None
     allowed_hosts = allowed_host_names(args.host, args.allowed_host)
+    try:
+        users = load_users(users_file) if users_file is not None else ()
+    except ValueError as e:
+        raise CliError(f'{e}; see docs/guides/dashboard.md, "Users and roles"', EXIT_USAGE) from None
     try:
         settings = Settings(
             url=db.conninfo,
@@ -134,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             read_only=args.read_only,
             token=token,
             basic_auth=basic_auth,
+            users=users,
             allowed_hosts=allowed_hosts,
             refresh=args.refresh,
             results_namespace=args.results_namespace,
@@ -158,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     mode = "read-only" if settings.read_only else "actions enabled"
+    if users:
+        operators = sum(user.may_act for user in users)
+        mode += f"; {len(users)} user(s), {operators} operator(s)"
     print(
         f"dashboard of {db.shown} schema {settings.schema!r} ({mode}, auth: {settings.auth}) "
         f"on http://{args.host}:{port}/",

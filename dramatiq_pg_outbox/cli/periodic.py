@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib
 import logging
 import os
@@ -17,6 +16,7 @@ import psycopg
 from dramatiq.errors import BrokerConnectionError
 
 from ..broker import PostgresBroker
+from ..formats import format_age, format_time
 from ..periodic import (
     Periodic,
     Scheduler,
@@ -29,7 +29,6 @@ from .common import (
     checked_connection,
     common_options,
     database_from,
-    format_duration,
     one_line,
     open_connection,
     print_json,
@@ -214,11 +213,11 @@ def run_schedules(args: argparse.Namespace) -> int:
     table = []
     for row in rows:
         if row.removed_s is not None:
-            status = f"removed {format_duration(row.removed_s)} ago"
+            status = f"removed {format_age(row.removed_s)} ago"
         elif row.disabled_at is not None:
-            status = f"disabled since {_utc(row.disabled_at)} (enable it in the dashboard)"
+            status = f"disabled since {format_time(row.disabled_at)} (enable it in the dashboard)"
         elif _late(row):
-            status = f"late {format_duration(row.late_s)}: is a scheduler running?"
+            status = f"late {format_age(row.late_s)}: is a scheduler running?"
         else:
             status = "ok"
         table.append(
@@ -229,14 +228,14 @@ def run_schedules(args: argparse.Namespace) -> int:
                 row.cron if row.cron is not None else f"every {row.every_ms} ms",
                 row.tz,
                 row.missed,
-                _utc(row.last_run_at),
-                "" if row.removed_s is not None else _utc(row.next_run_at),
+                format_time(row.last_run_at),
+                "" if row.removed_s is not None else format_time(row.next_run_at),
                 row.runs,
                 row.missed_ticks,
                 status,
             )
         )
-    header = ["name", "actor", "queue", "schedule", "tz", "if missed", "last run (UTC)", "next run (UTC)"]
+    header = ["name", "actor", "queue", "schedule", "tz", "if missed", "last run", "next run"]
     print_table(table, [*header, "runs", "missed ticks", "status"], numeric=(8, 9))
     return 0
 
@@ -291,10 +290,3 @@ def _schedule_json(row: ScheduleListRow) -> dict[str, Any]:
         "status": state or ("late" if _late(row) else "ok"),
         "late_seconds": max(row.late_s, 0.0),
     }
-
-
-def _utc(at: dt.datetime | None) -> str:
-    if at is None:
-        return ""
-    at = at.astimezone(dt.timezone.utc)
-    return f"{at:%Y-%m-%d %H:%M:%S}" + (f".{at.microsecond // 1000:03d}" if at.microsecond else "")

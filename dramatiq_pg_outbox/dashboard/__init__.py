@@ -15,5 +15,6 @@ from __future__ import annotations
 #: Environment variables read when the matching option is not given (keeps secrets out of ``ps``).
 TOKEN_ENV = "DRAMATIQ_PG_OUTBOX_DASHBOARD_TOKEN"
 BASIC_AUTH_ENV = "DRAMATIQ_PG_OUTBOX_DASHBOARD_BASIC_AUTH"
+USERS_FILE_ENV = "DRAMATIQ_PG_OUTBOX_DASHBOARD_USERS_FILE"
 
-__all__ = ["BASIC_AUTH_ENV", "TOKEN_ENV"]
+__all__ = ["BASIC_AUTH_ENV", "TOKEN_ENV", "USERS_FILE_ENV"]

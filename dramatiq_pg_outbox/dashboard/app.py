@@ -67,6 +67,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from ..formats import error_parts, format_age, format_time
 from ..urls import mask_password
 from . import charts
 from .security import (
@@ -79,10 +80,11 @@ from .security import (
     base_context,
     checked_form,
     client_of,
+    current_user,
     flash,
-    same_secret,
-    token_mark,
+    token_user,
     too_many,
+    user_mark,
 )
 from .store import (
     HISTORY_PAGE,
@@ -133,29 +135,6 @@ def broker_channel(url: str, schema: str) -> str:
 
 
 # -- formatting ---------------------------------------------------------------
-def format_age(seconds: float | None) -> str:
-    """``0.4 s``, ``42 s``, ``3.5 min``, ``2.0 h``, ``3.1 d``; ``-`` for None."""
-    if seconds is None:
-        return "-"
-    s = float(seconds)
-    if abs(s) < 10:
-        return f"{s:.1f} s"
-    if abs(s) < 120:
-        return f"{s:.0f} s"
-    if abs(s) < 7200:
-        return f"{s / 60:.1f} min"
-    if abs(s) < 172800:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} d"
-
-
-def format_time(value: dt.datetime | None) -> str:
-    """A database time in UTC, to the second."""
-    if value is None:
-        return "-"
-    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
 def merge_query(params: Any, **changes: str | None) -> str:
     """The query string of ``params`` (a request's query parameters) with ``changes``; None drops one."""
     merged = [(k, v) for k, v in params.multi_items() if k not in changes]
@@ -176,6 +155,7 @@ def _templates() -> Jinja2Templates:
     env.filters["time"] = format_time
     env.filters["number"] = lambda n: f"{int(n):,}"
     env.filters["merge"] = merge_query
+    env.globals["error_parts"] = error_parts
     return Jinja2Templates(env=env)
 
 
@@ -497,11 +477,13 @@ class Dashboard:
         return self.render(request, "audit.html", page="audit", entries=await self.store.audit(AUDIT_ROWS))
 
     async def record(self, request: Request, action: str, target: str, count: int, detail: str = "") -> None:
-        """The audit row of an action (who: the basic-auth user, ``token`` or ``anonymous``), logged too."""
-        settings = self.settings
-        operator = (
-            settings.basic_auth[0] if settings.basic_auth else "token" if settings.token else "anonymous"
-        )
+        """The audit row of an action, logged too.
+
+        Who acted: the name of the user (of the users file; the basic-auth user; ``token``
+        for the single ``--token``), or ``anonymous`` on a dashboard without auth.
+        """
+        user = current_user(request)
+        operator = user.name if user is not None else "anonymous"
         where = f"from {client_of(request)}" + (f"; {detail}" if detail else "")
         kept = await self.store.record_audit(
             operator=operator, source="dashboard", action=action, target=target, count=count, detail=where
@@ -627,7 +609,7 @@ class Dashboard:
 
     # -- login --------------------------------------------------------------------
     async def login_page(self, request: Request) -> Response:
-        if self.settings.token is None:
+        if self.settings.auth != "token":
             return RedirectResponse(request.url_for("queues"), status_code=303)
         return self.render(request, "login.html", next=_safe_next(request.query_params.get("next")))
 
@@ -635,17 +617,19 @@ class Dashboard:
         form = await checked_form(request)
         token = form.get("token")
         target = _safe_next(form.get("next"))
-        if self.settings.token is None:
+        if self.settings.auth != "token":
             return RedirectResponse(target, status_code=303)
         client = client_of(request)
         wait = self.throttle.wait(client)
         if wait > 0:
             return too_many(wait)
-        if isinstance(token, str) and same_secret(token, self.settings.token):
+        user = token_user(self.settings, token) if isinstance(token, str) else None
+        if user is not None:
             self.throttle.succeeded(client)
             # A fresh CSRF token with the new privilege (no fixation of the old one).
             request.session.clear()
-            request.session["authenticated"] = token_mark(self.settings.token)
+            request.session["user"] = user.name
+            request.session["authenticated"] = user_mark(user.digest)
             return RedirectResponse(target, status_code=303)
         self.throttle.failed(client, "wrong token in the login form")
         return self.render(request, "login.html", status_code=401, next=target, error="Wrong token.")

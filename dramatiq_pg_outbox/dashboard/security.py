@@ -10,6 +10,7 @@ import binascii
 import hashlib
 import hmac
 import logging
+import re
 import secrets
 import threading
 import time
@@ -47,6 +48,115 @@ _SECURITY_HEADERS = {
 #: Host names a dashboard answers by default: the loopback names a local browser uses.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 
+#: The roles of a user: ``read-only`` sees every page and acts on nothing; ``operator`` acts.
+ROLES = ("read-only", "operator")
+#: How a user logs in: ``token`` (``Authorization: Bearer`` or the login page) or ``basic`` (HTTP basic).
+KINDS = ("token", "basic")
+_USER_NAME = re.compile(r"[A-Za-z0-9_.@+-]{1,64}")
+_SHA256 = re.compile(r"sha256:([0-9a-f]{64})")
+_HASH_HINT = "printf %s 'SECRET' | sha256sum"
+
+
+def secret_digest(secret: str) -> str:
+    """The SHA-256 of a secret (UTF-8), in hex: what a users file stores instead of the secret."""
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class User:
+    """One named credential of a dashboard.
+
+    Parameters:
+      name(str): Who acts, as the audit trail records it: ``[A-Za-z0-9_.@+-]``, 1-64 characters
+        (for ``basic``, the user name typed).
+      role(str): ``read-only`` (pages only: no action button, 403 on every action) or ``operator``.
+      kind(str): ``token`` (``Authorization: Bearer`` or the login page) or ``basic`` (HTTP basic
+        auth, user ``name``).
+      digest(str): The SHA-256 of the secret (the token or the password), 64 lowercase hex
+        digits (:func:`secret_digest`); the secret itself is never kept.
+
+    Raises:
+      ValueError: If a field is not of that form.
+    """
+
+    name: str
+    role: str
+    kind: str
+    digest: str
+
+    def __post_init__(self) -> None:
+        if not _USER_NAME.fullmatch(self.name):
+            raise ValueError(f"bad user name {self.name!r}: 1-64 of letters, digits and _.@+-")
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}: choose read-only or operator")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown kind {self.kind!r}: choose token or basic")
+        if not re.fullmatch(r"[0-9a-f]{64}", self.digest):
+            raise ValueError(f"the secret of {self.name!r} must be sha256:<64 hex digits>: {_HASH_HINT}")
+
+    @property
+    def may_act(self) -> bool:
+        """Whether this user's role allows actions (``operator``)."""
+        return self.role == "operator"
+
+
+def load_users(path: str) -> tuple[User, ...]:
+    """Read a users file: one user a line, ``NAME:ROLE:KIND:sha256:HEX``.
+
+    ``ROLE`` is ``read-only`` or ``operator``; ``KIND`` ``token`` or ``basic``; ``HEX`` the
+    SHA-256 of the token or password (``printf %s 'SECRET' | sha256sum``).  Blank lines and
+    lines starting with ``#`` are skipped.  Example::
+
+        # name:role:kind:sha256:hex
+        alice:operator:token:sha256:2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b
+        grafana:read-only:basic:sha256:353e1c95995e8036a23498492e8d12a0a5e93852e9546a66ffb03f7c872428f5
+
+    Parameters:
+      path(str): The file's path.
+
+    Returns:
+      tuple[User, ...]: The users, in the file's order (at least one).
+
+    Raises:
+      ValueError: One line naming the file and the line: the file cannot be read, a line is
+        not of that form, a role or kind is unknown, a name or a token is given twice, or
+        the file names no user.
+    """
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"cannot read the users file {path}: {reason}") from None
+    users: list[User] = []
+    for number, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split(":", 3)
+        if len(fields) != 4:
+            raise ValueError(
+                f"{path}:{number}: expected NAME:ROLE:KIND:sha256:HEX, got {len(fields)} field(s)"
+            )
+        name, role, kind, secret = fields
+        found = _SHA256.fullmatch(secret)
+        if found is None:
+            raise ValueError(
+                f"{path}:{number}: the secret must be sha256:<64 lowercase hex digits>: {_HASH_HINT}"
+            )
+        try:
+            user = User(name=name, role=role, kind=kind, digest=found.group(1))
+        except ValueError as e:
+            raise ValueError(f"{path}:{number}: {e}") from None
+        if any(u.name == name for u in users):
+            raise ValueError(f"{path}:{number}: user {name!r} is named twice")
+        if kind == "token" and any(u.kind == "token" and u.digest == user.digest for u in users):
+            raise ValueError(f"{path}:{number}: the token of {name!r} is another user's: give each its own")
+        users.append(user)
+    if not users:
+        raise ValueError(f"the users file {path} names no user (NAME:ROLE:KIND:sha256:HEX, one a line)")
+    return tuple(users)
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -58,6 +168,9 @@ class Settings:
       read_only(bool): Hide and refuse (403) every action.  Default False.
       token(str|None): Require this token (``Authorization: Bearer`` or the login form).
       basic_auth(tuple[str, str]|None): Require HTTP basic auth with this (user, password).
+      users(tuple[User, ...]): Named credentials, each with a role (:func:`load_users` reads
+        them from a file); the token and the basic auth above are one ``operator`` each,
+        named ``token`` and the basic-auth user.  Default none.
       session_secret(str|None): Key signing the session cookie; default a random one
         per process (sessions end when the server restarts).  A session logged in with
         the token carries a keyed digest of that token: once the token changes, old
@@ -77,8 +190,9 @@ class Settings:
         ``dramatiq-results``, Dramatiq's.
 
     Raises:
-      ValueError: If both ``token`` and ``basic_auth`` are given, either is empty,
-        ``refresh`` is negative, ``heartbeat_timeout`` is not an integer >= 1, or
+      ValueError: If more than one of ``token``, ``basic_auth`` and ``users`` is given, one is
+        empty, two users share a name, ``refresh`` is negative, ``heartbeat_timeout`` is not
+        an integer >= 1, or
         ``schema`` is invalid.
     """
 
@@ -87,6 +201,7 @@ class Settings:
     read_only: bool = False
     token: str | None = None
     basic_auth: tuple[str, str] | None = None
+    users: tuple[User, ...] = ()
     session_secret: str | None = None
     allowed_hosts: tuple[str, ...] = ()
     refresh: int = 5
@@ -97,8 +212,12 @@ class Settings:
         if not self.allowed_hosts:
             object.__setattr__(self, "allowed_hosts", LOOPBACK_HOSTS)
         validate_schema_name(self.schema)
-        if self.token is not None and self.basic_auth is not None:
-            raise ValueError("choose one of token and basic auth, not both")
+        given = [self.token is not None, self.basic_auth is not None, bool(self.users)]
+        if sum(given) > 1:
+            raise ValueError("choose one of token, basic auth and users, not several")
+        names = [user.name for user in self.users]
+        if len(set(names)) != len(names):
+            raise ValueError("two users have the same name: give each its own")
         if self.token is not None and not self.token:
             raise ValueError("the token is empty")
         if self.basic_auth is not None and not all(self.basic_auth):
@@ -108,9 +227,20 @@ class Settings:
         check_positive_ints(heartbeat_timeout=self.heartbeat_timeout)
 
     @property
+    def accounts(self) -> tuple[User, ...]:
+        """Who may log in: ``users``, or the token (an operator named ``token``), or the basic-auth user."""
+        if self.token:
+            return (User("token", "operator", "token", secret_digest(self.token)),)
+        if self.basic_auth:
+            user, password = self.basic_auth
+            return (User(user, "operator", "basic", secret_digest(password)),)
+        return self.users
+
+    @property
     def auth(self) -> str:
-        """``token``, ``basic`` or ``none``."""
-        return "token" if self.token else "basic" if self.basic_auth else "none"
+        """``token`` (some user logs in with a token), ``basic`` (all with basic auth) or ``none``."""
+        kinds = {user.kind for user in self.accounts}
+        return "token" if "token" in kinds else "basic" if kinds else "none"
 
 
 logger = logging.getLogger("dramatiq_pg_outbox.dashboard")
@@ -203,32 +333,69 @@ def token_mark(token: str) -> str:
     in it; a session whose mark is not the current token's (the token was rotated,
     e.g. after a leak) is logged out.
     """
+    return user_mark(secret_digest(token))
+
+
+def user_mark(digest: str) -> str:
+    """The session mark of a user whose secret has SHA-256 ``digest`` (see :func:`token_mark`)."""
     key = b"dramatiq-pg-outbox dashboard session"
-    return hmac.new(key, token.encode("utf-8"), hashlib.sha256).hexdigest()
+    return hmac.new(key, digest.encode("ascii"), hashlib.sha256).hexdigest()
 
 
-def _authorized(request: Request, settings: Settings) -> bool:
+def token_user(settings: Settings, token: str) -> User | None:
+    """The token user whose token is ``token``, or None (every user compared, in constant time)."""
+    digest = secret_digest(token)
+    found = None
+    for user in settings.accounts:
+        if same_secret(digest, user.digest) and user.kind == "token":
+            found = user
+    return found
+
+
+def _basic_user(settings: Settings, credentials: str) -> User | None:
+    try:
+        name, _, password = (
+            base64.b64decode(credentials.strip(), validate=True).decode("utf-8").partition(":")
+        )
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    digest = secret_digest(password)
+    found = None
+    for user in settings.accounts:
+        # Name and password compared, always, so the time taken does not tell which one was wrong.
+        name_ok = same_secret(name, user.name)
+        password_ok = same_secret(digest, user.digest)
+        if name_ok and password_ok and user.kind == "basic":
+            found = user
+    return found
+
+
+def _authenticated(request: Request, settings: Settings) -> User | None:
+    """The user a request comes from (its Bearer token, basic auth or session), or None."""
     header = request.headers.get("authorization", "")
     scheme, _, credentials = header.partition(" ")
-    if settings.token is not None:
-        if scheme.lower() == "bearer" and same_secret(credentials.strip(), settings.token):
-            return True
-        mark = request.session.get("authenticated")
-        return isinstance(mark, str) and same_secret(mark, token_mark(settings.token))
-    if settings.basic_auth is not None:
-        if scheme.lower() != "basic":
-            return False
-        try:
-            user, _, password = (
-                base64.b64decode(credentials.strip(), validate=True).decode("utf-8").partition(":")
-            )
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        # Both compared, always, so the time taken does not tell which one was wrong.
-        user_ok = same_secret(user, settings.basic_auth[0])
-        password_ok = same_secret(password, settings.basic_auth[1])
-        return user_ok and password_ok
-    return True
+    if scheme.lower() == "bearer":
+        return token_user(settings, credentials.strip())
+    if scheme.lower() == "basic":
+        return _basic_user(settings, credentials)
+    name, mark = request.session.get("user"), request.session.get("authenticated")
+    for user in settings.accounts:
+        if user.kind == "token" and user.name == name and isinstance(mark, str):
+            return user if same_secret(mark, user_mark(user.digest)) else None
+    return None
+
+
+def current_user(request: Request) -> User | None:
+    """The user the request was let in as (None: the dashboard has no auth)."""
+    user = getattr(request.state, "user", None)
+    return user if isinstance(user, User) else None
+
+
+def may_act(request: Request) -> bool:
+    """Whether the request may act: the dashboard is not ``read_only`` and its user is an operator."""
+    settings: Settings = request.app.state.settings
+    user = current_user(request)
+    return not settings.read_only and (user is None or user.may_act)
 
 
 class Guard(BaseHTTPMiddleware):
@@ -250,13 +417,19 @@ class Guard(BaseHTTPMiddleware):
         scheme = request.headers.get("authorization", "").partition(" ")[0].lower()
         client = client_of(request)
         wait = self.throttle.wait(client) if scheme in ("bearer", "basic") else 0.0
-        if public or (wait == 0 and _authorized(request, self.settings)):
+        user = (
+            None
+            if public or wait > 0 or not self.settings.accounts
+            else _authenticated(request, self.settings)
+        )
+        request.state.user = user
+        if public or (wait == 0 and (user is not None or not self.settings.accounts)):
             if scheme in ("bearer", "basic") and not public:
                 self.throttle.succeeded(client)
             response = await call_next(request)
         elif wait > 0:
             response = too_many(wait)
-        elif self.settings.basic_auth is not None:
+        elif self.settings.auth == "basic":
             if scheme == "basic":
                 self.throttle.failed(client, "wrong basic auth user or password")
             response = PlainTextResponse(
@@ -309,6 +482,11 @@ async def action_form(request: Request) -> FormData:
     settings: Settings = request.app.state.settings
     if settings.read_only:
         raise HTTPException(403, "This dashboard is read-only (--read-only): actions are disabled.")
+    user = current_user(request)
+    if user is not None and not user.may_act:
+        raise HTTPException(
+            403, f"User {user.name} is read-only (its role in the users file): actions are disabled."
+        )
     return await checked_form(request)
 
 
@@ -330,8 +508,9 @@ def base_context(request: Request, settings: Settings, **extra: Any) -> dict[str
     """
     live = request.headers.get(LIVE_HEADER) == "1"
     return {
-        "read_only": settings.read_only,
+        "read_only": settings.read_only or not may_act(request),
         "auth": settings.auth,
+        "user": user.name if (user := current_user(request)) is not None else None,
         "schema": settings.schema,
         "csrf_token": _csrf_token(request),
         "refresh": 0,
