@@ -289,16 +289,13 @@ def history_command(args: argparse.Namespace) -> int:
         )
         return 0
     if not rows:
-        print(
-            f"no finished message matches since {where.since:%Y-%m-%d %H:%M:%S} UTC in schema {args.schema!r}"
-        )
+        print(f"no finished message matches since {format_time(where.since)} in schema {args.schema!r}")
         return 0
-    utc = dt.timezone.utc
     print_table(
         [
             (
                 r.id,
-                f"{r.finished_at.astimezone(utc):%Y-%m-%d %H:%M:%S}",
+                format_time(r.finished_at),
                 r.queue_name,
                 r.actor_name,
                 r.outcome,
@@ -308,7 +305,7 @@ def history_command(args: argparse.Namespace) -> int:
             )
             for r in rows
         ],
-        ["id", "finished (UTC)", "queue", "actor", "outcome", "attempts", "arguments", "error"],
+        ["id", "finished", "queue", "actor", "outcome", "attempts", "arguments", "error"],
         numeric=(0, 5),
     )
     return 0
