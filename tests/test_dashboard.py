@@ -269,8 +269,9 @@ def test_a_read_only_dashboard_hides_the_actions_and_refuses_them_with_403(
             browser.post("/failed/discard", data={"csrf_token": token, "ids": str(dead), "confirm": "yes"}),
             browser.post(f"/messages/{waiting}/run-now", data={"csrf_token": token}),
             browser.post("/schedules/toggle", data={"csrf_token": token, "name": "x", "enabled": "0"}),
+            browser.post("/schedules/run-now", data={"csrf_token": token, "name": "x"}),
         ]
-    assert [r.status_code for r in refused] == [403] * 6
+    assert [r.status_code for r in refused] == [403] * 7
     assert "read-only" in refused[0].text
     assert dead_letter_ids(db) == [dead]
     assert count(db, "SELECT count(*) FROM dramatiq.messages") == 1
@@ -1151,3 +1152,41 @@ def test_ages_read_the_same_on_the_pages_and_in_the_tables() -> None:
         ": no",
     )
     assert error_parts("DecodeError", "ValueError: bad json") == ("DecodeError", ": ValueError: bad json")
+
+
+def test_a_schedules_run_now_button_makes_its_next_tick_due_and_is_audited(
+    db: Any, serve_dashboard: Serve
+) -> None:
+    # Given a schedule due in an hour and a disabled one
+    name, off = f"report-{os.getpid()}", f"off-{os.getpid()}"
+    db.execute(
+        "INSERT INTO dramatiq.schedules (name, actor_name, queue_name, every_ms, next_run_at, disabled_at) "
+        "VALUES (%s, 'report', 'default', 3600000, now() + interval '1 hour', NULL), "
+        "(%s, 'report', 'default', 3600000, now() + interval '1 hour', now())",
+        (name, off),
+    )
+    try:
+        server = serve_dashboard()
+        with httpx.Client(base_url=server.url) as browser:
+            page = browser.get("/schedules").text
+            row = re.search(rf"<td>{name}</td>.*?</tr>", page, re.S)
+            off_row = re.search(rf"<td>{off}</td>.*?</tr>", page, re.S)
+            assert row and "Run now" in row.group(0), page
+            assert off_row and "Run now" not in off_row.group(0)
+            # When the operator clicks it
+            done = browser.post("/schedules/run-now", data={"csrf_token": csrf_token(page), "name": name})
+            assert done.status_code == 303
+            flashed = browser.get("/schedules").text
+        # Then its next tick is due now, on record with who and how many rows
+        assert "is due now" in flashed
+        assert (
+            count(
+                db, f"SELECT count(*) FROM dramatiq.schedules WHERE name = '{name}' AND next_run_at <= now()"
+            )
+            == 1
+        )
+        assert db.execute(
+            "SELECT source, action, target, count FROM dramatiq.audit WHERE target = %s", (name,)
+        ).fetchall() == [("dashboard", "schedule-run-now", name, 1)]
+    finally:
+        db.execute("DELETE FROM dramatiq.schedules WHERE name IN (%s, %s)", (name, off))

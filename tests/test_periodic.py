@@ -775,3 +775,55 @@ def test_revision_0006_adds_the_schedules_table_and_downgrades_cleanly(database_
             assert exists(conn)
         finally:
             conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def test_run_now_from_the_command_line_and_the_dashboard_makes_the_next_tick_due_once(
+    brokers: Callable[..., PostgresBroker], db: psycopg.Connection[Any], schema: str, database_url: str
+) -> None:
+    import asyncio
+
+    from dramatiq_pg_outbox.dashboard.store import Store
+    from tests.test_cli import cli
+
+    broker = brokers()
+
+    @periodic("0 3 * * *", args=(7,), name="nightly")
+    @dramatiq.actor(broker=broker)
+    def nightly(x: int) -> None: ...
+
+    # Given a nightly schedule whose tick is hours away
+    scheduler = Scheduler(broker)
+    scheduler.sync()
+    before = schedule_row(db, schema, "nightly")["next_run_at"]
+    assert before > db_now(db) and scheduler.run_once().enqueued == 0
+
+    # When an operator asks for a dry run, then runs it now from the command line
+    dry = cli("schedules", "run-now", "nightly", "--dry-run", "--url", database_url, "--schema", schema)
+    assert dry.returncode == 0 and "would be due now" in dry.stdout and "nothing changed" in dry.stdout
+    assert schedule_row(db, schema, "nightly")["next_run_at"] == before
+    done = cli("schedules", "run-now", "nightly", "--url", database_url, "--schema", schema)
+    assert done.returncode == 0 and "is due now" in done.stdout, done.stderr
+    again = cli("schedules", "run-now", "nightly", "--url", database_url, "--schema", schema)
+    assert "was not changed" in again.stdout  # due already: nothing to do
+
+    # Then the next pass enqueues it once, and the nightly tick stays where it was
+    assert scheduler.run_once().enqueued == 1 and scheduler.run_once().enqueued == 0
+    payload = db.execute(f"SELECT payload FROM {schema}.messages").fetchone()
+    assert payload is not None and dramatiq.Message.decode(bytes(payload[0])).args == (7,)
+    assert schedule_row(db, schema, "nightly")["next_run_at"] == before
+    assert db.execute(
+        f"SELECT target, count FROM {schema}.audit WHERE action = 'schedule-run-now' ORDER BY id"
+    ).fetchall() == [("nightly", 1), ("nightly", 0)]  # each asked, with the rows it changed
+
+    # And the dashboard's button runs the same statement: due now, or no change for a disabled one
+    async def store_calls() -> tuple[bool, bool, bool]:
+        store = Store(database_url, schema, "unused")
+        await store.open()
+        try:
+            first = await store.run_schedule_now("nightly")
+            await store.set_schedule_enabled("nightly", False)
+            return first, await store.run_schedule_now("nightly"), await store.run_schedule_now("nope")
+        finally:
+            await store.close()
+
+    assert asyncio.run(store_calls()) == (True, False, False)

@@ -68,10 +68,14 @@ def add_parser(sub: Any) -> None:
     schedules.add_argument(
         "action",
         nargs="?",
-        choices=("enable", "disable"),
-        help="enable or disable the schedule NAME (as the dashboard's buttons); without: list them",
+        choices=("enable", "disable", "run-now"),
+        help="enable or disable the schedule NAME, or make its next tick due now (as the dashboard's "
+        "buttons); without: list them",
     )
-    schedules.add_argument("name", nargs="?", metavar="NAME", help="the schedule to enable or disable")
+    schedules.add_argument("name", nargs="?", metavar="NAME", help="the schedule to act on")
+    schedules.add_argument(
+        "--dry-run", action="store_true", help="with an action: say what it would change, change nothing"
+    )
     schedules.set_defaults(run=run_schedules)
 
 
@@ -199,9 +203,9 @@ def _load_app(spec: str) -> tuple[PostgresBroker, Periodic | None]:
 
 
 def run_schedules(args: argparse.Namespace) -> int:
-    """``dramatiq-pg-outbox schedules``: one table, active schedules first; or enable/disable one."""
+    """``dramatiq-pg-outbox schedules``: one table, active schedules first; or act on one."""
     if args.action is not None:
-        return _toggle_schedule(args)
+        return _schedule_action(args)
     with checked_connection(args) as (conn, _store, _db):
         rows = PeriodicStore(args.schema).list_schedules(conn)
     if args.json:
@@ -240,30 +244,57 @@ def run_schedules(args: argparse.Namespace) -> int:
     return 0
 
 
-def _toggle_schedule(args: argparse.Namespace) -> int:
-    """``schedules enable|disable NAME``: the dashboard's statement (see ``cli.actions``)."""
+def _schedule_action(args: argparse.Namespace) -> int:
+    """``schedules enable|disable|run-now NAME [--dry-run]``: the dashboard's statements (``cli.actions``)."""
     from .actions import with_store
 
     if args.name is None:
         raise CliError(f"schedules {args.action} needs the schedule's NAME", EXIT_USAGE)
-    enabled = args.action == "enable"
 
-    async def use(store: Any) -> tuple[bool, list[str]]:
-        changed = await store.set_schedule_enabled(args.name, enabled)
-        return changed, [s.name for s in (await store.schedules() or [])]
+    def would_change(row: Any) -> bool:
+        if row.removed_at is not None:
+            return False
+        if args.action == "run-now":
+            return bool(row.disabled_at is None and row.next_in_s > 0)
+        return bool((row.disabled_at is not None) == (args.action == "enable"))
 
-    def audited(done: tuple[bool, list[str]]) -> dict[str, Any] | None:
-        changed, names = done
-        action = f"schedule-{args.action}"
-        return {"action": action, "target": args.name, "count": int(changed)} if args.name in names else None
+    async def use(store: Any) -> tuple[bool, bool]:
+        found = [row for row in (await store.schedules() or []) if row.name == args.name]
+        if not found or args.dry_run:
+            return bool(found), bool(found) and would_change(found[0])
+        if args.action == "run-now":
+            return True, bool(await store.run_schedule_now(args.name))
+        return True, bool(await store.set_schedule_enabled(args.name, args.action == "enable"))
 
-    changed, names = with_store(args, use, audited)
-    if args.name not in names:
+    def audited(done: tuple[bool, bool]) -> dict[str, Any] | None:
+        exists, changed = done
+        return (
+            {"action": f"schedule-{args.action}", "target": args.name, "count": int(changed)}
+            if exists
+            else None
+        )
+
+    exists, changed = with_store(args, use, audited)
+    if not exists:
         raise CliError(
             f"no schedule {args.name!r} in schema {args.schema!r} (see: dramatiq-pg-outbox schedules)"
         )
-    state = "enabled" if enabled else "disabled"
-    print(f"{state} schedule {args.name!r}" if changed else f"schedule {args.name!r} was already {state}")
+    done = {"enable": "enabled", "disable": "disabled", "run-now": "due now"}[args.action]
+    if args.dry_run:
+        print(
+            f"schedule {args.name!r} would be {done}"
+            if changed
+            else f"schedule {args.name!r} would not change"
+        )
+        print("dry run: nothing changed")
+    elif args.action == "run-now":
+        print(
+            f"schedule {args.name!r} is due now: a running scheduler enqueues it within its poll interval"
+            if changed
+            else f"schedule {args.name!r} was not changed: disabled, removed, or due already"
+        )
+    else:
+        print(f"{done} schedule {args.name!r}" if changed else f"schedule {args.name!r} was already {done}")
     return 0
 
 

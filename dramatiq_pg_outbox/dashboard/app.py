@@ -19,7 +19,7 @@ instead.  ``?refresh=off`` stops both.
 Actions (POST, refused with 403 in read-only mode or without the CSRF token
 of the session): ``/failed/retry``, ``/failed/discard``, ``/queues/{queue}/purge``,
 ``/queues/{queue}/pause``, ``/queues/{queue}/resume``, ``/messages/{id}/cancel``,
-``/messages/{id}/run-now``, ``/schedules/toggle``.
+``/messages/{id}/run-now``, ``/schedules/toggle``, ``/schedules/run-now``.
 
 Security:
 
@@ -559,6 +559,22 @@ class Dashboard:
             )
         return RedirectResponse(request.url_for("schedules"), status_code=303)
 
+    async def run_schedule_now(self, request: Request) -> Response:
+        """A schedule's next tick due now: the schedulers enqueue it at their next pass."""
+        form = await action_form(request)
+        name = form.get("name")
+        if not isinstance(name, str) or not name:
+            raise HTTPException(400, "Which schedule? The form names none.")
+        changed = await self.store.run_schedule_now(name)
+        await self.record(request, "schedule-run-now", name, int(changed))
+        flash(
+            request,
+            f"Schedule {name} is due now: a running scheduler enqueues it within its poll interval."
+            if changed
+            else f"Schedule {name} was not changed: disabled, removed, or due already.",
+        )
+        return RedirectResponse(request.url_for("schedules"), status_code=303)
+
     async def purge(self, request: Request) -> Response:
         name = _queue_name(request)
         form = await action_form(request)
@@ -722,6 +738,7 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
         Route("/messages/{id:int}/run-now", d.run_now, methods=["POST"], name="run_now"),
         Route("/schedules", d.schedules, name="schedules"),
         Route("/schedules/toggle", d.toggle_schedule, methods=["POST"], name="toggle_schedule"),
+        Route("/schedules/run-now", d.run_schedule_now, methods=["POST"], name="run_schedule_now"),
         Route("/workers", d.workers, name="workers"),
         Route("/failed", d.failed, name="failed"),
         Route("/failed/retry", d.retry, methods=["POST"], name="retry"),

@@ -348,3 +348,13 @@ WHERE finished_at >= %(since)s AND finished_at < %(until)s
                )) > 0))
 ORDER BY finished_at DESC, id DESC
 LIMIT %(limit)s;
+
+-- name: run_schedule_now --
+-- "Run now" of a schedule: its next tick is due at once, so the next pass of a
+-- scheduler (within its poll_interval) claims and enqueues it as any due tick,
+-- exactly once (periodic_claim), and moves next_run_at past now by the rule.  A
+-- disabled or removed schedule, or one already due, is not touched.  One row per
+-- schedule changed.
+UPDATE {schema}.schedules SET next_run_at = now()
+WHERE name = %(name)s AND removed_at IS NULL AND disabled_at IS NULL AND next_run_at > now()
+RETURNING name;

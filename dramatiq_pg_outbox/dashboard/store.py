@@ -901,6 +901,13 @@ class Store:
         except psycopg.errors.UndefinedTable:
             return None
 
+    async def run_schedule_now(self, name: str) -> bool:
+        """Make a schedule's next tick due now (a scheduler enqueues it); whether it changed.
+
+        False for a disabled, removed or unknown schedule, or one whose tick is due already.
+        """
+        return bool(await self._tuples("run_schedule_now", {"name": name}))
+
     async def set_schedule_enabled(self, name: str, enabled: bool) -> bool:
         """Enable or disable a schedule; whether it changed."""
         return bool(await self._tuples("set_schedule_enabled", {"name": name, "enabled": enabled}))

@@ -151,6 +151,7 @@ AUDIT_ACTIONS = (
     "resume",
     "schedule-enable",
     "schedule-disable",
+    "schedule-run-now",
 )
 
 
