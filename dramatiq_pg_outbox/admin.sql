@@ -106,44 +106,49 @@ SELECT count(*) FROM {schema}.idempotency_keys AS k
                     WHERE h.idempotency_key = k.idempotency_key AND h.finished_at >= %(cutoff)s);
 
 -- name: metrics_gauges --
--- Every Prometheus gauge in one statement: (kind, queue_name, state, value) rows
--- (kinds: messages, oldest, running (age of the oldest claim), dead, workers,
+-- Every Prometheus gauge in one statement: (kind, queue_name, state, value, actor_name)
+-- rows (kinds: messages, oldest, running (age of the oldest claim), dead, workers,
 -- queue_workers (live workers that consume the queue), paused, dead_total: dead
 -- letters so far, schedule_late (seconds an enabled schedule's next tick is overdue;
--- the schedule's name in state)).
+-- the schedule's name in state), finished: messages finished so far by actor and
+-- outcome (completed, retried, failed in state; migration 0018)).  actor_name is
+-- NULL but for finished.
 SELECT 'messages' AS kind, queue_name,
        CASE WHEN state = 'processing' THEN 'processing'
             WHEN next_attempt_at <= now() THEN 'due' ELSE 'delayed' END AS state,
-       count(*)::float8 AS value
+       count(*)::float8 AS value, NULL::text AS actor_name
   FROM {schema}.messages GROUP BY 2, 3
 UNION ALL
 SELECT 'oldest', queue_name, NULL,
        coalesce(extract(epoch FROM now() - min(next_attempt_at)
-                FILTER (WHERE state = 'pending' AND next_attempt_at <= now())), 0)::float8
+                FILTER (WHERE state = 'pending' AND next_attempt_at <= now())), 0)::float8, NULL
   FROM {schema}.messages GROUP BY 2
 UNION ALL
 SELECT 'running', queue_name, NULL,
-       extract(epoch FROM now() - min(acquired_at))::float8
+       extract(epoch FROM now() - min(acquired_at))::float8, NULL
   FROM {schema}.messages WHERE state = 'processing' GROUP BY 2
 UNION ALL
-SELECT 'dead', queue_name, NULL, count(*)::float8
+SELECT 'dead', queue_name, NULL, count(*)::float8, NULL
   FROM {schema}.history WHERE state = 'failed' AND finished_at > now() - interval '1 hour' GROUP BY 2
 UNION ALL
-SELECT 'workers', NULL, NULL, count(*)::float8
+SELECT 'workers', NULL, NULL, count(*)::float8, NULL
   FROM {schema}.workers AS w WHERE {worker_alive}
 UNION ALL
-SELECT 'queue_workers', q.queue_name, NULL, count(*)::float8
+SELECT 'queue_workers', q.queue_name, NULL, count(*)::float8, NULL
   FROM {schema}.workers AS w, unnest(w.queues) AS q(queue_name) WHERE {worker_alive} GROUP BY 2
 UNION ALL
 SELECT 'schedule_late', queue_name, name,
-       greatest(extract(epoch FROM now() - next_run_at), 0)::float8
+       greatest(extract(epoch FROM now() - next_run_at), 0)::float8, NULL
   FROM {schema}.schedules WHERE disabled_at IS NULL AND removed_at IS NULL
 UNION ALL
-SELECT 'paused', queue_name, NULL, 1::float8
+SELECT 'paused', queue_name, NULL, 1::float8, NULL
   FROM {schema}.queue_pauses
 UNION ALL
-SELECT 'dead_total', queue_name, NULL, sum(n)::float8
-  FROM {schema}.dead_letter_counts GROUP BY 2;
+SELECT 'dead_total', queue_name, NULL, sum(n)::float8, NULL
+  FROM {schema}.dead_letter_counts GROUP BY 2
+UNION ALL
+SELECT 'finished', queue_name, state, sum(n)::float8, actor_name
+  FROM {schema}.finished_counts GROUP BY 2, 3, 5;
 
 -- name: ping --
 -- Whether a server answers (the test servers' readiness probe).

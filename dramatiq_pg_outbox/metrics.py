@@ -45,6 +45,14 @@ Database gauges (label ``queue_name`` unless said otherwise):
 ``dramatiq_pg_outbox_queue_live_workers``                    live worker processes consuming the queue
 ``dramatiq_pg_outbox_schedule_lateness_seconds``             seconds an enabled schedule's next tick
 (labels ``schedule``, ``queue_name``)                        is overdue (0 when not): no scheduler runs
+``dramatiq_pg_outbox_messages_finished_total`` (a counter;   messages moved to history so far, by
+labels ``queue_name``, ``actor_name``, ``state``)            outcome: ``completed``, ``retried`` (the
+                                                             actor raised, its retry was enqueued),
+                                                             ``failed`` (dead-lettered, as counted by
+                                                             ``dead_lettered_total``); counted by the
+                                                             statements that archive them, one upsert
+                                                             per (queue, actor) of a batch (migration
+                                                             0018); ``prune`` does not lower it
 ==========================================================  ==========================================
 
 A queue the collector has seen keeps its series when it empties: they read 0, not absent.
@@ -110,6 +118,8 @@ class Snapshot:
       queue_workers(dict[str, float]): ``queue_name -> live worker processes consuming it``.
       schedule_lateness(dict[tuple[str, str], float]): ``(schedule, queue_name) -> seconds``
         its next tick is overdue (0 when not), enabled schedules only.
+      finished(dict[tuple[str, str, str], float]): ``(queue_name, actor_name, state) ->
+        messages finished so far`` (a counter; state completed, retried or failed).
 
     Delay queues (``X.DQ``, a name Dramatiq gives them) are folded into their queue, as
     on the dashboard: counts add up, ages take the larger.
@@ -126,6 +136,11 @@ class Snapshot:
     oldest_running_age: dict[str, float] = field(default_factory=dict)
     queue_workers: dict[str, float] = field(default_factory=dict)
     schedule_lateness: dict[tuple[str, str], float] = field(default_factory=dict)
+    finished: dict[tuple[str, str, str], float] = field(default_factory=dict)
+
+
+#: The outcomes of ``messages_finished_total`` (``finished_counts.state``, migration 0018).
+FINISHED_STATES = ("completed", "retried", "failed")
 
 
 class DatabaseCollector:
@@ -169,6 +184,8 @@ class DatabaseCollector:
         self._snapshot: Snapshot | None = None
         #: Every queue seen by this collector: a queue that empties reads 0 instead of vanishing.
         self._seen: set[str] = set()
+        #: Every (queue, actor) finished_total has served: each gets all three outcomes.
+        self._seen_actors: set[tuple[str, str]] = set()
 
     def read(self) -> Snapshot:
         """The cached reading, or a new one if it is older than ``cache_seconds``."""
@@ -201,6 +218,7 @@ class DatabaseCollector:
         paused: set[str] = set()
         dead_total: dict[str, float] = {}
         late: dict[tuple[str, str], float] = {}
+        finished: dict[tuple[str, str, str], float] = {}
 
         def add(into: dict[Any, float], key: Any, value: float) -> None:
             into[key] = into.get(key, 0.0) + value
@@ -229,6 +247,8 @@ class DatabaseCollector:
                 add(dead_total, queue_name, value)
             elif kind == "schedule_late":
                 late[(str(gauge.state), queue_name)] = value
+            elif kind == "finished":
+                add(finished, (queue_name, str(gauge.actor_name), str(gauge.state)), value)
             else:
                 workers = value
         return Snapshot(
@@ -243,6 +263,7 @@ class DatabaseCollector:
             running,
             queue_workers,
             late,
+            finished,
         )
 
     def collect(self) -> Iterator[Metric]:
@@ -263,7 +284,10 @@ class DatabaseCollector:
         with self._lock:
             self._seen |= {q for q, _ in snap.messages} | snap.paused | set(snap.dead_letters_last_hour)
             self._seen |= set(snap.dead_lettered) | set(snap.queue_workers)
+            self._seen |= {q for q, _, _ in snap.finished}
             queues = sorted(self._seen)
+            self._seen_actors |= {(q, a) for q, a, _ in snap.finished}
+            actors = sorted(self._seen_actors)
         for queue_name in queues:
             for state in STATES:
                 messages.add_metric([queue_name, state], snap.messages.get((queue_name, state), 0.0))
@@ -328,6 +352,19 @@ class DatabaseCollector:
         for (schedule, queue_name), seconds in sorted(snap.schedule_lateness.items()):
             late.add_metric([schedule, queue_name], seconds)
         yield late
+        finished = CounterMetricFamily(
+            f"{PREFIX}_messages_finished",
+            "Messages moved to history so far by queue, actor and outcome (completed, retried, failed); "
+            "prune does not lower it",
+            labels=["queue_name", "actor_name", "state"],
+        )
+        # Every outcome of every (queue, actor) seen, 0 until it happens: increase() sees the first one.
+        for queue_name, actor_name in actors:
+            for state in FINISHED_STATES:
+                finished.add_metric(
+                    [queue_name, actor_name, state], snap.finished.get((queue_name, actor_name, state), 0.0)
+                )
+        yield finished
 
     @property
     def connection(self) -> psycopg.Connection[Any] | None:

@@ -440,6 +440,8 @@ WHERE %(queue_name)s = ANY (w.queues)
 -- The ids come from the DELETE, not from "INSERT ... RETURNING", which would need
 -- SELECT on history (docs/security.md grants the worker role INSERT only); a
 -- data-modifying CTE runs to completion whether or not its rows are read.
+-- Counted as it archives (finished_counts, migration 0018): one upsert per
+-- (queue, actor) of the batch, not per message.
 WITH done AS (
     DELETE FROM {schema}.messages AS m
     WHERE m.id = ANY(%(ids)s::bigint[]) AND {fenced}
@@ -452,6 +454,12 @@ archived AS (
     SELECT id, queue_name, actor_name, message_id, 'completed', attempts, enqueued_at, acquired_at, payload,
            idempotency_key, priority
     FROM done
+),
+counted AS (
+    INSERT INTO {schema}.finished_counts AS c (queue_name, actor_name, state, shard, n)
+    SELECT queue_name, actor_name, 'completed', pg_backend_pid() %% 16, count(*)
+    FROM done GROUP BY queue_name, actor_name ORDER BY queue_name, actor_name
+    ON CONFLICT (queue_name, actor_name, state, shard) DO UPDATE SET n = c.n + excluded.n
 )
 SELECT id, lease FROM done;
 
@@ -483,6 +491,17 @@ counted AS (
     INSERT INTO {schema}.dead_letter_counts AS c (queue_name, shard, n)
     SELECT queue_name, pg_backend_pid() %% 16, count(*) FROM failed WHERE %(state)s = 'failed' GROUP BY queue_name
     ON CONFLICT (queue_name, shard) DO UPDATE SET n = c.n + excluded.n
+),
+-- And by actor and outcome (finished_counts, migration 0018): failed, or retried for
+-- a completed row with an error type (the actor raised; its retry is enqueued).
+finished AS (
+    INSERT INTO {schema}.finished_counts AS c (queue_name, actor_name, state, shard, n)
+    SELECT queue_name, actor_name,
+           CASE WHEN %(state)s = 'failed' THEN 'failed' WHEN failure_type IS NULL THEN 'completed'
+                ELSE 'retried' END,
+           pg_backend_pid() %% 16, count(*)
+    FROM failed GROUP BY 1, 2, 3 ORDER BY 1, 2, 3
+    ON CONFLICT (queue_name, actor_name, state, shard) DO UPDATE SET n = c.n + excluded.n
 )
 SELECT id, lease FROM failed;
 
@@ -556,6 +575,12 @@ counted AS (
     INSERT INTO {schema}.dead_letter_counts AS c (queue_name, shard, n)
     SELECT queue_name, pg_backend_pid() %% 16, count(*) FROM quarantined GROUP BY queue_name
     ON CONFLICT (queue_name, shard) DO UPDATE SET n = c.n + excluded.n
+),
+finished AS (
+    INSERT INTO {schema}.finished_counts AS c (queue_name, actor_name, state, shard, n)
+    SELECT queue_name, actor_name, 'failed', pg_backend_pid() %% 16, count(*)
+    FROM quarantined GROUP BY queue_name, actor_name ORDER BY queue_name, actor_name
+    ON CONFLICT (queue_name, actor_name, state, shard) DO UPDATE SET n = c.n + excluded.n
 ),
 released AS (
     UPDATE {schema}.messages AS m

@@ -120,6 +120,7 @@ def db(database_url: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(
             "TRUNCATE dramatiq.messages, dramatiq.history, dramatiq.workers, dramatiq.dead_letter_counts,"
+            " dramatiq.finished_counts,"
             " dramatiq.idempotency_keys;"
             "CREATE TABLE IF NOT EXISTS received (key text PRIMARY KEY, n int NOT NULL, pids int[] NOT NULL);"
             "CREATE TABLE IF NOT EXISTS started (key text, pid int, at timestamptz DEFAULT now());"

@@ -257,6 +257,10 @@ def test_messages_of_a_dead_worker_are_released_and_quarantined_after_max_delive
     assert db.execute("SELECT queue_name, sum(n) FROM dramatiq.dead_letter_counts GROUP BY 1").fetchall() == [
         ("default", 1)
     ]
+    # And as a failure of its actor (messages_finished_total, migration 0018)
+    assert db.execute(
+        "SELECT queue_name, actor_name, state, sum(n) FROM dramatiq.finished_counts GROUP BY 1, 2, 3"
+    ).fetchall() == [("default", "task", "failed", 1)]
 
 
 def claim_one_by_hand(make_broker: Any) -> tuple[PostgresBroker, Any, Any]:

@@ -522,6 +522,9 @@ def test_cancel_turns_a_waiting_message_into_a_dead_letter_that_can_be_retried(
             "SELECT id, queue_name, error_type FROM dramatiq.history WHERE state = 'failed'"
         ).fetchall() == [(delayed, "shipping", "Canceled")]
         assert "Canceled" in browser.get("/failed?error_type=Canceled").text
+        # And the cancel is counted neither as a dead letter nor as a failure of its actor (it never ran)
+        assert count(db, "SELECT count(*) FROM dramatiq.dead_letter_counts") == 0
+        assert count(db, "SELECT count(*) FROM dramatiq.finished_counts") == 0
 
         # And a retry brings it back, due now
         browser.post("/failed/retry", data={"csrf_token": token, "ids": str(delayed)})

@@ -168,6 +168,12 @@ def seed(db: psycopg.Connection[Any], broker: PostgresBroker) -> None:
         "(gen_random_uuid(), 'b', 2, now(), '{emails,reports}'), "
         "(gen_random_uuid(), 'gone', 3, now() - interval '10 minutes', '{reports}')"
     )
+    # Finished messages counted in two shards, and in a delay queue
+    db.execute(
+        "INSERT INTO dramatiq.finished_counts (queue_name, actor_name, state, shard, n) VALUES "
+        "('reports', 'report', 'completed', 3, 5), ('reports', 'report', 'completed', 7, 2), "
+        "('emails', 'email', 'failed', 0, 1), ('emails.DQ', 'email', 'failed', 4, 2)"
+    )
     # A schedule whose tick is 90 s overdue, and a disabled one further behind
     db.execute(
         "INSERT INTO dramatiq.schedules (name, actor_name, queue_name, every_ms, next_run_at, "
@@ -208,6 +214,16 @@ def test_the_scraped_gauges_match_the_tables(db: Any, broker: PostgresBroker, me
     assert sample("oldest_running_message_age_seconds", queue_name="emails") == 0
     assert 90 <= sample("schedule_lateness_seconds", schedule="metrics_beat", queue_name="emails") < 150
     assert not [key for key in samples if ("schedule", "metrics_off") in key[1]]
+    # And the finished counters sum their shards, fold a delay queue, and serve every outcome
+    finished = {
+        dict(labels)["queue_name"] + "/" + dict(labels)["actor_name"] + "/" + dict(labels)["state"]: value
+        for (name, labels), value in samples.items()
+        if name == "dramatiq_pg_outbox_messages_finished_total"
+    }
+    assert finished == {
+        "emails/email/completed": 0, "emails/email/retried": 0, "emails/email/failed": 3,
+        "reports/report/completed": 7, "reports/report/retried": 0, "reports/report/failed": 0,
+    }  # fmt: skip
     # And the example alerting rules name only metrics that are served
     alerts = (ROOT / "docs" / "prometheus-alerts.yml").read_text()
     served = {name for name, _ in samples}
@@ -229,6 +245,7 @@ def test_the_scraped_gauges_match_the_tables(db: Any, broker: PostgresBroker, me
         "dramatiq_pg_outbox_oldest_running_message_age_seconds",
         "dramatiq_pg_outbox_queue_live_workers",
         "dramatiq_pg_outbox_schedule_lateness_seconds",
+        "dramatiq_pg_outbox_messages_finished_total",
     }
 
 
@@ -518,3 +535,77 @@ def test_the_command_starts_with_the_database_down_and_reports_it_until_it_answe
         assert len(lines) == 1 and "connection refused" in lines[0], err
         assert "serving dramatiq_pg_outbox_database_up 0 until it answers" in lines[0]
         assert "Traceback" not in err
+
+
+def test_finished_messages_are_counted_per_actor_from_the_database_and_prune_does_not_lower_them(
+    database_url: str, db: Any, make_broker: Any, start_worker: Any, metrics_server: Any
+) -> None:
+    import dramatiq
+
+    # Given a queue with an actor that succeeds, one that fails after a retry and one without retries
+    broker = make_broker()
+
+    @dramatiq.actor(broker=broker, queue_name="billing")
+    def charge(i: int) -> None:
+        pass
+
+    @dramatiq.actor(broker=broker, queue_name="billing", max_retries=1, min_backoff=10, max_backoff=10)
+    def flaky(i: int) -> None:
+        raise ValueError("card declined")
+
+    @dramatiq.actor(broker=broker, queue_name="billing", max_retries=0)
+    def doomed(i: int) -> None:
+        raise KeyError("no such customer")
+
+    def finished() -> dict[tuple[str, str], float]:
+        return {
+            (dict(labels)["actor_name"], dict(labels)["state"]): value
+            for (name, labels), value in server.scrape().items()
+            if name == "dramatiq_pg_outbox_messages_finished_total" and ("queue_name", "billing") in labels
+        }
+
+    def history_counts() -> dict[tuple[str, str], float]:
+        """The same counts from history, by the test's own query."""
+        rows = db.execute(
+            "SELECT actor_name, CASE WHEN state = 'failed' THEN 'failed' WHEN error_type IS NULL "
+            "THEN 'completed' ELSE 'retried' END, count(*) FROM dramatiq.history GROUP BY 1, 2"
+        ).fetchall()
+        return {(actor, state): float(n) for actor, state, n in rows}
+
+    server = metrics_server("--cache-seconds", "0")
+    # When a worker runs 4 charges, 2 flaky messages (each retried once) and 1 doomed message
+    for i in range(4):
+        charge.send(i)
+    for i in range(2):
+        flaky.send(i)
+    doomed.send(0)
+    start_worker(broker)
+    wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.history") == 9, 60, "nine finished deliveries")
+    wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.messages") == 0, 30, "the queue drained")
+    # Then the exporter serves the counts per actor and outcome, every outcome of each actor
+    expected = {
+        ("charge", "completed"): 4.0, ("charge", "retried"): 0.0, ("charge", "failed"): 0.0,
+        ("flaky", "completed"): 0.0, ("flaky", "retried"): 2.0, ("flaky", "failed"): 2.0,
+        ("doomed", "completed"): 0.0, ("doomed", "retried"): 0.0, ("doomed", "failed"): 1.0,
+    }  # fmt: skip
+    assert finished() == expected
+    # And they are history's counts, and the failures are the queue's dead letters
+    assert history_counts() == {key: value for key, value in expected.items() if value}
+    samples = server.scrape()
+    assert samples[("dramatiq_pg_outbox_dead_lettered_total", (("queue_name", "billing"),))] == 3
+    # When history is pruned (everything older than a second)
+    time.sleep(1.2)
+    result = subprocess.run(
+        [sys.executable, "-m", "dramatiq_pg_outbox.cli", "prune", "--older-than", "1s",
+         "--url", database_url],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert count(db, "SELECT count(*) FROM dramatiq.history") == 0
+    # Then the counters keep their values
+    assert finished() == expected
+    # And later messages add to them
+    charge.send(4)
+    doomed.send(1)
+    wait_for(lambda: count(db, "SELECT count(*) FROM dramatiq.history") == 2, 30, "two more finished")
+    assert finished() == {**expected, ("charge", "completed"): 5.0, ("doomed", "failed"): 2.0}

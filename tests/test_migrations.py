@@ -241,3 +241,56 @@ def test_the_upgrade_to_0017_creates_the_audit_table_and_the_downgrade_drops_it(
             assert conn.execute(f"SELECT to_regclass('{schema}.audit') IS NULL").fetchone() == (True,)
         finally:
             conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+def test_the_upgrade_to_0018_counts_history_by_actor_and_outcome_and_the_downgrade_drops_it(
+    database_url: str,
+) -> None:
+    # Given a schema at revision 0017 whose history holds completed, retried, failed and canceled rows
+    schema = "finished_0018"
+    drop_schema(database_url, schema)
+    upgrade(database_url, schema=schema, revision="0017")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            f"INSERT INTO {schema}.history (id, queue_name, actor_name, message_id, state, attempts,"
+            " enqueued_at, payload, error_type) VALUES"
+            " (1, 'q', 'a', 'm1', 'completed', 1, now(), '', NULL),"
+            " (2, 'q', 'a', 'm2', 'completed', 1, now(), '', NULL),"
+            " (3, 'q', 'a', 'm3', 'completed', 1, now(), '', 'ValueError'),"
+            " (4, 'q', 'a', 'm4', 'failed', 2, now(), '', 'ValueError'),"
+            " (5, 'q', 'b', 'm5', 'failed', 1, now(), '', 'MaxDeliveriesExceeded'),"
+            " (6, 'q', 'b', 'm6', 'failed', 0, now(), '', 'Canceled'),"
+            " (7, 'q.DQ', 'b', 'm7', 'completed', 1, now(), '', NULL)"
+        )
+    try:
+        # When it is upgraded to head
+        upgrade(database_url, schema=schema)
+        # Then finished_counts holds history's count per queue, actor and outcome; a cancel is not counted
+        with psycopg.connect(database_url) as conn:
+            rows = conn.execute(
+                f"SELECT queue_name, actor_name, state, shard, n FROM {schema}.finished_counts"
+                " ORDER BY 1, 2, 3"
+            ).fetchall()
+        assert rows == [
+            ("q", "a", "completed", 0, 2),
+            ("q", "a", "failed", 0, 1),
+            ("q", "a", "retried", 0, 1),
+            ("q", "b", "failed", 0, 1),
+            ("q.DQ", "b", "completed", 0, 1),
+        ]
+        # And an outcome other than the three is refused
+        with psycopg.connect(database_url) as conn, pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute(
+                f"INSERT INTO {schema}.finished_counts (queue_name, actor_name, state, shard, n)"
+                " VALUES ('q', 'a', 'canceled', 0, 1)"
+            )
+        # And the downgrade drops the table and records revision 17
+        downgrade(database_url, schema=schema, revision="0017")
+        assert "finished_counts" not in tables(database_url, schema)
+        with psycopg.connect(database_url) as conn:
+            comment = conn.execute(
+                f"SELECT obj_description('{schema}.messages'::regclass, 'pg_class')"
+            ).fetchone()
+        assert comment == ("dramatiq-pg-outbox schema revision 17",)
+    finally:
+        drop_schema(database_url, schema)

@@ -113,15 +113,17 @@ class Gauge:
     """One value of ``metrics_gauges``.
 
     ``kind`` is messages, oldest, running, dead, workers, queue_workers, paused,
-    dead_total or schedule_late.  ``queue_name`` is None for ``workers``; ``state`` is
-    the message state for ``messages``, the schedule's name for ``schedule_late``,
-    else None.
+    dead_total, schedule_late or finished.  ``queue_name`` is None for ``workers``;
+    ``state`` is the message state for ``messages``, the schedule's name for
+    ``schedule_late``, the outcome (completed, retried, failed) for ``finished``, else
+    None.  ``actor_name`` is the actor for ``finished``, else None.
     """
 
     kind: str
     queue_name: str | None
     state: str | None
     value: float
+    actor_name: str | None = None
 
 
 @dataclass(frozen=True)
