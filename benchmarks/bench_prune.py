@@ -18,7 +18,8 @@ every other one with an idempotency key, then ANALYZE.  Timed, on each:
   ``messages``, INSERT into ``history``, one statement per batch of 64 claimed
   rows, as the flush loop writes them), 19,200 rows, three rounds alternating the
   two schemas, median.  The statement is head's: the 0006 schema gets the
-  ``priority`` column it archives (revision 0010's ``ADD COLUMN``, a catalog change).
+  ``priority`` column it archives (revision 0010's ``ADD COLUMN``, a catalog change) and the
+  ``finished_counts`` table it counts into (revision 0018).
 
 The ratios printed are 0006 / 0007 (above 1: the partitioned table is faster).
 """
@@ -126,6 +127,9 @@ def run(ctx: Context) -> dict[str, Any]:
             for table in ("messages", "history"):
                 conn.execute(f"ALTER TABLE plain.{table} ADD COLUMN priority smallint NOT NULL DEFAULT 0")
         upgrade(url, schema="parted")
+        # And the counters head's ack statement upserts (finished_counts, revision 0018).
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE plain.finished_counts (LIKE parted.finished_counts INCLUDING ALL)")
         results: dict[str, dict[str, float]] = {}
         with psycopg.connect(url, autocommit=True) as conn:
             # Partitions for the 30 days of rows (the maintenance loop makes only the days ahead).
