@@ -501,6 +501,10 @@ sys.meta_path.insert(0, SlowImport())
 """
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     "slow",
     [
@@ -527,6 +531,10 @@ def test_ctrl_c_while_the_command_still_imports_is_one_line_and_exit_130(tmp_pat
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As in a terminal: a suite started in the background of a non-interactive shell
+        # (`.ci/run &`) ignores SIGINT, its children inherit that, and Python then installs
+        # no handler (the command would never see the Ctrl-C).
+        preexec_fn=_default_sigint,
     )
     try:
         for _ in range(600):
