@@ -178,11 +178,50 @@ def test_a_null_key_fails_the_job_and_writes_nothing(spark: Any, actor: Any, db:
 
 
 def test_an_unencodable_argument_fails_the_job_naming_the_column(spark: Any, actor: Any, db: Any) -> None:
-    rows = [(i, decimal.Decimal("9.99") if i == 7 else None) for i in range(20)]
-    df = spark.createDataFrame(rows, "customer_id long, balance decimal(10,2)").coalesce(1)
-    with pytest.raises(EnqueueError, match=r"Column 'balance' of the row with customer_id=7 cannot be"):
-        enqueue_dataframe(df, actor, args=["customer_id", "balance"], key="customer_id", batch_id="b6")
+    rows = [(i, bytearray(b"\x00\x01") if i == 7 else None) for i in range(20)]
+    df = spark.createDataFrame(rows, "customer_id long, avatar binary").coalesce(1)
+    with pytest.raises(EnqueueError, match=r"Column 'avatar' of the row with customer_id=7 cannot be"):
+        enqueue_dataframe(df, actor, args=["customer_id", "avatar"], key="customer_id", batch_id="b6")
     assert count(db) == 0
+
+
+def test_timestamps_dates_and_decimals_are_written_as_iso_text_and_exact_decimals(
+    spark: Any, actor: Any, db: Any, database_url: str
+) -> None:
+    # Given rows with a timestamp (an instant), a wall-clock timestamp, a date and an amount,
+    # in a session whose time zone is not UTC
+    spark.conf.set("spark.sql.session.timeZone", "America/New_York")
+    try:
+        df = spark.sql(
+            "SELECT id AS customer_id, TIMESTAMP '2026-11-27 10:00:00.250 UTC' AS paid_at,"
+            " TIMESTAMP_NTZ '2026-11-27 10:00:00' AS local_at, DATE '2026-11-27' AS day,"
+            " CAST('12.50' AS DECIMAL(10, 2)) AS amount, CAST(NULL AS DATE) AS none"
+            " FROM range(3)"
+        )
+        columns = ["paid_at", "local_at", "day", "amount", "none"]
+        # When they are enqueued, as text by default and with decimals as floats by the option
+        enqueue_dataframe(df, actor, args=columns, key="customer_id", batch_id="types")
+        enqueue_dataframe(df, actor, args=["amount"], key="customer_id", batch_id="floats", decimals="float")
+        write_messages(df, database_url, actor="notify_customer", batch="source", key="customer_id",
+                       args="amount", decimals="float", queue="notifications")  # fmt: skip
+    finally:
+        spark.conf.unset("spark.sql.session.timeZone")
+
+    # Then the arguments are ISO 8601 (UTC with its offset; no offset for a wall clock), the
+    # decimal's exact text, null for null; a float where asked
+    def args_of(batch: str) -> list[Any]:
+        rows = db.execute(
+            "SELECT payload FROM dramatiq.messages WHERE idempotency_key LIKE %s", (batch + ":%",)
+        ).fetchall()
+        assert len(rows) == 3
+        return [Message.decode(bytes(r[0])).args for r in rows]
+
+    assert args_of("types") == [("2026-11-27T10:00:00.250000+00:00", "2026-11-27T10:00:00", "2026-11-27",
+                                 "12.50", None)] * 3  # fmt: skip
+    assert args_of("floats") == [(12.5,)] * 3
+    assert args_of("source") == [(12.5,)] * 3
+    with pytest.raises(ValueError, match="decimals is 'string' or 'float'"):
+        enqueue_dataframe(df, actor, args=["amount"], key="customer_id", batch_id="x", decimals="text")  # type: ignore[arg-type]
 
 
 def test_a_row_over_max_message_bytes_fails_the_job_naming_it_and_writes_nothing(
@@ -431,6 +470,39 @@ def test_arrow_encodes_batches_byte_for_byte_like_the_row_encoder() -> None:
         assert encoded == expected
         for row in encoded:
             Message.decode(row["payload"].encode())
+    # Timestamps, dates and decimals become text first (portable_batch): both encoders, same bytes
+    from dramatiq_pg_outbox.spark.encoding import portable_batch
+
+    dt = datetime
+    base = {
+        k: v for k, v in plan.__dict__.items() if k not in ("columns", "key", "args", "kwargs", "decimals")
+    }
+
+    typed = pa.RecordBatch.from_pydict(
+        {
+            "id": pa.array([1, 2], pa.int64()),
+            "at": pa.array([dt.datetime(2026, 11, 27, 10, tzinfo=dt.timezone.utc), None],
+                           pa.timestamp("us", tz="Europe/Paris")),
+            "wall": pa.array([dt.datetime(2026, 11, 27, 10, 0, 0, 5), None], pa.timestamp("us")),
+            "day": pa.array([dt.date(2026, 11, 27), None], pa.date32()),
+            "amount": pa.array([decimal.Decimal("-0.10"), None], pa.decimal128(5, 2)),
+        }
+    )  # fmt: skip
+    for decimals in ("string", "float"):
+        plan = Plan.build(key="id", args=["at", "wall", "day", "amount"], decimals=decimals,
+                          **base)  # fmt: skip
+        portable = portable_batch(plan, typed.select(list(plan.columns)))
+        assert batch_encodable(plan, portable.schema)
+        by_column = encode_batch(plan, portable, 1234).to_pylist()
+        by_row = [
+            {"message_id": m, "idempotency_key": k, "payload": p.decode()}
+            for m, k, p in encode_rows(plan, [tuple(d.values()) for d in portable.to_pylist()], 1234)
+        ]
+        assert by_column == by_row
+        first = Message.decode(by_column[0]["payload"].encode()).args
+        amount = "-0.10" if decimals == "string" else -0.1
+        assert first == ("2026-11-27T10:00:00+00:00", "2026-11-27T10:00:00.000005", "2026-11-27", amount)
+        assert Message.decode(by_column[1]["payload"].encode()).args == (None, None, None, None)
     # Types Arrow cannot encode like Dramatiq (decimals, dates) and other encoders go row by row.
     fields = {k: v for k, v in plan.__dict__.items() if k not in ("columns", "key", "args", "kwargs")}
     decimals = pa.schema([("id", pa.int64()), ("d", pa.decimal128(5, 2))])

@@ -35,8 +35,13 @@ for both, which builds the payloads one of two ways, with the same bytes:
   for the uuid5 id (and for the few strings JSON must escape), and Arrow writes
   the batches to ``COPY`` as CSV;
 - else row by row, with the driver's encoder (custom encoders such as pickle,
-  arrays, structs, ...).  A value the encoder refuses (a ``Decimal`` or a
-  ``date`` with JSON) fails the job.
+  arrays, structs, ...).  A value the encoder refuses fails the job.
+
+With the JSON encoder, timestamp, date and decimal arguments are written as text
+first (:func:`~dramatiq_pg_outbox.spark.encoding.portable_batch`): a
+``TimestampType`` as ISO 8601 in UTC with ``+00:00``, a ``TimestampNTZType``
+without an offset, a ``DateType`` as ``YYYY-MM-DD``, a ``DecimalType`` as its
+exact text (or a float: ``decimals="float"``, option ``decimals``).
 
 Idempotency
 -----------
@@ -52,7 +57,7 @@ the insert ran, so this holds even while workers are acking.
 Bad input
 ---------
 A null key, or an argument that the message encoder cannot encode (with the
-default JSON encoder: a ``Decimal``, a ``date``...; cast such columns first),
+default JSON encoder: a map with non-string keys, a binary column...; cast such columns first),
 raises :class:`EnqueueError` naming the column and the row's key.  The
 partition's transaction is rolled back (it writes nothing) and the Spark job
 fails.  Other partitions may have committed: run the job again with the same
@@ -87,6 +92,7 @@ if TYPE_CHECKING:
     from dramatiq.encoder import Encoder
     from pyspark.sql import DataFrame
 from .encoding import (
+    DECIMALS,
     NAMESPACE,
     EnqueueError,
     EnqueueResult,
@@ -133,6 +139,7 @@ def enqueue_dataframe(
     max_partitions: int | None = None,
     encoder: Encoder | None = None,
     max_message_bytes: int | Literal["broker"] | None = "broker",
+    decimals: Literal["string", "float"] = "string",
 ) -> EnqueueResult:
     """Enqueue one message per row of ``df``, idempotently, written by the executors.
 
@@ -155,6 +162,9 @@ def enqueue_dataframe(
       max_message_bytes(int | None): Largest encoded message, in bytes; a larger row fails its
         task with ``EnqueueError`` (nothing of its partition written).  Default ``"broker"``:
         the ``max_message_bytes`` of the actor's PostgresBroker, else 1 MiB.  None: no limit.
+      decimals(str): How a ``DecimalType`` argument is written with the JSON encoder:
+        ``"string"`` (default, its exact text) or ``"float"``.  Timestamps and dates are
+        written as ISO 8601 text (see :func:`~.encoding.portable_batch`).
 
     Raises:
       EnqueueError: (from the Spark job) a null key or an argument that cannot be encoded.
@@ -203,6 +213,8 @@ def enqueue_dataframe(
         max_bytes = pg_broker.options.max_message_bytes if pg_broker is not None else MAX_MESSAGE_BYTES
     else:
         max_bytes = optional(integer(1)).check("max_message_bytes", max_message_bytes)
+    if decimals not in DECIMALS:
+        raise ValueError(f"decimals is 'string' or 'float', not {decimals!r}")
     encoder = encoder or dramatiq.get_encoder()
     try:
         encoder.encode({"options": dict(options or {})})
@@ -224,6 +236,7 @@ def enqueue_dataframe(
         notify=notify,
         encoder=encoder,
         max_bytes=max_bytes,
+        decimals=decimals,
     )
     selected = df.select(*plan.columns)
     if max_partitions is not None:

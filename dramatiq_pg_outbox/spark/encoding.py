@@ -81,6 +81,8 @@ class Plan:
     priority: int = 0
     #: Largest encoded message, in bytes (the broker's ``max_message_bytes``); None: no limit.
     max_bytes: int | None = None
+    #: How a decimal argument is written with the JSON encoder: ``string`` (exact) or ``float``.
+    decimals: str = "string"
 
     @classmethod
     def build(
@@ -100,6 +102,69 @@ class Plan:
             kwargs=tuple((name, where[c]) for name, c in (kwargs or {}).items()),
             **fields,
         )
+
+
+#: The values of ``Plan.decimals``.
+DECIMALS = ("string", "float")
+
+
+def portable_batch(plan: Plan, batch: Any) -> Any:
+    """``batch`` with its timestamp, date and decimal arguments as JSON can carry them.
+
+    Dramatiq's ``JSONEncoder`` refuses these types; with it (and only with it: another
+    encoder gets the values as they are) each argument column of such a type becomes:
+
+    - ``TimestampType`` (an Arrow timestamp with a time zone): ISO 8601 in UTC with its
+      offset, ``2026-11-27T10:00:00+00:00`` (``.123456`` before the offset when the
+      microseconds are not 0), as ``datetime.isoformat()`` writes it;
+    - ``TimestampNTZType`` (no time zone): ISO 8601 without an offset, ``2026-11-27T10:00:00``;
+    - ``DateType``: ``2026-11-27``;
+    - ``DecimalType``: its exact text (``str(Decimal)``, ``12.50``), or a float with
+      ``plan.decimals == "float"``.
+
+    Nulls stay null.  The key column is left alone: its text is part of the idempotency
+    key (``str(key)``), which must not change.  Both encoders (:func:`encode_batch`,
+    :func:`encode_rows`) then see strings or floats, so their bytes stay identical.
+
+    Parameters:
+      plan(Plan): The write plan (its encoder, key position and ``decimals``).
+      batch(pyarrow.RecordBatch): Rows in ``plan.columns`` order.
+    """
+    import datetime as dt
+
+    import pyarrow as pa
+    from dramatiq.encoder import JSONEncoder
+
+    if type(plan.encoder) is not JSONEncoder:
+        return batch
+    columns, changed = list(batch.columns), False
+    for i, column in enumerate(columns):
+        kind = column.type
+        if i == plan.key:
+            continue
+        if pa.types.is_timestamp(kind):
+            if kind.tz is None:
+                text = [None if v is None else v.isoformat() for v in column.to_pylist()]
+            else:
+                text = [
+                    None if v is None else v.astimezone(dt.timezone.utc).isoformat()
+                    for v in column.to_pylist()
+                ]
+            columns[i] = pa.array(text, pa.string())
+        elif pa.types.is_date(kind):
+            columns[i] = pa.array(
+                [None if v is None else v.isoformat() for v in column.to_pylist()], pa.string()
+            )
+        elif pa.types.is_decimal(kind):
+            values = column.to_pylist()
+            if plan.decimals == "float":
+                columns[i] = pa.array([None if v is None else float(v) for v in values], pa.float64())
+            else:
+                columns[i] = pa.array([None if v is None else str(v) for v in values], pa.string())
+        else:
+            continue
+        changed = True
+    return pa.RecordBatch.from_arrays(columns, names=batch.schema.names) if changed else batch
 
 
 #: What JSON escapes (as ``json.dumps`` with ``ensure_ascii`` writes it): anything but

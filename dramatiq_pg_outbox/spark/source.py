@@ -64,7 +64,7 @@ from pyspark.sql.datasource import (
 from .._runtime.messages import broker_priority
 from ..names import channel_for, validate_queue_name
 from ..options import MAX_MESSAGE_BYTES
-from .encoding import Plan
+from .encoding import DECIMALS, Plan
 from .options import given_options
 from .write import write_arrow_partition
 
@@ -82,6 +82,7 @@ OPTIONS = (
     "notify",
     "options",
     "max_message_bytes",
+    "decimals",
 )
 REQUIRED = ("url", "actor", "batch", "key")
 
@@ -229,10 +230,14 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> Plan:
         raise ValueError(
             f"option 'max_message_bytes' is a number of bytes >= 1 or none, not {limit!r}"
         ) from None
+    decimals = given.get("decimals", "string").strip().lower()
+    if decimals not in DECIMALS:
+        raise ValueError(f"option 'decimals' is string or float, not {given['decimals']!r}")
     return Plan.build(
         key=key,
         args=args,
         kwargs=kwargs,
+        decimals=decimals,
         conninfo=conninfo,
         schema=schema,
         channel=channel_for(schema),

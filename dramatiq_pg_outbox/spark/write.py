@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..store.spark import SparkStore
-from .encoding import Plan, arrow_rows, batch_encodable, encode_batch, encode_rows
+from .encoding import Plan, arrow_rows, batch_encodable, encode_batch, encode_rows, portable_batch
 from .options import connect
 
 
@@ -30,7 +30,7 @@ def write_arrow_partition(plan: Plan, batches: Iterable[Any]) -> tuple[int, int]
     from pyarrow import csv
 
     names = list(plan.columns)
-    iterator = (batch.select(names) for batch in batches)
+    iterator = (portable_batch(plan, batch.select(names)) for batch in batches)
     first = next((b for b in iterator if b.num_rows), None)
     if first is None:
         return 0, 0
