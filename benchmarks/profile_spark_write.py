@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 conn.execute("VACUUM ANALYZE dramatiq.messages")
 
         def whole() -> None:
-            assert write_arrow_partition(plan, data) == (args.rows, args.rows)
+            assert write_arrow_partition(plan, data) == (args.rows, args.rows, 0)
 
         def plain_copy() -> None:
             with psycopg.connect(plan.conninfo) as conn, conn.cursor() as cur:

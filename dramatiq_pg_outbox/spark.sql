@@ -27,6 +27,13 @@ DELETE FROM dpo_stage AS st USING {schema}.idempotency_keys AS k
 DELETE FROM dpo_stage AS st USING {schema}.history AS h
  WHERE h.idempotency_key = st.idempotency_key;
 
+-- name: spark_stage_repeats --
+-- Staged rows whose key an earlier staged row has (the data holds the key twice
+-- in this partition), and the first such key: the writer counts them, or fails
+-- the task with on_duplicate_key=error.
+SELECT coalesce(sum(n - 1), 0)::bigint, min(idempotency_key)
+FROM (SELECT idempotency_key, count(*) AS n FROM dpo_stage GROUP BY idempotency_key HAVING count(*) > 1) AS d;
+
 -- name: spark_insert_new --
 -- The staged rows left by spark_drop_known become messages, each key claimed
 -- by a plain INSERT of its row in idempotency_keys in the same statement.  The

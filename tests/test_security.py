@@ -195,8 +195,8 @@ def test_the_spark_role_writes_a_partition_idempotently(secured: Secured) -> Non
         notify=True,
         encoder=dramatiq.get_encoder(),
     )
-    assert write_partition(plan, [("a",), ("b",)]) == (2, 2)
-    assert write_partition(plan, [("a",), ("b",), ("c",)]) == (3, 1)
+    assert write_partition(plan, [("a",), ("b",)]) == (2, 2, 0)
+    assert write_partition(plan, [("a",), ("b",), ("c",)]) == (3, 1, 0)
 
 
 def test_the_backlog_reader_needs_only_the_columns_its_readme_grants(secured: Secured) -> None:

@@ -141,9 +141,9 @@ def customer_id_plan(broker: PostgresBroker, batch_id: str, *, notify: bool = Fa
 def test_a_retried_task_adds_nothing(actor: Any, broker: PostgresBroker, db: Any) -> None:
     plan = customer_id_plan(broker, "retry")
     rows = [(i,) for i in range(100)]
-    assert write_partition(plan, rows) == (100, 100)
+    assert write_partition(plan, rows) == (100, 100, 0)
     # The same task run again (Spark retried it after its commit): nothing new.
-    assert write_partition(plan, rows) == (100, 0)
+    assert write_partition(plan, rows) == (100, 0, 0)
     assert count(db) == 100
 
 
@@ -522,9 +522,49 @@ def test_a_key_twice_in_one_partition_becomes_one_message(
 
     plan = customer_id_plan(broker, "twice")
     batch = pa.RecordBatch.from_pydict({"customer_id": pa.array([1, 2, 1, 3], pa.int64())})
-    assert write_arrow_partition(plan, [batch]) == (4, 3)
-    assert write_arrow_partition(plan, [batch]) == (4, 0)
+    assert write_arrow_partition(plan, [batch]) == (4, 3, 1)  # the second 1: repeated
+    assert write_arrow_partition(plan, [batch]) == (4, 0, 0)  # all known: skipped
     assert count(db) == 3
+
+
+def test_a_repeated_key_is_counted_or_with_on_duplicate_key_error_fails_before_any_write(
+    spark: Any, actor: Any, broker: PostgresBroker, db: Any, database_url: str
+) -> None:
+    import dataclasses
+
+    import pyarrow as pa
+
+    from dramatiq_pg_outbox.spark import write_arrow_partition
+
+    # Given customers 0-99 in four partitions, where customer 7 appears three times in one
+    # partition and customer 8 twice in two partitions
+    rows = [(i, f"c{i}@example.com", 0 if i < 50 else 1) for i in range(100)]
+    rows += [(7, "x", 0), (7, "y", 0), (8, "z", 1)]
+    df = spark.createDataFrame(rows, "customer_id long, email string, part int").repartitionByRange(2, "part")
+
+    # When it is enqueued as it is: one message per customer, and what was dropped is counted
+    result = enqueue_dataframe(df, actor, args=["customer_id", "email"], key="customer_id", batch_id="dup")
+    assert (result.rows, result.enqueued, result.repeated, result.skipped) == (103, 100, 2, 1)
+    assert count(db) == 100
+
+    # And with on_duplicate_key="error": the whole DataFrame is checked first, nothing written
+    with pytest.raises(EnqueueError, match=r"2 key\(s\) have more than one row, for example 7 \(3 rows\)"):
+        enqueue_dataframe(df, actor, args=["customer_id"], key="customer_id", batch_id="dup2",
+                          on_duplicate_key="error")  # fmt: skip
+    assert count(db) == 100
+    # A partition's writer refuses its own repeats under "error" (format("dramatiq")'s tasks)
+    plan = dataclasses.replace(customer_id_plan(broker, "dup3"), on_duplicate_key="error")
+    batch = pa.RecordBatch.from_pydict({"customer_id": pa.array([1, 2, 1], pa.int64())})
+    with pytest.raises(EnqueueError, match=r"1 row\(s\) of a partition of batch 'dup3' have the key"):
+        write_arrow_partition(plan, [batch])
+    with pytest.raises(Exception, match=r"on_duplicate_key='error' refuses them"):
+        write_messages(spark.createDataFrame([(5,), (5,)], "customer_id long").coalesce(1), database_url,
+                       actor="notify_customer", batch="dup4", key="customer_id", args="customer_id",
+                       on_duplicate_key="error")  # fmt: skip
+    assert count(db) == 100
+    with pytest.raises(Exception, match="option 'on_duplicate_key' is skip or error"):
+        write_messages(df, database_url, actor="notify_customer", batch="dup5", key="customer_id",
+                       on_duplicate_key="fail")  # fmt: skip
 
 
 def test_a_null_key_in_an_arrow_batch_names_the_key_column(
@@ -550,13 +590,13 @@ def test_concurrent_duplicate_tasks_write_each_message_once(
 
     plan = customer_id_plan(broker, "speculative", notify=True)
     rows = [(i,) for i in range(5_000)]
-    results: list[tuple[int, int]] = []
+    results: list[tuple[int, int, int]] = []
     threads = [threading.Thread(target=lambda: results.append(write_partition(plan, rows))) for _ in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
-    assert sorted(enqueued for _, enqueued in results) == [0, 0, 5_000]
+    assert sorted(enqueued for _, enqueued, _ in results) == [0, 0, 5_000]
     assert count(db) == 5_000
 
 
@@ -577,7 +617,7 @@ def test_a_twin_task_whose_messages_were_archived_meanwhile_adds_nothing(
     queries = queries_for_schema("dramatiq")
     plan = customer_id_plan(broker, "twins")
     rows = [(i,) for i in range(200)]
-    twin: list[tuple[int, int]] = []
+    twin: list[tuple[int, int, int]] = []
     paused: list[bool] = []
 
     def between_the_check_and_the_insert() -> None:
@@ -608,9 +648,9 @@ def test_a_twin_task_whose_messages_were_archived_meanwhile_adds_nothing(
 
     monkeypatch.setattr(spark_write, "connect", connect)
     # When the task writes its partition around the twin and the archive
-    assert write_partition(plan, rows) == (200, 0)
+    assert write_partition(plan, rows) == (200, 0, 0)
     # Then the twin enqueued every key, this task none, and each key is stored once: in history
-    assert twin == [(200, 200)]
+    assert twin == [(200, 200, 0)]
     assert count(db) == 0
     assert count(db, "SELECT count(*) FROM dramatiq.history WHERE idempotency_key LIKE 'twins:%'") == 200
 

@@ -94,6 +94,7 @@ if TYPE_CHECKING:
 from .encoding import (
     DECIMALS,
     NAMESPACE,
+    ON_DUPLICATE_KEY,
     EnqueueError,
     EnqueueResult,
     Plan,
@@ -140,6 +141,7 @@ def enqueue_dataframe(
     encoder: Encoder | None = None,
     max_message_bytes: int | Literal["broker"] | None = "broker",
     decimals: Literal["string", "float"] = "string",
+    on_duplicate_key: Literal["skip", "error"] = "skip",
 ) -> EnqueueResult:
     """Enqueue one message per row of ``df``, idempotently, written by the executors.
 
@@ -165,9 +167,15 @@ def enqueue_dataframe(
       decimals(str): How a ``DecimalType`` argument is written with the JSON encoder:
         ``"string"`` (default, its exact text) or ``"float"``.  Timestamps and dates are
         written as ISO 8601 text (see :func:`~.encoding.portable_batch`).
+      on_duplicate_key(str): A key that several rows of ``df`` have: ``"skip"`` (default:
+        one message, the others counted in ``EnqueueResult.repeated`` when they share a
+        partition, in ``skipped`` when not) or ``"error"``: before any task writes, one
+        Spark job (a group-by of the key) looks for repeated keys, and ``EnqueueError``
+        names one and how many there are.
 
     Raises:
-      EnqueueError: (from the Spark job) a null key or an argument that cannot be encoded.
+      EnqueueError: (from the Spark job) a null key or an argument that cannot be encoded;
+        a repeated key with ``on_duplicate_key="error"`` (before any write).
       ValueError: For bad parameters (unknown column, bad schema or queue name).
 
     Returns:
@@ -215,6 +223,8 @@ def enqueue_dataframe(
         max_bytes = optional(integer(1)).check("max_message_bytes", max_message_bytes)
     if decimals not in DECIMALS:
         raise ValueError(f"decimals is 'string' or 'float', not {decimals!r}")
+    if on_duplicate_key not in ON_DUPLICATE_KEY:
+        raise ValueError(f"on_duplicate_key is 'skip' or 'error', not {on_duplicate_key!r}")
     encoder = encoder or dramatiq.get_encoder()
     try:
         encoder.encode({"options": dict(options or {})})
@@ -237,8 +247,11 @@ def enqueue_dataframe(
         encoder=encoder,
         max_bytes=max_bytes,
         decimals=decimals,
+        on_duplicate_key=on_duplicate_key,
     )
     selected = df.select(*plan.columns)
+    if on_duplicate_key == "error":
+        _refuse_repeated_keys(selected, key, batch_id)
     if max_partitions is not None:
         if max_partitions < 1:
             raise ValueError(f"max_partitions must be at least 1, not {max_partitions!r}")
@@ -250,12 +263,12 @@ def enqueue_dataframe(
     def write(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        read, enqueued = write_arrow_partition(plan, batches)
-        yield pa.RecordBatch.from_pydict({"rows": [read], "enqueued": [enqueued]})
+        read, enqueued, repeated = write_arrow_partition(plan, batches)
+        yield pa.RecordBatch.from_pydict({"rows": [read], "enqueued": [enqueued], "repeated": [repeated]})
 
     started = time.perf_counter()
     try:
-        counts = selected.mapInArrow(write, "rows long, enqueued long").collect()
+        counts = selected.mapInArrow(write, "rows long, enqueued long, repeated long").collect()
     except Exception as e:
         # An executor's EnqueueError reaches the driver inside Spark's own
         # exception; raise it as itself, with its message.
@@ -266,14 +279,31 @@ def enqueue_dataframe(
     seconds = time.perf_counter() - started
     rows = sum(int(r["rows"]) for r in counts)
     enqueued = sum(int(r["enqueued"]) for r in counts)
+    repeated = sum(int(r["repeated"]) for r in counts)
     return EnqueueResult(
         batch_id=batch_id,
         rows=rows,
         enqueued=enqueued,
-        skipped=rows - enqueued,
+        skipped=rows - enqueued - repeated,
         partitions=len(counts),
         seconds=seconds,
+        repeated=repeated,
     )
+
+
+def _refuse_repeated_keys(df: DataFrame, key: str, batch_id: str) -> None:
+    """Raise EnqueueError if two rows of ``df`` have the same ``key`` (one Spark job, a group-by)."""
+    from pyspark.sql import functions as F
+
+    repeats = df.groupBy(key).count().where(F.col("count") > 1)
+    for example in repeats.orderBy(key).limit(1).collect():
+        keys = repeats.count()
+        raise EnqueueError(
+            f"Column {key!r} (the key) repeats: {keys:,} key(s) have more than one row, for example "
+            f"{example[key]!r} ({example['count']} rows); on_duplicate_key='error' writes nothing of "
+            f"batch {batch_id!r}: deduplicate the data (df.dropDuplicates([{key!r}])) or pass "
+            "on_duplicate_key='skip'"
+        )
 
 
 #: Where Debian's ``libpostgresql-jdbc-java`` puts the PostgreSQL JDBC driver.

@@ -27,7 +27,10 @@ class EnqueueResult:
       batch_id(str): The batch id.
       rows(int): Rows read from the DataFrame.
       enqueued(int): New messages.
-      skipped(int): Rows whose key was already enqueued (this batch earlier, a retried task).
+      skipped(int): Rows whose key was already enqueued (this batch earlier, a retried task,
+        or another partition of this write that holds the same key).
+      repeated(int): Rows whose key another row of the same partition has (the first of them
+        is enqueued); ``on_duplicate_key="error"`` fails the job instead.
       partitions(int): Partitions written.
       seconds(float): Wall time of the Spark job.
     """
@@ -38,6 +41,7 @@ class EnqueueResult:
     skipped: int
     partitions: int
     seconds: float
+    repeated: int = 0
 
     @property
     def rows_per_second(self) -> float:
@@ -83,6 +87,8 @@ class Plan:
     max_bytes: int | None = None
     #: How a decimal argument is written with the JSON encoder: ``string`` (exact) or ``float``.
     decimals: str = "string"
+    #: A key the data holds twice: ``skip`` (count it, enqueue the first row) or ``error``.
+    on_duplicate_key: str = "skip"
 
     @classmethod
     def build(
@@ -106,6 +112,8 @@ class Plan:
 
 #: The values of ``Plan.decimals``.
 DECIMALS = ("string", "float")
+#: The values of ``Plan.on_duplicate_key``.
+ON_DUPLICATE_KEY = ("skip", "error")
 
 
 def portable_batch(plan: Plan, batch: Any) -> Any:
@@ -379,6 +387,16 @@ def encode_rows(plan: Plan, rows: Iterable[Any], now_ms: int) -> Iterator[tuple[
         if plan.max_bytes is not None and len(payload) > plan.max_bytes:
             raise EnqueueError(_too_large(plan, key, len(payload)))
         yield message_id, ikey, payload
+
+
+def repeated_key(plan: Plan, key: str, repeated: int) -> EnqueueError:
+    """The error of a partition that holds a key twice under ``on_duplicate_key="error"``."""
+    return EnqueueError(
+        f"Column {plan.columns[plan.key]!r} (the key) repeats: {repeated:,} row(s) of a partition of batch "
+        f"{plan.batch_id!r} have the key of an earlier row (first: idempotency key {key!r}); "
+        "on_duplicate_key='error' refuses them (nothing of this task's partition was written): "
+        "deduplicate the data (df.dropDuplicates([key])) or pass on_duplicate_key='skip'"
+    )
 
 
 def _too_large(plan: Plan, key: Any, size: int) -> str:

@@ -64,7 +64,7 @@ from pyspark.sql.datasource import (
 from .._runtime.messages import broker_priority
 from ..names import channel_for, validate_queue_name
 from ..options import MAX_MESSAGE_BYTES
-from .encoding import DECIMALS, Plan
+from .encoding import DECIMALS, ON_DUPLICATE_KEY, Plan
 from .options import given_options
 from .write import write_arrow_partition
 
@@ -83,6 +83,7 @@ OPTIONS = (
     "options",
     "max_message_bytes",
     "decimals",
+    "on_duplicate_key",
 )
 REQUIRED = ("url", "actor", "batch", "key")
 
@@ -110,10 +111,12 @@ class DramatiqDataSource(DataSource):
 
 @dataclass
 class Written(WriterCommitMessage):
-    """What one task wrote: rows read, messages enqueued (the rest were already there)."""
+    """What one task wrote: rows read, messages enqueued, rows repeating a key of the partition
+    (the rest were already there)."""
 
     rows: int
     enqueued: int
+    repeated: int = 0
 
 
 class _Writer(DataSourceArrowWriter):
@@ -233,11 +236,15 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> Plan:
     decimals = given.get("decimals", "string").strip().lower()
     if decimals not in DECIMALS:
         raise ValueError(f"option 'decimals' is string or float, not {given['decimals']!r}")
+    on_duplicate_key = given.get("on_duplicate_key", "skip").strip().lower()
+    if on_duplicate_key not in ON_DUPLICATE_KEY:
+        raise ValueError(f"option 'on_duplicate_key' is skip or error, not {given['on_duplicate_key']!r}")
     return Plan.build(
         key=key,
         args=args,
         kwargs=kwargs,
         decimals=decimals,
+        on_duplicate_key=on_duplicate_key,
         conninfo=conninfo,
         schema=schema,
         channel=channel_for(schema),

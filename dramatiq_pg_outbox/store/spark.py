@@ -53,6 +53,12 @@ class SparkStore(SchemaStore):
         """``COPY`` into ``dpo_stage`` in binary: (message_id, idempotency_key, payload) rows."""
         return cur.copy(self.queries["spark_copy_binary"])
 
+    def stage_repeats(self, cur: psycopg.Cursor[Any]) -> tuple[int, str | None]:
+        """(staged rows whose key an earlier staged row has, the first such key or None)."""
+        cur.execute(self.queries["spark_stage_repeats"])
+        repeated, key = cur.fetchone() or (0, None)
+        return int(repeated), key
+
     def drop_known(self, cur: psycopg.Cursor[Any]) -> None:
         """Delete the staged rows whose idempotency key is taken already."""
         cur.execute(self.queries["spark_drop_known"])
