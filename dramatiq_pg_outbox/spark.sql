@@ -127,3 +127,17 @@ SELECT id, queue_name, actor_name, message_id, state, attempts, error_type,
    AND (%(queues)s::text[] IS NULL OR queue_name = ANY (%(queues)s::text[]))
    AND (%(actors)s::text[] IS NULL OR actor_name = ANY (%(actors)s::text[]))
    AND (%(states)s::text[] IS NULL OR state = ANY (%(states)s::text[]));
+
+-- name: spark_write_record --
+-- What one committed write of format("dramatiq") did (migration 0019), from the
+-- commit messages of its tasks.
+INSERT INTO {schema}.spark_writes (batch_id, spark_batch, tasks, rows, enqueued, skipped, repeated, seconds)
+VALUES (%(batch_id)s, %(spark_batch)s, %(tasks)s, %(rows)s, %(enqueued)s, %(skipped)s, %(repeated)s,
+        %(seconds)s);
+
+-- name: spark_write_counts --
+-- The recorded writes of one batch id, oldest first.
+SELECT batch_id, spark_batch, tasks, rows, enqueued, skipped, repeated, seconds, committed_at
+FROM {schema}.spark_writes
+WHERE batch_id = %(batch_id)s
+ORDER BY id;

@@ -567,6 +567,32 @@ def test_a_repeated_key_is_counted_or_with_on_duplicate_key_error_fails_before_a
                        on_duplicate_key="fail")  # fmt: skip
 
 
+def test_a_data_source_write_records_what_it_did_for_write_counts(
+    spark: Any, actor: Any, db: Any, database_url: str
+) -> None:
+    from dramatiq_pg_outbox.spark import write_counts
+
+    # Given 300 customers, one of them twice in its partition, written twice with one batch id
+    rows = [(i, f"c{i}@example.com") for i in range(300)] + [(7, "again")]
+    df = spark.createDataFrame(rows, "customer_id long, email string").coalesce(1)
+    options = {"actor": "notify_customer", "queue": "notifications", "batch": "counted",
+               "key": "customer_id", "args": "customer_id,email"}  # fmt: skip
+    write_messages(df, database_url, **options)
+    write_messages(df, database_url, **options)
+    # Then each write left its figures: the first enqueued 300 (one key repeated), the re-run none
+    first, again = write_counts(database_url, "counted")
+    assert (first.rows, first.enqueued, first.skipped, first.repeated, first.partitions) == (
+        301,
+        300,
+        0,
+        1,
+        1,
+    )
+    assert (again.rows, again.enqueued, again.skipped, again.repeated) == (301, 0, 301, 0)
+    assert first.batch_id == "counted" and first.seconds > 0
+    assert write_counts(database_url, "never") == []
+
+
 def test_a_null_key_in_an_arrow_batch_names_the_key_column(
     actor: Any, broker: PostgresBroker, db: Any
 ) -> None:

@@ -119,6 +119,7 @@ __all__ = [
     "message_id_for",
     "register",
     "write_arrow_partition",
+    "write_counts",
     "write_partition",
 ]
 
@@ -289,6 +290,43 @@ def enqueue_dataframe(
         seconds=seconds,
         repeated=repeated,
     )
+
+
+def write_counts(url: str, batch_id: str, *, schema: str = DEFAULT_SCHEMA) -> list[EnqueueResult]:
+    """What the writes of ``format("dramatiq")`` with option ``batch`` = ``batch_id`` did, oldest first.
+
+    The figures :func:`enqueue_dataframe` returns, recorded by the data source's
+    ``commit()`` once every task of a write committed (``spark_writes``, migration 0019):
+    one result per write (a re-run is one more, with what it added), and per micro-batch
+    of a streaming write (``batch_id`` then reads ``"<batch>@<micro-batch id>"``, and
+    ``seconds`` is 0: Spark's progress reports time them).
+
+    Parameters:
+      url(str): The database URL (``postgresql://...``).
+      batch_id(str): The write's ``batch`` option.
+      schema(str): The broker's schema.  Default ``dramatiq``.
+
+    Raises:
+      psycopg.Error: The database cannot be reached, or is older than migration 0019.
+    """
+    from ..store.spark import SparkStore
+    from .options import connect
+
+    validate_schema_name(schema)
+    with connect(libpq_url(url)) as conn:
+        rows = SparkStore(schema).write_counts(conn, batch_id=batch_id)
+    return [
+        EnqueueResult(
+            batch_id=r.batch_id if r.spark_batch < 0 else f"{r.batch_id}@{r.spark_batch}",
+            rows=r.rows,
+            enqueued=r.enqueued,
+            skipped=r.skipped,
+            partitions=r.tasks,
+            seconds=r.seconds,
+            repeated=r.repeated,
+        )
+        for r in rows
+    ]
 
 
 def _refuse_repeated_keys(df: DataFrame, key: str, batch_id: str) -> None:

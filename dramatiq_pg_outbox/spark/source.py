@@ -36,6 +36,16 @@ Options (strings, as Spark passes them):
 - ``delay``: delay before the messages are due, in milliseconds (default 0).
 - ``notify``: ``true`` (default) wakes listening workers, one ``NOTIFY`` per partition.
 - ``options``: extra message options as a JSON object, e.g. ``{"max_retries": 3}``.
+- ``decimals``: ``string`` (default) or ``float``, how a decimal argument is written.
+- ``on_duplicate_key``: ``skip`` (default: one message per key, repeats counted) or ``error``
+  (a task whose partition holds a key twice fails and writes nothing).
+
+What a write did: ``save()`` returns nothing (PySpark's Python API has no hook for
+it), so the source's ``commit()`` (on the driver's side, once every task committed)
+logs one line (logger ``dramatiq_pg_outbox.spark``) and records the figures in the
+``spark_writes`` table (migration 0019), which
+:func:`~dramatiq_pg_outbox.spark.write_counts` reads back (``EnqueueResult`` objects): rows,
+messages enqueued, keys already there, keys repeated in a partition, tasks, seconds.
 
 Payloads are encoded with the driver's ``dramatiq.get_encoder()`` at the time of
 ``save()``.  Only ``mode("append")`` is supported.
@@ -50,7 +60,9 @@ have committed, and a re-run with the same ``batch`` completes the job.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +76,12 @@ from pyspark.sql.datasource import (
 from .._runtime.messages import broker_priority
 from ..names import channel_for, validate_queue_name
 from ..options import MAX_MESSAGE_BYTES
+from ..store.spark import SparkStore
 from .encoding import DECIMALS, ON_DUPLICATE_KEY, Plan
-from .options import given_options
+from .options import connect, given_options
 from .write import write_arrow_partition
+
+logger = logging.getLogger("dramatiq_pg_outbox.spark")
 
 #: The options the data source reads; any other is refused (a typo would otherwise be ignored).
 OPTIONS = (
@@ -122,9 +137,42 @@ class Written(WriterCommitMessage):
 class _Writer(DataSourceArrowWriter):
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
+        #: When the write was planned (the driver's clock): its figures count the seconds from here.
+        self.planned_at = time.time()
 
     def write(self, iterator: Iterator[Any]) -> Written:
         return _write(self.plan, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Every task committed: log and record what the write did (see the module's documentation)."""
+        record_write(self.plan, messages, spark_batch=-1, seconds=time.time() - self.planned_at)
+
+
+def record_write(plan: Plan, messages: Sequence[WriterCommitMessage | None], *, spark_batch: int,
+                 seconds: float) -> None:  # fmt: skip
+    """Log one line and store one row of ``spark_writes`` with the tasks' counts.
+
+    The messages are committed already: a failure to record is logged, never raised.
+    """
+    written = [m for m in messages if isinstance(m, Written)]
+    rows = sum(w.rows for w in written)
+    enqueued = sum(w.enqueued for w in written)
+    repeated = sum(w.repeated for w in written)
+    figures = {"tasks": len(written), "rows": rows, "enqueued": enqueued,
+               "skipped": rows - enqueued - repeated, "repeated": repeated}  # fmt: skip
+    where = plan.batch_id if spark_batch < 0 else f"{plan.batch_id} micro-batch {spark_batch}"
+    logger.info(
+        'format("dramatiq") batch %s: %s rows, %s enqueued, %s already there, %s repeated in a partition, '
+        "%s tasks, %.1f s", where, f"{rows:,}", f"{enqueued:,}", f"{figures['skipped']:,}",
+        f"{repeated:,}", len(written), seconds,
+    )  # fmt: skip
+    try:
+        with connect(plan.conninfo) as conn:
+            SparkStore(plan.schema).record_write(
+                conn, batch_id=plan.batch_id, spark_batch=spark_batch, seconds=seconds, **figures
+            )
+    except Exception as e:  # the rows are written: say why the figures are not, and go on
+        logger.warning("the figures of batch %s were not recorded: %s", where, str(e).splitlines()[0])
 
 
 def _write(plan: Plan, batches: Iterator[Any]) -> Written:
@@ -170,7 +218,8 @@ class _StreamWriter(DataSourceStreamArrowWriter):
         )
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        """Nothing to do: every task committed its own rows (the keys make replays harmless)."""
+        """Every task committed its own rows (the keys make replays harmless): log and record the figures."""
+        record_write(self.plan, messages, spark_batch=batchId, seconds=0.0)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Nothing to undo: Spark runs the batch again with the same id, which adds only what is missing."""

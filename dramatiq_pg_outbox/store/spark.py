@@ -18,11 +18,28 @@ import datetime as dt
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 
-from .base import SchemaStore
+from .base import SchemaStore, named_rows
+
+
+class SparkWriteRow(NamedTuple):
+    """One recorded write of ``format("dramatiq")`` (``spark_writes``, migration 0019)."""
+
+    batch_id: str
+    spark_batch: int
+    tasks: int
+    rows: int
+    enqueued: int
+    skipped: int
+    repeated: int
+    seconds: float
+    committed_at: dt.datetime
+
+
+_WRITE_ROWS = named_rows(SparkWriteRow)
 
 
 @dataclass(frozen=True)
@@ -89,6 +106,31 @@ class SparkStore(SchemaStore):
         cur.execute(self.queries["notify"], {"channel": channel, "queue_names": list(queue_names)})
 
     # -- the readers -------------------------------------------------------------
+    def record_write(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        batch_id: str,
+        spark_batch: int,
+        tasks: int,
+        rows: int,
+        enqueued: int,
+        skipped: int,
+        repeated: int,
+        seconds: float,
+    ) -> None:
+        """Record what one committed write did (one row of ``spark_writes``)."""
+        conn.execute(
+            self.queries["spark_write_record"],
+            {"batch_id": batch_id, "spark_batch": spark_batch, "tasks": tasks, "rows": rows,
+             "enqueued": enqueued, "skipped": skipped, "repeated": repeated, "seconds": seconds},
+        )  # fmt: skip
+
+    def write_counts(self, conn: psycopg.Connection[Any], *, batch_id: str) -> list[SparkWriteRow]:
+        """The recorded writes of ``batch_id``, oldest first."""
+        with conn.cursor(row_factory=_WRITE_ROWS) as cur:
+            return cur.execute(self.queries["spark_write_counts"], {"batch_id": batch_id}).fetchall()
+
     def backlog_id_range(self, conn: psycopg.Connection[Any]) -> IdRange | None:
         """The id range of the live messages; None when there is none."""
         row = conn.execute(self.queries["backlog_id_range"]).fetchone()
