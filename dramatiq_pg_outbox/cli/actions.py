@@ -205,7 +205,7 @@ def discard_command(args: argparse.Namespace) -> int:
     async def use(store: Any) -> dict[str, int]:
         if args.dry_run:
             if args.ids:
-                found = [await store.dead_letter(row_id) for row_id in args.ids]
+                found = [await store.finished_message(row_id) for row_id in args.ids]
                 queues = [d.queue_name for d in found if d is not None and d.state == "failed"]
             else:
                 queues = [r.queue_name for r in await store.failed(where, limit=1_000_000, offset=0)]

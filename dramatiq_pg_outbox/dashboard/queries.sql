@@ -194,12 +194,6 @@ SELECT actor_name, error_type, retried, failed, total, rank
 FROM {schema}.message_errors
 ORDER BY actor_name, rank;
 
--- name: dead_letter --
-SELECT id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at, finished_at,
-       error_type, error, payload, idempotency_key
-FROM {schema}.history
-WHERE id = %(id)s AND state = 'failed';
-
 -- name: purge_queue --
 -- Deletes the waiting rows (due and delayed) of one queue, or those of them whose
 -- id is in %(ids)s (NULL: all).  Rows being processed are left to finish; their

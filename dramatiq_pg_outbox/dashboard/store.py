@@ -191,25 +191,6 @@ class FailedRow:
 
 
 @dataclass(frozen=True)
-class DeadLetter:
-    """A dead letter with its payload and full error text."""
-
-    id: int
-    queue_name: str
-    actor_name: str
-    message_id: str
-    state: str
-    attempts: int
-    enqueued_at: dt.datetime
-    started_at: dt.datetime | None
-    finished_at: dt.datetime
-    error_type: str | None
-    error: str | None
-    payload: bytes
-    idempotency_key: str | None
-
-
-@dataclass(frozen=True)
 class ErrorTypeRow:
     actor_name: str
     error_type: str
@@ -786,10 +767,6 @@ class Store:
 
     async def error_types(self) -> list[ErrorTypeRow]:
         return await self._rows(ErrorTypeRow, "error_types")
-
-    async def dead_letter(self, row_id: int) -> DeadLetter | None:
-        rows = await self._rows(DeadLetter, "dead_letter", {"id": row_id})
-        return rows[0] if rows else None
 
     async def message_stats(self, bucket: dt.timedelta, since: dt.datetime) -> list[StatRow]:
         return await self._rows(StatRow, "message_stats", {"bucket": bucket, "since": since})
