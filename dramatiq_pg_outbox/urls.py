@@ -18,6 +18,8 @@ from sqlalchemy.engine import URL, make_url
 SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
 #: What a hidden secret is shown as.
 MASK = "***"
+#: How a JDBC URL begins (Spark's ``format("jdbc")`` and Java programs take these).
+JDBC_PREFIX = "jdbc:"
 
 
 def mask_password(url: str) -> str:
@@ -66,6 +68,29 @@ def mask_password(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
+def jdbc_url_error(url: str) -> str | None:
+    """One line saying how to write a JDBC URL (``jdbc:postgresql://...``) for libpq, else None.
+
+    ``jdbc:postgresql://h:5432/db`` is ``postgresql://h:5432/db`` without its ``jdbc:``
+    (libpq reads the same ``user`` and ``password`` query parameters); the suggested URL
+    has its secrets masked (:func:`mask_password`).
+
+    Parameters:
+      url(str): Any URL.
+
+    Returns:
+      str|None: The message for a JDBC URL, None for any other.
+    """
+    if not url[: len(JDBC_PREFIX)].lower() == JDBC_PREFIX:
+        return None
+    rest = url[len(JDBC_PREFIX) :]
+    # mask_password of the whole URL would see "jdbc" as the scheme and miss a user-info password.
+    shown = url[: len(JDBC_PREFIX)] + mask_password(rest)
+    if rest.lower().startswith("postgresql://"):
+        return f"{shown} is a JDBC URL; write it without 'jdbc:', as libpq takes it: {mask_password(rest)}"
+    return f"{shown} is a JDBC URL; write it as libpq takes it: postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+
+
 def safe_url(url: str | URL) -> str:
     """The URL as text with every secret masked (see :func:`mask_password`)."""
     text = url.render_as_string(hide_password=False) if isinstance(url, URL) else url
@@ -101,8 +126,11 @@ def libpq_url(url: str | URL) -> str:
     ``%2Frun%2Fpostgresql`` stays encoded).
 
     Raises:
-      ValueError: If the URL is not a PostgreSQL URL (the message masks the password).
+      ValueError: If the URL is not a PostgreSQL URL, or is a JDBC URL (the message says how
+        to write it, see :func:`jdbc_url_error`; it masks the password).
     """
+    if isinstance(url, str) and (jdbc := jdbc_url_error(url)) is not None:
+        raise ValueError(jdbc)
     parsed = make_url(url) if isinstance(url, str) else url
     if parsed.get_backend_name() not in ("postgresql", "postgres"):
         raise ValueError(f"Not a PostgreSQL URL: {safe_url(parsed)}")

@@ -292,6 +292,32 @@ def test_a_non_postgres_url_is_refused_without_showing_its_password(url: str) ->
 
 
 @pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (
+            f"jdbc:postgresql://app:{SECRET}@db:5432/app?sslmode=require",
+            "jdbc:postgresql://app:***@db:5432/app?sslmode=require is a JDBC URL; write it without "
+            "'jdbc:', as libpq takes it: postgresql://app:***@db:5432/app?sslmode=require",
+        ),
+        (
+            f"JDBC:postgresql://db/app?user=app&password={SECRET}",
+            "JDBC:postgresql://db/app?user=app&password=*** is a JDBC URL; write it without 'jdbc:', "
+            "as libpq takes it: postgresql://db/app?user=app&password=***",
+        ),
+        (
+            "jdbc:postgresql:app",
+            "jdbc:postgresql:app is a JDBC URL; write it as libpq takes it: "
+            "postgresql://USER:PASSWORD@HOST:PORT/DATABASE",
+        ),
+    ],
+)
+def test_a_jdbc_url_is_refused_with_its_libpq_form_without_its_password(url: str, expected: str) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        libpq_url(url)
+    assert str(excinfo.value) == expected and SECRET not in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
     ("text", "expected"),
     [
         (

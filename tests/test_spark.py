@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import decimal
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -23,7 +24,7 @@ import psycopg
 import pytest
 from dramatiq import Message
 
-from dramatiq_pg_outbox import PostgresBroker
+from dramatiq_pg_outbox import PostgresBroker, SchemaNotReady
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[dev]')")
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
@@ -767,9 +768,129 @@ def test_the_data_source_names_a_missing_or_bad_option(spark: Any, db: Any, data
     for options, expected in cases:
         with pytest.raises(Exception, match=expected):
             write_messages(df, database_url, **options)
-    with pytest.raises(Exception, match=r"only appends messages"):
+    with pytest.raises(Exception, match=r"only appends messages") as refused:
         df.write.format("dramatiq").option("url", database_url).options(**good).mode("overwrite").save()
+    # The fix comes first: Spark's own refusal of its default mode suggests "Overwrite" too
+    assert last_line(refused.value).startswith('ValueError: use .mode("append"): format("dramatiq")')
     assert count(db) == 0
+
+
+def last_line(error: BaseException) -> str:
+    """The last line of Spark's error, where the data source's own error is, but for the line
+    ``SQLSTATE: 38000`` that Spark adds after the Python traceback it wraps."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if re.fullmatch(r"SQLSTATE: \w+", lines[-1]) and len(lines) > 1:
+        lines.pop()
+    return lines[-1]
+
+
+@contextlib.contextmanager
+def spark_jobs(spark: Any) -> Iterator[list[int]]:
+    """The ids of the Spark jobs that the block ran (none: no task ran), filled at its end."""
+    group = f"jobs-{uuid.uuid4().hex}"
+    context = spark.sparkContext
+    context.setJobGroup(group, "counted by a test")
+    jobs: list[int] = []
+    try:
+        yield jobs
+    finally:
+        jobs.extend(context.statusTracker().getJobIdsForGroup(group))
+        context.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
+
+
+def test_a_write_to_a_database_that_is_not_ready_fails_before_any_task_naming_the_fix(
+    spark: Any, actor: Any, admin_url: str, database_url: str
+) -> None:
+    from sqlalchemy.engine import make_url
+
+    from dramatiq_pg_outbox.spark import register
+    from dramatiq_pg_outbox.testing import scratch_database
+
+    register(spark)
+    # (No shuffle: Spark would run its stage before it plans the write, which runs none)
+    df = spark.createDataFrame(
+        [(i, f"c{i}@example.com") for i in range(10)], "customer_id long, email string"
+    )
+    source = {"actor": "notify_customer", "batch": "c1", "key": "customer_id", "args": "customer_id"}
+    closed_port = "postgresql://nobody:pw-closed@127.0.0.1:1/none"
+    missing = make_url(database_url).set(database=f"dpo_missing_{uuid.uuid4().hex[:8]}")
+    with scratch_database(admin_url, "dpo_unmigrated") as unmigrated:
+        unmigrated_url, secret = with_password(unmigrated)
+        cases = [
+            (
+                closed_port,
+                r"ConnectionFailed: cannot connect to PostgreSQL at 127\.0\.0\.1:1 "
+                r"\(postgresql://nobody:\*\*\*@127\.0\.0\.1:1/none\): connection refused\. .* skip this "
+                r'check with \.option\("check_database", "false"\)$',
+            ),
+            (
+                missing.render_as_string(hide_password=False),
+                rf"ConnectionRejected: PostgreSQL at .* has no database '{missing.database}'\. "
+                r"Check the database name in the URL, or create it \(createdb dpo_missing_\w+\)$",
+            ),
+            (
+                unmigrated_url,
+                r"SchemaNotReady: The dramatiq-pg-outbox tables do not exist in schema 'dramatiq' of "
+                r'.*\. Run: dramatiq-pg-outbox migrate --url "\$DATABASE_URL" --schema dramatiq '
+                r"\(after setting DATABASE_URL to the URL of that database, its password included\)$",
+            ),
+        ]
+        for url, expected in cases:
+            # When the DataFrame is written there
+            with spark_jobs(spark) as jobs, pytest.raises(Exception) as failed:
+                write_messages(df, url, **source)
+            assert jobs == [], url
+            # Then save() fails while the write is planned, before any job or task, and the
+            # last line of Spark's error is ours: once, naming the fix, without the password
+            text = str(failed.value)
+            assert re.search(expected, last_line(failed.value)), text
+            cause = last_line(failed.value).split(": ", 1)[1]
+            assert text.count(cause) == 1, text
+            assert "pw-closed" not in text and secret not in text
+        # And an unmigrated schema refuses enqueue_dataframe the same way, before any job
+        with (
+            spark_jobs(spark) as jobs,
+            pytest.raises(SchemaNotReady, match="Run: dramatiq-pg-outbox migrate"),
+        ):
+            enqueue_dataframe(df, actor, key="customer_id", batch_id="c2", url=unmigrated_url)
+        assert jobs == []
+        # And a write to a migrated database (the check passes) writes as before
+        write_messages(df, database_url, **source)
+    # And with check_database false, the driver does not connect: the tasks fail instead
+    with spark_jobs(spark) as jobs, pytest.raises(Exception, match="Connection refused"):
+        write_messages(df, closed_port, check_database="false", **source)
+    assert jobs != []
+    with pytest.raises(Exception, match=r"option 'check_database' is true or false, not 'maybe'"):
+        write_messages(df, database_url, check_database="maybe", **source)
+
+
+def test_a_jdbc_url_is_refused_with_its_libpq_form(spark: Any, actor: Any, db: Any) -> None:
+    df = spark.createDataFrame([(1, "c1@example.com")], "customer_id long, email string")
+    jdbc = "jdbc:postgresql://127.0.0.1:5432/app?user=app&password=s3cret-jdbc"
+    source = {"actor": "notify_customer", "batch": "j1", "key": "customer_id"}
+    expected = (
+        r"option 'url': jdbc:postgresql://127\.0\.0\.1:5432/app\?user=app&password=\*\*\* is a JDBC URL; "
+        r"write it without 'jdbc:', as libpq takes it: "
+        r"postgresql://127\.0\.0\.1:5432/app\?user=app&password=\*\*\*$"
+    )
+    with spark_jobs(spark) as jobs, pytest.raises(Exception) as failed:
+        write_messages(df, jdbc, **source)
+    assert jobs == []
+    assert re.search(expected, last_line(failed.value)) and "s3cret-jdbc" not in str(failed.value)
+    with pytest.raises(ValueError, match="write it without 'jdbc:'") as direct:
+        enqueue_dataframe(df, actor, key="customer_id", batch_id="j2", url=jdbc)
+    assert "s3cret-jdbc" not in str(direct.value)
+
+
+def test_reading_the_write_only_source_says_which_to_read(spark: Any) -> None:
+    from dramatiq_pg_outbox.spark import register
+
+    register(spark)
+    line = 'ValueError: format("dramatiq") is write-only; read with dramatiq_history or dramatiq_backlog'
+    for reader in (spark.read.format("dramatiq"), spark.read.format("dramatiq").schema("a int")):
+        with pytest.raises(Exception) as failed:
+            reader.option("url", "postgresql://nobody@127.0.0.1:1/none").load().collect()
+        assert last_line(failed.value) == line, str(failed.value)
 
 
 def test_the_data_source_fails_on_a_null_key_and_names_it(spark: Any, db: Any, database_url: str) -> None:

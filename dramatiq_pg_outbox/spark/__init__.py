@@ -68,7 +68,12 @@ Connection budget
 One connection per running task, for the length of the task: at most
 ``min(number of partitions, total executor cores)`` connections at a time.
 Use ``max_partitions=`` to cap it (the DataFrame is coalesced).  The driver
-opens none.
+opens one, for a few seconds at most, before any task: it checks that the
+database answers and its schema is migrated, so that an unreachable server, a
+missing database or an unmigrated schema fails at once with one line naming
+the fix instead of failing every task (``check_database=False``, or the data
+source's option ``check_database`` ``false``, skips it, for a driver that
+cannot reach the database).
 
 The messages are ordinary messages: a ``dramatiq`` worker with a
 :class:`~dramatiq_pg_outbox.PostgresBroker` on the same schema processes them.
@@ -102,6 +107,7 @@ from .encoding import (
     idempotency_key_for,
     message_id_for,
 )
+from .options import check_database as check_database_from_driver
 from .write import write_arrow_partition, write_partition
 
 __all__ = [
@@ -143,6 +149,7 @@ def enqueue_dataframe(
     max_message_bytes: int | Literal["broker"] | None = "broker",
     decimals: Literal["string", "float"] = "string",
     on_duplicate_key: Literal["skip", "error"] = "skip",
+    check_database: bool = True,
 ) -> EnqueueResult:
     """Enqueue one message per row of ``df``, idempotently, written by the executors.
 
@@ -173,11 +180,19 @@ def enqueue_dataframe(
         partition, in ``skipped`` when not) or ``"error"``: before any task writes, one
         Spark job (a group-by of the key) looks for repeated keys, and ``EnqueueError``
         names one and how many there are.
+      check_database(bool): Check from the driver, before any task, that the database answers
+        and the schema is migrated (one short connection).  Default True; False for a driver
+        that cannot reach the database.
 
     Raises:
       EnqueueError: (from the Spark job) a null key or an argument that cannot be encoded;
         a repeated key with ``on_duplicate_key="error"`` (before any write).
-      ValueError: For bad parameters (unknown column, bad schema or queue name).
+      ValueError: For bad parameters (unknown column, bad schema or queue name, a JDBC URL).
+      dramatiq.errors.ConnectionFailed: (``check_database``) the server cannot be reached.
+      dramatiq_pg_outbox.errors.ConnectionRejected: (``check_database``) it refuses the
+        connection: no such database or role, a wrong password.
+      SchemaNotReady: (``check_database``) the schema is not migrated; the message names the
+        ``dramatiq-pg-outbox migrate`` command.
 
     Returns:
       EnqueueResult: Counts and timing.
@@ -250,12 +265,16 @@ def enqueue_dataframe(
         decimals=decimals,
         on_duplicate_key=on_duplicate_key,
     )
+    if max_partitions is not None and max_partitions < 1:
+        raise ValueError(f"max_partitions must be at least 1, not {max_partitions!r}")
+    if check_database:
+        check_database_from_driver(
+            url if url is not None else conninfo, conninfo, schema, skip="check_database=False"
+        )
     selected = df.select(*plan.columns)
     if on_duplicate_key == "error":
         _refuse_repeated_keys(selected, key, batch_id)
     if max_partitions is not None:
-        if max_partitions < 1:
-            raise ValueError(f"max_partitions must be at least 1, not {max_partitions!r}")
         if selected.rdd.getNumPartitions() > max_partitions:
             selected = selected.coalesce(max_partitions)
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..names import DEFAULT_SCHEMA, validate_schema_name
-from ..urls import libpq_url
+from ..urls import jdbc_url_error, libpq_url, mask_password
 
 #: Options Spark passes to a data source on its own account (lower case).
 SPARK_OWN = frozenset({"path", "checkpointlocation"})
@@ -24,8 +24,9 @@ def given_options(
       required: The options without a default.
 
     Raises:
-      ValueError: Naming the option: unknown, missing, a ``url`` that is not PostgreSQL,
-        a bad ``schema`` (the URL's password is never in the message).
+      ValueError: Naming the option: unknown, missing, a ``url`` that is not PostgreSQL
+        (a JDBC one: how to write it), a bad ``schema`` (the URL's password is never in the
+        message).
     """
     given = {str(k).lower(): str(v) for k, v in options.items() if str(k).lower() not in SPARK_OWN}
     unknown = sorted(set(given) - set(known))
@@ -36,6 +37,9 @@ def given_options(
         raise ValueError(
             f"format({source!r}) needs the option(s) {missing}, e.g. .option({missing[0]!r}, ...)"
         )
+    jdbc = jdbc_url_error(given["url"])
+    if jdbc is not None:
+        raise ValueError(f"option 'url': {jdbc}")
     try:
         conninfo = libpq_url(given["url"])
     except Exception as e:  # sqlalchemy's ArgumentError for what is no URL at all
@@ -48,14 +52,82 @@ def given_options(
     return given, conninfo, schema
 
 
-def connect(conninfo: str) -> Any:
+def connect(conninfo: str, **kwargs: Any) -> Any:
     """A psycopg connection of the Spark integration (imported lazily: executors need it only here).
 
-    Every connection is named ``dramatiq-pg-outbox-spark`` in ``pg_stat_activity``.
+    Every connection is named ``dramatiq-pg-outbox-spark`` in ``pg_stat_activity``; ``kwargs``
+    go to ``psycopg.connect`` (``connect_timeout=``, ``autocommit=``).
 
     Raises:
       psycopg.OperationalError: If the server cannot be reached.
     """
     from .._isolation import connect as connect_read_committed
 
-    return connect_read_committed(conninfo, application_name="dramatiq-pg-outbox-spark")
+    return connect_read_committed(conninfo, application_name="dramatiq-pg-outbox-spark", **kwargs)
+
+
+#: Seconds the driver's check waits for the server, unless the URL sets ``connect_timeout``.
+CHECK_TIMEOUT = 5
+
+
+def check_database(url: str, conninfo: str, schema: str, *, skip: str) -> None:
+    """On the driver, before any task: the database answers and ``schema`` is migrated.
+
+    One short connection (:data:`CHECK_TIMEOUT` seconds to connect, unless the URL sets
+    ``connect_timeout``), the package's schema check
+    (:func:`~dramatiq_pg_outbox.migrations.check_schema`), closed at once.  Each error is
+    one line naming the fix, without the password: the tasks would otherwise each fail
+    on the same cause, retried ``spark.task.maxFailures`` times.
+
+    Parameters:
+      url(str): The URL as the user gave it (shown masked, and in the ``migrate`` command
+        when it has no password).
+      conninfo(str): Its libpq URL.
+      schema(str): The broker's schema.
+      skip(str): How the caller turns the check off, for the message of an unreachable
+        server (``.option("check_database", "false")``).
+
+    Raises:
+      dramatiq_pg_outbox.errors.ConnectionRejected: PostgreSQL refused the connection: no such
+        database or role, a wrong password, no ``pg_hba.conf`` entry.
+      dramatiq.errors.ConnectionFailed: The server cannot be reached (refused, unknown
+        host, no answer within the timeout).
+      dramatiq_pg_outbox.SchemaNotReady: The tables are missing or older than this version
+        needs; the message names the ``dramatiq-pg-outbox migrate`` command.
+    """
+    import shlex
+
+    import psycopg
+    from dramatiq.errors import ConnectionFailed
+    from psycopg.conninfo import conninfo_to_dict
+
+    from ..errors import ConnectionRejected, describe_rejection, libpq_detail
+    from ..migrations import check_schema
+
+    shown = mask_password(url)
+    params = conninfo_to_dict(conninfo)
+    timeout = {} if params.get("connect_timeout") else {"connect_timeout": CHECK_TIMEOUT}
+    try:
+        conn = connect(conninfo, autocommit=True, **timeout)
+    except psycopg.OperationalError as e:
+        reason = describe_rejection(e, conninfo)
+        if reason is not None:
+            raise ConnectionRejected(reason) from None
+        server = f"{params.get('host') or 'localhost'}:{params.get('port') or 5432}"
+        text = str(e)
+        if "Connection refused" in text or "No such file or directory" in text:
+            why = "connection refused"
+        elif "resolve host" in text or "translate host name" in text:
+            why = "unknown host"
+        elif "timeout expired" in text:
+            why = f"no answer within {params.get('connect_timeout') or CHECK_TIMEOUT} s"
+        else:
+            why = libpq_detail(e)
+        raise ConnectionFailed(
+            f"cannot connect to PostgreSQL at {server} ({shown}): {why}. Check that PostgreSQL runs "
+            f"and the host and port of the URL; if only the executors can reach it, skip this "
+            f"check with {skip}"
+        ) from None
+    with conn:
+        # The migrate command shows the URL when it has no secret, else "$DATABASE_URL".
+        check_schema(conn, schema, url=shown, fix_url=shlex.quote(url) if shown == url else None)

@@ -5,7 +5,8 @@ Usage (PySpark 4's Python Data Source API; ``pip install 'dramatiq-pg-outbox[spa
     from dramatiq_pg_outbox.spark import register
 
     register(spark)                       # spark.dataSource.register(DramatiqDataSource)
-    (customers.write.format("dramatiq")
+    (customers.write.mode("append")       # required: Spark refuses its default mode itself
+        .format("dramatiq")
         .option("url", "postgresql://app@db/app")
         .option("actor", "notify_customer")
         .option("queue", "notifications")
@@ -13,7 +14,6 @@ Usage (PySpark 4's Python Data Source API; ``pip install 'dramatiq-pg-outbox[spa
         .option("key", "customer_id")
         .option("args", "customer_id,email")
         .option("kwargs", "segment=segment")
-        .mode("append")
         .save())
 
 Each partition is written by its executor's Python worker, by the code that
@@ -36,6 +36,12 @@ Options (strings, as Spark passes them):
 - ``delay``: delay before the messages are due, in milliseconds (default 0).
 - ``notify``: ``true`` (default) wakes listening workers, one ``NOTIFY`` per partition.
 - ``options``: extra message options as a JSON object, e.g. ``{"max_retries": 3}``.
+- ``max_message_bytes``: the largest encoded message, in bytes (default 1048576), or
+  ``none``; a larger row fails its task, naming the row.
+- ``check_database``: ``true`` (default) checks on the driver, when the write is planned,
+  that the database answers and the schema is migrated (one connection of a few seconds
+  at most, closed at once); ``false`` skips it, for a driver that cannot reach the
+  database (the tasks then fail on the same causes, each retried).
 - ``decimals``: ``string`` (default) or ``float``, how a decimal argument is written.
 - ``on_duplicate_key``: ``skip`` (default: one message per key, repeats counted) or ``error``
   (a task whose partition holds a key twice fails and writes nothing).
@@ -48,13 +54,23 @@ logs one line (logger ``dramatiq_pg_outbox.spark``) and records the figures in t
 messages enqueued, keys already there, keys repeated in a partition, tasks, seconds.
 
 Payloads are encoded with the driver's ``dramatiq.get_encoder()`` at the time of
-``save()``.  Only ``mode("append")`` is supported.
+``save()``.  Only ``mode("append")`` is supported, and it must be given: Spark refuses
+its default mode (``ErrorIfExists``) before the data source runs, suggesting "Append" or
+"Overwrite", and the data source refuses an overwrite.  ``spark.read.format("dramatiq")``
+is refused: the history and the live messages are read with ``dramatiq_history`` and
+``dramatiq_backlog``.
 
-Raises (from ``save()``): ``ValueError`` naming the option for a missing or bad option
-or an unknown column, before any task runs; the Spark job's error carrying
-:class:`~dramatiq_pg_outbox.spark.EnqueueError` (the row's key and the column) for a
-null key or an argument the encoder refuses: that partition writes nothing, others may
-have committed, and a re-run with the same ``batch`` completes the job.
+Raises (from ``save()``, or ``start()`` for a stream, before any task of the write): ``ValueError``
+naming the option for a missing or bad option (a JDBC ``url``: how to write it) or an
+unknown column; with ``check_database`` on, one line naming the fix for a server that
+cannot be reached (``dramatiq.errors.ConnectionFailed``), a connection it refuses, such
+as a missing database (``dramatiq_pg_outbox.errors.ConnectionRejected``), or a schema not
+migrated (:class:`~dramatiq_pg_outbox.SchemaNotReady`: the ``dramatiq-pg-outbox migrate``
+command); Spark wraps them: that line is the last of its error, but its ``SQLSTATE``.  While the tasks
+run: the Spark job's error carrying :class:`~dramatiq_pg_outbox.spark.EnqueueError` (the
+row's key and the column) for a null key or an argument the encoder refuses: that
+partition writes nothing, others may have committed, and a re-run with the same
+``batch`` completes the job.
 """
 
 from __future__ import annotations
@@ -78,7 +94,7 @@ from ..names import channel_for, validate_queue_name
 from ..options import MAX_MESSAGE_BYTES
 from ..store.spark import SparkStore
 from .encoding import DECIMALS, ON_DUPLICATE_KEY, Plan
-from .options import connect, given_options
+from .options import check_database, connect, given_options
 from .write import write_arrow_partition
 
 logger = logging.getLogger("dramatiq_pg_outbox.spark")
@@ -99,8 +115,11 @@ OPTIONS = (
     "max_message_bytes",
     "decimals",
     "on_duplicate_key",
+    "check_database",
 )
 REQUIRED = ("url", "actor", "batch", "key")
+#: The message of ``spark.read.format("dramatiq")``.
+WRITE_ONLY = 'format("dramatiq") is write-only; read with dramatiq_history or dramatiq_backlog'
 
 
 class DramatiqDataSource(DataSource):
@@ -110,18 +129,25 @@ class DramatiqDataSource(DataSource):
     def name(cls) -> str:
         return "dramatiq"
 
+    def schema(self) -> str:
+        raise ValueError(WRITE_ONLY)
+
+    def reader(self, schema: Any) -> Any:
+        raise ValueError(WRITE_ONLY)
+
+    def streamReader(self, schema: Any) -> Any:
+        raise ValueError(WRITE_ONLY)
+
     def writer(self, schema: Any, overwrite: bool) -> DataSourceArrowWriter:
         if overwrite:
             raise ValueError(
-                'format("dramatiq") only appends messages: use .mode("append") (a re-run with the '
+                'use .mode("append"): format("dramatiq") only appends messages (a re-run with the '
                 "same batch option adds only what is missing)"
             )
-        columns = [field.name for field in schema.fields]
-        return _Writer(plan_from_options(self.options, columns))
+        return _Writer(checked_plan(self.options, schema))
 
     def streamWriter(self, schema: Any, overwrite: bool) -> DataSourceStreamArrowWriter:
-        columns = [field.name for field in schema.fields]
-        return _StreamWriter(plan_from_options(self.options, columns))
+        return _StreamWriter(checked_plan(self.options, schema))
 
 
 @dataclass
@@ -223,6 +249,31 @@ class _StreamWriter(DataSourceStreamArrowWriter):
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Nothing to undo: Spark runs the batch again with the same id, which adds only what is missing."""
+
+
+#: How to turn the driver's check off, in its error.
+SKIP_CHECK = '.option("check_database", "false")'
+
+
+def checked_plan(options: Mapping[str, str], schema: Any) -> Plan:
+    """The write plan of the options against the DataFrame's ``schema`` (a StructType), once
+    the database is checked from the driver (option ``check_database``, :func:`check_database`).
+
+    Runs where Spark plans the write, before any task.
+
+    Raises:
+      ValueError: As :func:`plan_from_options`, or ``check_database`` neither true nor false.
+      dramatiq.errors.ConnectionFailed, dramatiq_pg_outbox.errors.ConnectionRejected,
+      dramatiq_pg_outbox.SchemaNotReady: From :func:`check_database`.
+    """
+    plan = plan_from_options(options, [field.name for field in schema.fields])
+    given = {str(k).lower(): str(v) for k, v in options.items()}
+    check = given.get("check_database", "true").strip().lower()
+    if check not in ("true", "false"):
+        raise ValueError(f"option 'check_database' is true or false, not {given['check_database']!r}")
+    if check == "true":
+        check_database(given["url"], plan.conninfo, plan.schema, skip=SKIP_CHECK)
+    return plan
 
 
 def plan_from_options(options: Mapping[str, str], columns: list[str]) -> Plan:
