@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import decimal
+import logging
 import os
 import re
 import shutil
@@ -1079,58 +1080,172 @@ def _plan(df: Any) -> str:
     return str(df._jdf.queryExecution().executedPlan().toString())
 
 
+def _pushed_filters(df: Any) -> str:
+    """What the ``PushedFilters: [...]`` line of the history scan says in ``df.explain("formatted")``
+    ("" without that line: nothing pushed)."""
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        df.explain("formatted")
+    found = re.search(r"^\(\d+\) BatchScan dramatiq_history\n(.*?)\n\n", out.getvalue(), re.M | re.S)
+    assert found, out.getvalue()
+    lines = [line for line in found.group(1).splitlines() if line.startswith("PushedFilters: ")]
+    return lines[0].removeprefix("PushedFilters: ") if lines else ""
+
+
+def _ms(*moment: int) -> int:
+    """Epoch milliseconds of a UTC moment (year, month, day[, hour[, minute[, second[, microsecond]]]])."""
+    return int(datetime.datetime(*moment, tzinfo=datetime.timezone.utc).timestamp() * 1000)
+
+
 def test_history_reads_one_partition_per_day_and_pushes_filters_exactly(
     spark: Any, db: Any, database_url: str
 ) -> None:
     from pyspark.sql import functions as F
 
     from dramatiq_pg_outbox.spark import register
+    from dramatiq_pg_outbox.spark.history import HistoryDataSource, PushingHistoryDataSource
 
     _history_days(db)
+
+    def fresh() -> Any:
+        """A newly loaded history: Spark 4.3 runs a pushed read again for a reused DataFrame."""
+        return spark.read.format("dramatiq_history").option("url", database_url).load()
+
+    register(spark)
+    # A time range reads the partitions of its days only
+    assert fresh().count() == 80
+    days = (
+        spark.read.format("dramatiq_history").option("url", database_url)
+        .option("since", "2026-11-21").option("until", "2026-11-23").load()
+    )  # fmt: skip
+    assert days.rdd.getNumPartitions() == 2 and days.count() == 40
+    # The pushing reader, one query per loaded DataFrame (the only use that is right on 4.3):
+    # filters on the queue and the finish time go to PostgreSQL, the rest stays with Spark
+    x = _ms(2026, 11, 21, 5, 0, 0, 500_000)  # exactly when the rows of 05:00:00.5 on the 21st finished
+    expected = db.execute(
+        "SELECT count(*) FROM dramatiq.history WHERE queue_name = 'q1' AND attempts > 1 "
+        "AND (extract(epoch FROM finished_at) * 1000)::bigint > %s",
+        (x,),
+    ).fetchone()[0]
+    wanted = (F.col("queue_name") == "q1") & (F.col("finished_ms") > x) & (F.col("attempts") > 1)
     spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
     try:
-        register(spark)
-        # A time range reads the partitions of its days only
-        week = spark.read.format("dramatiq_history").option("url", database_url).load()
-        assert week.count() == 80
-        days = (
-            spark.read.format("dramatiq_history").option("url", database_url)
-            .option("since", "2026-11-21").option("until", "2026-11-23").load()
-        )  # fmt: skip
-        assert days.rdd.getNumPartitions() == 2 and days.count() == 40
-        # Filters on the queue and the finish time go to PostgreSQL, the rest stays with Spark
-        # x: exactly when the rows of 05:00:00.5 on the 21st finished (one per queue)
-        x = int(
-            datetime.datetime(2026, 11, 21, 5, 0, 0, 500_000, tzinfo=datetime.timezone.utc).timestamp() * 1000
-        )
-        picked = week.filter(
-            (F.col("queue_name") == "q1") & (F.col("finished_ms") > x) & (F.col("attempts") > 1)
-        )
+        spark.dataSource.register(PushingHistoryDataSource)
+        picked = fresh().filter(wanted)
         plan = _plan(picked)
-        # (The scan's line names no pushed filter: Spark's own Filter node keeps only what was not pushed.)
         spark_filter = next(line for line in plan.splitlines() if " Filter " in line)
         assert "(attempts#" in spark_filter and "> 1)" in spark_filter, plan
         assert " = q1)" not in spark_filter and f"> {x})" not in spark_filter, plan
-        expected = db.execute(
-            "SELECT count(*) FROM dramatiq.history WHERE queue_name = 'q1' AND attempts > 1 "
-            "AND (extract(epoch FROM finished_at) * 1000)::bigint > %s",
-            (x,),
-        ).fetchone()[0]
+        # explain("formatted") names what was pushed
+        pushed = _pushed_filters(picked)
+        assert "EqualTo(queue_name,q1)" in pushed and f"GreaterThan(finished_ms,{x})" in pushed, pushed
+        assert "attempts" not in pushed, pushed
         assert picked.count() == expected == 12  # odd hours after 05:00 on the 21st, then all odd hours
         # Exactly at the boundary: the rows that finished at x itself
-        assert week.filter(F.col("finished_ms") == x).count() == 2
-        after = week.filter(F.col("finished_ms") > x).count()
-        assert week.filter(F.col("finished_ms") >= x).count() == after + 2
-        assert week.filter(F.col("finished_ms") <= x).count() == 80 - after
-        assert week.filter(F.col("state").isin("failed")).count() == 8
+        assert fresh().filter(F.col("finished_ms") == x).count() == 2
+        after = fresh().filter(F.col("finished_ms") > x).count()
+        assert fresh().filter(F.col("finished_ms") >= x).count() == after + 2
+        assert fresh().filter(F.col("finished_ms") <= x).count() == 80 - after
+        assert fresh().filter(F.col("state").isin("failed")).count() == 8
+        # The reader register() chooses on PySpark 4.3 pushes nothing, setting on or not
+        spark.dataSource.register(HistoryDataSource)
+        plain = fresh().filter(F.col("queue_name") == "q1")
+        assert " = q1)" in _plan(plain) and _pushed_filters(plain) == ""
     finally:
         spark.conf.set("spark.sql.python.filterPushdown.enabled", "false")
         register(spark)
     # With pushdown off, the same filters are Spark's and give the same answers
-    plain = spark.read.format("dramatiq_history").option("url", database_url).load()
-    assert " = q1)" in _plan(plain.filter(F.col("queue_name") == "q1"))
-    same = plain.filter((F.col("queue_name") == "q1") & (F.col("finished_ms") > x) & (F.col("attempts") > 1))
-    assert same.count() == expected
+    same = fresh().filter(wanted)
+    assert " = q1)" in _plan(same) and same.count() == expected
+
+
+def _history_rows(db: Any) -> dict[str, Any]:
+    """3,000 finished messages, one every 70 s from 2026-11-20 00:00 UTC (into the 22nd), queues
+    q0 to q2, one in ten failed; what SQL says the queries of :func:`_reuse_one_history` return."""
+    db.execute("SELECT dramatiq.create_history_partitions(2, '2026-11-21'::date)")
+    db.execute(
+        """
+        INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts,
+            enqueued_at, started_at, finished_at, payload)
+        SELECT g, 'q' || (g % 3), 'a', 'm' || g, CASE WHEN g % 10 = 0 THEN 'failed' ELSE 'completed' END,
+               1, f - interval '2 s', f - interval '1 s', f, '\\x'::bytea
+        FROM generate_series(1, 3000) AS g,
+             LATERAL (SELECT timestamptz '2026-11-20 00:00:00+00' + g * interval '70 s' AS f) AS t
+        """
+    )
+
+    def count(where: str) -> int:
+        return int(db.execute(f"SELECT count(*) FROM dramatiq.history WHERE {where}").fetchone()[0])
+
+    before = f"(extract(epoch FROM finished_at) * 1000)::bigint < {_ms(2026, 11, 21, 6)}"
+    return {
+        "count": 3000,
+        "filtered count": count(before),
+        "count again": 3000,
+        "filter matching nothing": 0,
+        "count after it": 3000,
+        "count per state": {"completed": count("state = 'completed'"), "failed": count("state = 'failed'")},
+    }
+
+
+def _reuse_one_history(spark: Any, url: str) -> dict[str, Any]:
+    """Issue 34's sequence of queries on one loaded history DataFrame."""
+    from pyspark.sql import functions as F
+
+    h = spark.read.format("dramatiq_history").option("url", url).load()
+    got: dict[str, Any] = {"count": h.count()}
+    got["filtered count"] = h.filter(F.col("finished_ms") < _ms(2026, 11, 21, 6)).count()
+    got["count again"] = h.count()
+    got["filter matching nothing"] = h.filter(F.col("finished_ms") < _ms(2026, 11, 1)).count()
+    got["count after it"] = h.count()
+    got["count per state"] = {r["state"]: r["count"] for r in h.groupBy("state").count().collect()}
+    return got
+
+
+def test_one_loaded_history_answers_each_query_with_pushdown_on(
+    spark: Any, db: Any, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dramatiq_pg_outbox.spark import register
+
+    expected = _history_rows(db)
+    assert 0 < expected["filtered count"] < 3000
+    spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
+    try:
+        with caplog.at_level(logging.INFO, logger="dramatiq_pg_outbox.spark.history"):
+            register(spark)
+        got = _reuse_one_history(spark, database_url)
+    finally:
+        spark.conf.set("spark.sql.python.filterPushdown.enabled", "false")
+        register(spark)
+    assert got == expected
+    # PySpark 4.3 reruns the last pushed read: register() pushes nothing there and says so
+    from dramatiq_pg_outbox.spark.history import spark_scopes_pushdown_per_scan
+
+    assert not spark_scopes_pushdown_per_scan(spark)
+    [line] = [r for r in caplog.records if r.name == "dramatiq_pg_outbox.spark.history"]
+    assert line.levelname == "WARNING" and "pushes no filter" in line.getMessage()
+
+
+def test_pushdown_enabled_after_register_is_said_at_the_call_and_reads_right(
+    spark: Any, db: Any, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dramatiq_pg_outbox.spark import register
+
+    expected = _history_rows(db)
+    # (Not spark.newSession(): it inherits the data sources and refuses to register them again.)
+    assert spark.conf.get("spark.sql.python.filterPushdown.enabled") == "false"
+    with caplog.at_level(logging.INFO, logger="dramatiq_pg_outbox.spark.history"):
+        register(spark)
+    spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
+    try:
+        got = _reuse_one_history(spark, database_url)
+    finally:
+        spark.conf.set("spark.sql.python.filterPushdown.enabled", "false")
+    assert got == expected
+    [line] = [r for r in caplog.records if r.name == "dramatiq_pg_outbox.spark.history"]
+    assert "pushes no filter" in line.getMessage() and "not later" in line.getMessage()
 
 
 def test_history_names_a_bad_option(spark: Any, database_url: str) -> None:

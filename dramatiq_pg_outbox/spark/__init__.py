@@ -374,8 +374,10 @@ def register(spark: Any) -> None:
 
     ``df.write.format("dramatiq")`` (and ``writeStream``) enqueues one message per row
     (:mod:`dramatiq_pg_outbox.spark.source`); ``spark.read.format("dramatiq_history")``
-    reads history, one partition per day (:mod:`dramatiq_pg_outbox.spark.history`), and
-    pushes filters to PostgreSQL if ``spark.sql.python.filterPushdown.enabled`` is on now;
+    reads history, one partition per day (:mod:`dramatiq_pg_outbox.spark.history`; it pushes no
+    filter to PostgreSQL on PySpark 4.3, whose reuse of a pushed read returns wrong rows, and
+    logs one line saying whether it pushes, a WARNING if
+    ``spark.sql.python.filterPushdown.enabled`` is on and it does not);
     ``spark.read.format("dramatiq_backlog")`` reads the live messages in id ranges
     (:mod:`dramatiq_pg_outbox.spark.backlog`).
     """

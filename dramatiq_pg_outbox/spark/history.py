@@ -20,22 +20,32 @@ Partitions: one Spark partition per UTC day that may hold rows (each day partiti
 ``history``, migration 0007, and the days found in ``history_default``), within the time
 range, so a month of analytics reads that month's partitions and nothing else.
 
-Filter pushdown: with ``spark.sql.python.filterPushdown.enabled`` on when
-:func:`~dramatiq_pg_outbox.spark.register` runs (or ``option("pushdown", "true")``),
-comparisons of ``finished_ms`` with a number (narrowing the days read) and equality or
-``IN`` on ``queue_name``, ``actor_name`` and ``state`` are applied by PostgreSQL,
-exactly as the columns are computed (Spark does not check a pushed filter again); any
-other filter is left to Spark.  Spark refuses a reader that could push filters while
-the setting is off, hence the choice at registration; the time range options work
-either way.
+Filter pushdown: none on PySpark 4.3, whatever ``spark.sql.python.filterPushdown.enabled``
+says.  Spark 4.3 keeps the read that one query's pushed filters planned (the reader and its
+partitions) on the loaded DataFrame and runs it again for that DataFrame's next query that
+pushes nothing: ``h.count()`` after ``h.filter(...).count()`` would count the filtered rows
+(issue 34).  Spark applies every filter itself instead; to read fewer days, use the ``since``
+and ``until`` options, which belong to the loaded DataFrame and hold for each of its queries.
+:func:`register` chooses a reader that pushes comparisons of ``finished_ms`` with a number
+and equality or ``IN`` on ``queue_name``, ``actor_name`` and ``state`` to PostgreSQL only on
+a Spark that keeps each query's pushed read with that query's scan
+(:func:`spark_scopes_pushdown_per_scan`, false on 4.3) and with the setting on when it runs;
+it logs one line saying which (a WARNING when the setting is on and nothing is pushed).
+Changing the setting afterwards has no effect until ``register(spark)`` runs again.
+``df.explain("formatted")`` shows what was pushed: a ``PushedFilters: [...]`` line under
+``BatchScan dramatiq_history`` (no such line when nothing is, as on 4.3).
 
-Raises: ``ValueError`` naming the option for a missing ``url`` or a bad ``since``,
-``until``, ``schema`` or ``pushdown``.
+Days: Spark may run the partitions planned for one query of a loaded DataFrame again for its
+later queries, so a day created since may be missing from them; ``load()`` again to see it.
+
+Raises: ``ValueError`` naming the option for a missing ``url``, an unknown option or a bad
+``since``, ``until`` or ``schema``.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,12 +70,16 @@ SCHEMA = (
     "id long, queue_name string, actor_name string, message_id string, state string, attempts int, "
     "error_type string, enqueued_ms long, started_ms long, finished_ms long"
 )
-OPTIONS = ("url", "schema", "since", "until", "pushdown")
+OPTIONS = ("url", "schema", "since", "until")
 #: Columns whose equality and IN filters are pushed, and the query parameter of each.
 _PUSHED_COLUMNS = {"queue_name": "queues", "actor_name": "actors", "state": "states"}
 _DAY_MS = 86_400_000
 #: Unbounded ends of the time range, in epoch ms (PostgreSQL's to_timestamp takes them).
 _MIN_MS, _MAX_MS = -(2**53), 2**53
+#: The JVM class whose fields tell whether Spark keeps a pushed read with its own scan.
+_SCAN_BUILDER = "org.apache.spark.sql.execution.datasources.v2.python.PythonScanBuilder"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,9 +104,6 @@ class _Scan:
 class HistoryDataSource(DataSource):
     """``format("dramatiq_history")`` without filter pushdown (see the module's documentation)."""
 
-    #: Whether the reader pushes filters unless option("pushdown") says otherwise.
-    pushdown = False
-
     @classmethod
     def name(cls) -> str:
         return "dramatiq_history"
@@ -101,17 +112,19 @@ class HistoryDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: Any) -> DataSourceReader:
-        scan = scan_from_options(self.options)
-        pushdown = self.options.get("pushdown", str(self.pushdown)).lower()
-        if pushdown not in ("true", "false"):
-            raise ValueError(f"option 'pushdown' is true or false, not {self.options['pushdown']!r}")
-        return _PushingReader(scan) if pushdown == "true" else HistoryReader(scan)
+        return HistoryReader(scan_from_options(self.options))
 
 
 class PushingHistoryDataSource(HistoryDataSource):
-    """``format("dramatiq_history")`` with filter pushdown."""
+    """``format("dramatiq_history")`` with filter pushdown.
 
-    pushdown = True
+    Correct only on a Spark that keeps each query's pushed read with that query's scan:
+    :func:`register` chooses it only there.  Spark refuses its reader while
+    ``spark.sql.python.filterPushdown.enabled`` is off.
+    """
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return _PushingReader(scan_from_options(self.options))
 
 
 class HistoryReader(DataSourceReader):
@@ -224,7 +237,44 @@ def scan_from_options(options: Mapping[str, str]) -> _Scan:
     return scan
 
 
+def spark_scopes_pushdown_per_scan(spark: Any) -> bool:
+    """Whether ``spark`` (a SparkSession) keeps the read planned by pushed filters with its scan.
+
+    PySpark 4.3 keeps it on the loaded DataFrame instead (``PythonDataSourceV2.setReadInfo``),
+    where the DataFrame's next query that pushes nothing reads it again: pushing filters there
+    returns wrong rows.  A Spark whose ``PythonScanBuilder`` holds the read itself (a
+    ``readInfo`` field) plans it per scan.  False when the JVM cannot be asked (Spark Connect).
+    """
+    try:
+        builder = spark._jvm.java.lang.Class.forName(_SCAN_BUILDER)
+        return any(f.getName() == "readInfo" for f in builder.getDeclaredFields())
+    except Exception:
+        return False
+
+
 def register(spark: Any) -> None:
-    """Register ``format("dramatiq_history")``, pushing filters if the session allows it."""
+    """Register ``format("dramatiq_history")`` with ``spark`` (a SparkSession), replacing any.
+
+    Filters are pushed to PostgreSQL only if ``spark.sql.python.filterPushdown.enabled`` is on
+    now and :func:`spark_scopes_pushdown_per_scan` (never on PySpark 4.3); otherwise Spark
+    applies every filter.  Logs one line (logger ``dramatiq_pg_outbox.spark.history``) saying
+    which: a WARNING when the setting is on but filters are not pushed, else INFO.  The
+    setting is read here: changing it later has no effect until ``register(spark)`` runs again.
+    """
     enabled = str(spark.conf.get("spark.sql.python.filterPushdown.enabled", "false")).lower() == "true"
-    spark.dataSource.register(PushingHistoryDataSource if enabled else HistoryDataSource)
+    scoped = spark_scopes_pushdown_per_scan(spark)
+    spark.dataSource.register(PushingHistoryDataSource if enabled and scoped else HistoryDataSource)
+    if enabled and scoped:
+        logger.info(
+            "format('dramatiq_history') pushes filters on finished_ms, queue_name, actor_name and state"
+        )
+    elif enabled:
+        logger.warning(
+            "format('dramatiq_history') pushes no filter: this Spark reruns one query's pushed read for "
+            "the next query of the same DataFrame; narrow reads with the since/until options"
+        )
+    else:
+        logger.info(
+            "format('dramatiq_history') pushes no filter: spark.sql.python.filterPushdown.enabled is off "
+            "(it is read by register(spark), not later)"
+        )
