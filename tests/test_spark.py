@@ -1317,3 +1317,27 @@ def test_the_backlog_reads_the_live_messages_in_id_ranges(spark: Any, db: Any, d
     ]:
         with pytest.raises(Exception, match=message):
             spark.read.format("dramatiq_backlog").options(**options).load().count()
+
+
+def test_a_loaded_backlog_dataframe_queried_again_reads_the_messages_enqueued_since(
+    spark: Any, db: Any, database_url: str
+) -> None:
+    """PySpark 4.3 reruns a loaded DataFrame's planned partitions for a later query: with a
+    closed id range the second count missed every message enqueued after the first (100, not 150)."""
+    from dramatiq_pg_outbox.spark import register
+
+    def add(first: int, n: int) -> None:
+        db.execute(
+            "INSERT INTO dramatiq.messages (id, queue_name, actor_name, message_id, payload, slot) "
+            "SELECT g, 'q', 'a', 'm' || g, '\\x'::bytea, dramatiq.message_slot() "
+            "FROM generate_series(%s::bigint, %s::bigint) AS g",
+            (first, first + n - 1),
+        )
+
+    add(1, 100)
+    register(spark)
+    backlog = spark.read.format("dramatiq_backlog").option("url", database_url).option("partitions", 3).load()
+    assert backlog.count() == 100
+    add(1001, 50)
+    assert backlog.count() == 150
+    assert backlog.filter("id > 1000").count() == 50

@@ -18,9 +18,12 @@ idempotency_key string`` (times in epoch milliseconds, UTC; ``state`` is ``pendi
 
 Partitions: the id range of the live messages (its minimum and maximum when the reader is
 planned) cut into ``partitions`` slices of equal width, one Spark partition each, read with
-one connection per running task.  The messages table is live: each slice is read in its own
-transaction, so the table is not read at one instant; a message enqueued after the range was
-taken is not read, one finished meanwhile may be missing, none is read twice.
+one connection per running task; the first slice has no lower bound and the last no upper
+one.  The messages table is live: each slice is read in its own transaction, so the table is
+not read at one instant; one finished meanwhile may be missing, none is read twice.  PySpark
+4.3 plans a loaded DataFrame's partitions once and runs them again for each later query on
+it (see :mod:`~dramatiq_pg_outbox.spark.history`): the open last slice makes a later query
+read the messages enqueued since (ids only grow), where a closed one would miss them.
 
 Raises: ``ValueError`` naming the option for a missing ``url``, an unknown option or a bad
 ``schema`` or ``partitions``.
@@ -42,6 +45,8 @@ SCHEMA = (
     "priority int, enqueued_ms long, next_attempt_ms long, acquired_ms long, idempotency_key string"
 )
 OPTIONS = ("url", "schema", "partitions")
+#: The bounds of a bigint id: the first and the last slice are open (see the module's documentation).
+MIN_ID, MAX_ID = -(2**63), 2**63 - 1
 #: Slices of the id range when the ``partitions`` option is not given.
 DEFAULT_PARTITIONS = 4
 
@@ -83,8 +88,12 @@ class BacklogReader(DataSourceReader):
         with connect(self.scan.conninfo) as conn:
             ids = SparkStore(self.scan.schema).backlog_id_range(conn)
         if ids is None:
-            return [_Slice(0, 0)]  # Spark needs one partition at least; this one reads nothing
-        return slices(ids.lo, ids.hi + 1, self.scan.partitions)
+            return [_Slice(MIN_ID, MAX_ID)]  # empty now; a later run of this plan reads what came
+        found = slices(ids.lo, ids.hi + 1, self.scan.partitions)
+        # Open at both ends: a rerun of this plan (a later query on the loaded DataFrame)
+        # reads what was enqueued since, in the last slice.
+        found[0].lo, found[-1].hi = MIN_ID, MAX_ID
+        return found
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, _Slice)
