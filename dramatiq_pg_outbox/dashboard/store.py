@@ -242,6 +242,13 @@ class FailedFilter:
         }
 
 
+def outcome(state: str, error_type: str | None) -> str:
+    """What became of a delivery: its state, but ``retried`` for a ``completed`` row with an
+    error type (its actor raised and Retries enqueued it again, as ``finished_counts`` and
+    ``message_stats()`` count it)."""
+    return "retried" if state == "completed" and error_type else state
+
+
 @dataclass(frozen=True)
 class FinishedMessage:
     """A finished row of ``history`` (completed or failed) for its page.
@@ -294,7 +301,7 @@ class Delivery:
     @property
     def outcome(self) -> str:
         """What became of it: ``pending``, ``processing``, ``completed``, ``retried`` or ``failed``."""
-        return "retried" if self.state == "completed" and self.error_type else self.state
+        return outcome(self.state, self.error_type)
 
 
 @dataclass(frozen=True)
@@ -323,7 +330,7 @@ class HistoryRow:
     @property
     def outcome(self) -> str:
         """``completed``, ``retried`` (its actor raised, Retries enqueued it again) or ``failed``."""
-        return "retried" if self.state == "completed" and self.error_type else self.state
+        return outcome(self.state, self.error_type)
 
     @property
     def cursor(self) -> str:
@@ -635,7 +642,7 @@ class Store:
             "status": status,
             "head_bytes": PREVIEW_HEAD_BYTES,
         }
-        return await self._live_rows("queue_messages", params)
+        return await self._rows_any_revision(MessageRow, "queue_messages", params)
 
     async def queue_actors(self, queue_name: str) -> list[str]:
         return [str(row[0]) for row in await self._tuples("queue_actors", {"queue_name": queue_name})]
@@ -651,18 +658,8 @@ class Store:
     async def message(self, row_id: int) -> MessageRow | None:
         """One live row, with the first :data:`SHOWN_PAYLOAD_BYTES` bytes of its payload; None if gone."""
         params = {"id": row_id, "shown_bytes": SHOWN_PAYLOAD_BYTES, "tail_bytes": TAIL_BYTES}
-        rows = await self._live_rows("message", params)
+        rows = await self._rows_any_revision(MessageRow, "message", params)
         return rows[0] if rows else None
-
-    async def _live_rows(self, name: str, params: dict[str, Any]) -> list[MessageRow]:
-        """Rows of ``messages`` by statement ``name``; without ``priority`` before migration 0010."""
-        async with self.pool.connection() as conn:
-            async with conn.cursor(row_factory=class_row(MessageRow)) as cur:
-                try:
-                    await cur.execute(self.queries[name], params)
-                except psycopg.errors.UndefinedColumn:
-                    await cur.execute(without_priority(self.queries[name]), params)
-                return await cur.fetchall()
 
     async def message_payload(self, row_id: int) -> bytes | None:
         """The whole payload of a live row (the raw download); None if the row is gone."""
