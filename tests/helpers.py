@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import signal
 import socket
@@ -54,6 +55,22 @@ def count(db: Any, query: str, params: Any = None) -> int:
 #: the pytest session (``SESSION_MARK``).
 TEST_MARK = "DPO_TEST_MARK"
 SESSION_MARK = "DPO_TEST_SESSION_MARK"
+
+
+def drop_past_history_partitions(db: Any, schema: str = "dramatiq") -> int:
+    """Drop the day partitions of ``history`` before today (UTC) that earlier tests created.
+
+    The per-run test database is shared by the tests of one xdist worker; a test that counts what
+    ``prune`` drops must not count the partitions another test left behind.  Returns the number
+    dropped.
+    """
+    from dramatiq_pg_outbox.partitions import day_partitions
+
+    today = dt.datetime.now(dt.timezone.utc).date()
+    old = [p for p in day_partitions(db, schema) if p.day < today]
+    for partition in old:
+        db.execute(f'DROP TABLE "{schema}"."{partition.name}"')
+    return len(old)
 
 
 def marked_processes(name: str, value: str) -> list[int]:

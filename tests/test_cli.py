@@ -33,6 +33,7 @@ from dramatiq_pg_outbox.cli import main
 from dramatiq_pg_outbox.formats import exception_line
 from dramatiq_pg_outbox.migrations import SCHEMA_REVISION, script_location
 from dramatiq_pg_outbox.testing import ThrowawayPostgres
+from tests.helpers import drop_past_history_partitions
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Every subcommand that reads or writes the broker's tables, with its required arguments.  The
@@ -621,6 +622,7 @@ def dead_letter(broker: PostgresBroker, start_worker: Any, db: Any) -> tuple[int
 def test_retry_failed_and_prune_report_counts(
     database_url: str, broker: PostgresBroker, start_worker: Any, db: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    drop_past_history_partitions(db)  # another test's old partitions would be counted
     row_id, _ = dead_letter(broker, start_worker, db)
     assert run(capsys, "retry-failed", "--url", database_url, "--id", str(row_id)) == [
         "re-enqueued 1 failed message(s)"
