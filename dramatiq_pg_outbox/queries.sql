@@ -524,10 +524,12 @@ FROM per_queue;
 
 -- name: heartbeat --
 -- A worker process is alive; running: the rows whose actor it runs now
--- (migration 0011), so that the dashboard tells running from prefetched.
-INSERT INTO {schema}.workers (id, hostname, pid, queues, running)
-VALUES (%(id)s, %(hostname)s, %(pid)s, %(queues)s::text[], %(running)s::bigint[])
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), queues = excluded.queues, running = excluded.running;
+-- (migration 0011), so that the dashboard tells running from prefetched;
+-- actors: the actors its broker declares (migration 0020, the Spark check).
+INSERT INTO {schema}.workers (id, hostname, pid, queues, running, actors)
+VALUES (%(id)s, %(hostname)s, %(pid)s, %(queues)s::text[], %(running)s::bigint[], %(actors)s::text[])
+ON CONFLICT (id) DO UPDATE
+SET heartbeat_at = now(), queues = excluded.queues, running = excluded.running, actors = excluded.actors;
 
 -- name: unregister_worker --
 DELETE FROM {schema}.workers WHERE id = %(id)s;

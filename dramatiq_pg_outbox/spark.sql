@@ -141,3 +141,8 @@ SELECT batch_id, spark_batch, tasks, rows, enqueued, skipped, repeated, seconds,
 FROM {schema}.spark_writes
 WHERE batch_id = %(batch_id)s
 ORDER BY id;
+
+-- name: spark_live_workers --
+-- The check_actor option (migration 0020): the queues and the actors of each
+-- live worker process, on the database clock.
+SELECT w.queues, w.actors FROM {schema}.workers AS w WHERE {worker_alive};

@@ -489,3 +489,22 @@ def test_a_consumer_of_short_tasks_grows_its_claims_while_its_threads_run_dry(
     # every claim asked for at most prefetch x 4 = 16)
     assert max(sizes) >= 32, sizes
     assert max(sizes) <= 4 * broker.options.overfetch_factor, sizes
+
+
+def test_a_worker_process_records_the_actors_it_declares(worker_process: Any, db: Any) -> None:
+    # Given a `dramatiq` CLI worker of tests/worker_app.py
+    worker = worker_process(processes=1, threads=1)
+    try:
+        # Then its heartbeat records the queues it consumes and the actors its broker declares
+        # (migration 0020; the Spark data source's check_actor reads them)
+        wait_for(
+            lambda: db.execute("SELECT count(*) FROM dramatiq.workers").fetchone()[0] == 1, 30, "a worker row"
+        )
+        queues, actors = db.execute("SELECT queues, actors FROM dramatiq.workers").fetchone()
+        assert "default" in queues
+        assert {"record", "slow_record", "fail", "crash"} <= set(actors)
+        assert actors == sorted(actors)
+    finally:
+        worker.stop()
+    # And a stopped worker's row is gone with its actors
+    assert db.execute("SELECT count(*) FROM dramatiq.workers").fetchone()[0] == 0

@@ -199,6 +199,16 @@ def test_the_spark_role_writes_a_partition_idempotently(secured: Secured) -> Non
     assert write_partition(plan, [("a",), ("b",), ("c",)]) == (3, 1, 0)
 
 
+def test_the_spark_role_may_run_the_actor_check(secured: Secured) -> None:
+    from dramatiq_pg_outbox.spark import UnknownActor
+    from dramatiq_pg_outbox.spark.options import check_actor
+
+    # The grant of docs/security.md is enough to read the live workers (none here)
+    with psycopg.connect(secured.urls["spark"], autocommit=True) as conn:
+        with pytest.raises(UnknownActor, match="no live worker: no worker process heartbeated"):
+            check_actor(conn, "dramatiq", "record", "default", "check_actor=False")
+
+
 def test_the_backlog_reader_needs_only_the_columns_its_readme_grants(secured: Secured) -> None:
     pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[dev]')")
     from dramatiq_pg_outbox.spark.backlog import BacklogReader as BacklogReader

@@ -865,6 +865,72 @@ def test_a_write_to_a_database_that_is_not_ready_fails_before_any_task_naming_th
         write_messages(df, database_url, check_database="maybe", **source)
 
 
+def test_check_actor_refuses_an_actor_or_queue_no_live_worker_has_before_any_task(
+    spark: Any, actor: Any, broker: PostgresBroker, start_worker: Any, db: Any, database_url: str
+) -> None:
+    from dramatiq_pg_outbox.spark import UnknownActor
+
+    df = spark.createDataFrame(
+        [(i, f"c{i}@example.com") for i in range(10)], "customer_id long, email string"
+    )
+    source = {"batch": f"a-{uuid.uuid4().hex[:6]}", "key": "customer_id", "args": "customer_id,email"}
+    skip = r'skip this check with \.option\("check_actor", "false"\)$'
+    # Given no live worker: the opt-in check refuses the write, before any job
+    with spark_jobs(spark) as jobs, pytest.raises(Exception) as failed:
+        write_messages(
+            df, database_url, actor="notify_customer", queue="notifications", check_actor="true", **source
+        )
+    assert jobs == []
+    assert re.search(r"UnknownActor: no live worker: no worker process heartbeated in the last 20 s.*" + skip,
+                     last_line(failed.value)), str(failed.value)  # fmt: skip
+    # Given a worker of queue "notifications" whose broker declares notify_customer
+    start_worker(broker)
+    consuming = "SELECT count(*) FROM dramatiq.workers WHERE 'notifications' = ANY (queues)"
+    wait_for(lambda: count(db, consuming) == 1, 10, "the worker's row")
+    written = "SELECT count(*) FROM dramatiq.idempotency_keys"  # waiting, running or finished
+    cases = [
+        (
+            {"actor": "notify_custmer", "queue": "notifications"},
+            r"UnknownActor: no live worker of queue 'notifications' declares actor 'notify_custmer' \(they "
+            r"declare \['notify_customer'\]\): each message would be dead-lettered as ActorNotFound; did you "
+            r"mean 'notify_customer'\? check the actor's name, or " + skip,
+        ),
+        (
+            {"actor": "notify_customer", "queue": "notificatons"},
+            r"UnknownActor: no live worker consumes queue 'notificatons' \(live workers consume "
+            r"\['notifications'\]\): its messages would wait; check the option 'queue', or " + skip,
+        ),
+    ]
+    for options, expected in cases:
+        # When a write names an actor or a queue that no live worker has
+        with spark_jobs(spark) as jobs, pytest.raises(Exception) as failed:
+            write_messages(df, database_url, check_actor="true", **options, **source)
+        # Then it fails on the driver, before any job, in one line naming the fix
+        assert jobs == [], options
+        assert re.search(expected, last_line(failed.value)), str(failed.value)
+    # And enqueue_dataframe has the same check (a typo in the actor's name)
+    with spark_jobs(spark) as jobs, pytest.raises(UnknownActor, match="did you mean 'notify_customer'"):
+        enqueue_dataframe(df, "notify_custmer", queue_name="notifications", key="customer_id",
+                          batch_id="a2", url=database_url, check_actor=True)  # fmt: skip
+    assert jobs == []
+    assert count(db, written) == 0
+    # And the right actor and queue pass the check, and the messages are written
+    write_messages(
+        df, database_url, actor="notify_customer", queue="notifications", check_actor="true", **source
+    )
+    result = enqueue_dataframe(df, actor, key="customer_id", batch_id="a3", args=["customer_id"],
+                               url=database_url, check_actor=True)  # fmt: skip
+    assert result.enqueued == 10
+    assert count(db, written) == 20
+    # And without the option (its default), a typo is not checked: the messages are written
+    write_messages(
+        df, database_url, actor="notify_custmer", queue="notifications", **{**source, "batch": "a4"}
+    )
+    assert count(db, written) == 30
+    with pytest.raises(Exception, match=r"option 'check_actor' is true or false, not 'yes'"):
+        write_messages(df, database_url, actor="notify_customer", check_actor="yes", **source)
+
+
 def test_a_jdbc_url_is_refused_with_its_libpq_form(spark: Any, actor: Any, db: Any) -> None:
     df = spark.createDataFrame([(1, "c1@example.com")], "customer_id long, email string")
     jdbc = "jdbc:postgresql://127.0.0.1:5432/app?user=app&password=s3cret-jdbc"

@@ -35,6 +35,8 @@ class RuntimeHost(Protocol):
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None: ...
 
+    def get_declared_actors(self) -> set[str]: ...
+
 
 class Wakeable(Protocol):
     """A consumer as the runtime sees it: woken by notifications (``_PostgresConsumer``)."""

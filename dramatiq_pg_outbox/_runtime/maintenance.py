@@ -122,6 +122,7 @@ class Maintenance(Service):
                 pid=os.getpid(),
                 queues=queues,
                 running=running,
+                actors=sorted(runtime.broker.get_declared_actors()),
             )
 
     def rescue(self) -> RescueResult:

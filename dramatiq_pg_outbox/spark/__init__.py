@@ -107,6 +107,7 @@ from .encoding import (
     idempotency_key_for,
     message_id_for,
 )
+from .options import UnknownActor
 from .options import check_database as check_database_from_driver
 from .write import write_arrow_partition, write_partition
 
@@ -115,6 +116,7 @@ __all__ = [
     "EnqueueError",
     "EnqueueResult",
     "Plan",
+    "UnknownActor",
     "cluster_session",
     "encode_rows",
     "enqueue_dataframe",
@@ -150,6 +152,7 @@ def enqueue_dataframe(
     decimals: Literal["string", "float"] = "string",
     on_duplicate_key: Literal["skip", "error"] = "skip",
     check_database: bool = True,
+    check_actor: bool = False,
 ) -> EnqueueResult:
     """Enqueue one message per row of ``df``, idempotently, written by the executors.
 
@@ -183,6 +186,9 @@ def enqueue_dataframe(
       check_database(bool): Check from the driver, before any task, that the database answers
         and the schema is migrated (one short connection).  Default True; False for a driver
         that cannot reach the database.
+      check_actor(bool): Refuse the write, before any task, unless a live worker process
+        consumes the queue and declares the actor (:func:`~.options.check_actor`: a typo
+        would dead-letter every message as ``ActorNotFound``).  Default False.
 
     Raises:
       EnqueueError: (from the Spark job) a null key or an argument that cannot be encoded;
@@ -193,6 +199,7 @@ def enqueue_dataframe(
         connection: no such database or role, a wrong password.
       SchemaNotReady: (``check_database``) the schema is not migrated; the message names the
         ``dramatiq-pg-outbox migrate`` command.
+      UnknownActor: (``check_actor``) no live worker of the queue declares the actor.
 
     Returns:
       EnqueueResult: Counts and timing.
@@ -267,10 +274,12 @@ def enqueue_dataframe(
     )
     if max_partitions is not None and max_partitions < 1:
         raise ValueError(f"max_partitions must be at least 1, not {max_partitions!r}")
-    if check_database:
+    if check_database or check_actor:
         check_database_from_driver(
-            url if url is not None else conninfo, conninfo, schema, skip="check_database=False"
-        )
+            url if url is not None else conninfo, conninfo, schema,
+            skip="check_database=False" if check_database else "check_actor=False",
+            actor=(actor_name, queue_name, "check_actor=False") if check_actor else None,
+        )  # fmt: skip
     selected = df.select(*plan.columns)
     if on_duplicate_key == "error":
         _refuse_repeated_keys(selected, key, batch_id)

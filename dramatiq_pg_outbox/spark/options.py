@@ -70,7 +70,9 @@ def connect(conninfo: str, **kwargs: Any) -> Any:
 CHECK_TIMEOUT = 5
 
 
-def check_database(url: str, conninfo: str, schema: str, *, skip: str) -> None:
+def check_database(
+    url: str, conninfo: str, schema: str, *, skip: str, actor: tuple[str, str, str] | None = None
+) -> None:
     """On the driver, before any task: the database answers and ``schema`` is migrated.
 
     One short connection (:data:`CHECK_TIMEOUT` seconds to connect, unless the URL sets
@@ -86,6 +88,8 @@ def check_database(url: str, conninfo: str, schema: str, *, skip: str) -> None:
       schema(str): The broker's schema.
       skip(str): How the caller turns the check off, for the message of an unreachable
         server (``.option("check_database", "false")``).
+      actor: ``(actor name, queue name, how to turn the check off)`` to check too that a live
+        worker of the queue declares the actor (:func:`check_actor`); None (default) skips it.
 
     Raises:
       dramatiq_pg_outbox.errors.ConnectionRejected: PostgreSQL refused the connection: no such
@@ -94,6 +98,7 @@ def check_database(url: str, conninfo: str, schema: str, *, skip: str) -> None:
         host, no answer within the timeout).
       dramatiq_pg_outbox.SchemaNotReady: The tables are missing or older than this version
         needs; the message names the ``dramatiq-pg-outbox migrate`` command.
+      UnknownActor: (``actor``) no live worker of the queue declares the actor.
     """
     import shlex
 
@@ -131,3 +136,65 @@ def check_database(url: str, conninfo: str, schema: str, *, skip: str) -> None:
     with conn:
         # The migrate command shows the URL when it has no secret, else "$DATABASE_URL".
         check_schema(conn, schema, url=shown, fix_url=shlex.quote(url) if shown == url else None)
+        if actor is not None:
+            check_actor(conn, schema, *actor)
+
+
+class UnknownActor(ValueError):
+    """A write's actor is declared by no live worker of its queue (the ``check_actor`` option)."""
+
+
+def check_actor(conn: Any, schema: str, actor_name: str, queue_name: str, skip: str) -> None:
+    """Refuse a write whose messages no live worker would run (the opt-in ``check_actor``).
+
+    The worker processes record the queues they consume and the actors their broker declares
+    with each heartbeat (``workers``, migration 0020); a process counts as live if it
+    heartbeated within the default ``heartbeat_timeout``
+    (:data:`~dramatiq_pg_outbox.options.HEARTBEAT_TIMEOUT_MS`).  The write passes when one live
+    process consumes ``queue_name`` (a delay queue ``X.DQ`` counts as ``X``) and declares
+    ``actor_name``: without the check, a typo in the actor's name dead-letters every message
+    as ``ActorNotFound``, and a queue that no worker consumes keeps its messages pending.
+
+    Parameters:
+      conn: A psycopg connection to the database.
+      schema(str): The broker's schema.
+      actor_name(str): The actor the messages name.
+      queue_name(str): Their queue.
+      skip(str): How the caller turns the check off, for the messages.
+
+    Raises:
+      UnknownActor: One line: no live worker at all; none consuming the queue (the queues
+        consumed); or none of the queue's declaring the actor (the actors they declare, and the
+        closest name if one is close).
+    """
+    import difflib
+
+    from dramatiq.common import q_name
+
+    from ..options import HEARTBEAT_TIMEOUT_MS
+    from ..store.spark import SparkStore
+
+    live = SparkStore(schema).live_workers(conn, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    seconds = HEARTBEAT_TIMEOUT_MS // 1000
+    if not live:
+        raise UnknownActor(
+            f"no live worker: no worker process heartbeated in the last {seconds} s, so nothing would "
+            f"run actor {actor_name!r}; start the workers first, or skip this check with {skip}"
+        )
+    consumers = [actors for queues, actors in live if queue_name in {q_name(q) for q in queues}]
+    if not consumers:
+        consumed = sorted({q_name(q) for queues, _ in live for q in queues})
+        raise UnknownActor(
+            f"no live worker consumes queue {queue_name!r} (live workers consume {consumed}): its "
+            f"messages would wait; check the option 'queue', or skip this check with {skip}"
+        )
+    declared = sorted({a for actors in consumers for a in actors})
+    if actor_name not in declared:
+        close = difflib.get_close_matches(actor_name, declared, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        shown = declared if len(declared) <= 20 else [*declared[:20], "..."]
+        raise UnknownActor(
+            f"no live worker of queue {queue_name!r} declares actor {actor_name!r} (they declare "
+            f"{shown}): each message would be dead-lettered as ActorNotFound; {hint}check the actor's "
+            f"name, or skip this check with {skip}"
+        )

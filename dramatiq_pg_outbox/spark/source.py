@@ -42,6 +42,12 @@ Options (strings, as Spark passes them):
   that the database answers and the schema is migrated (one connection of a few seconds
   at most, closed at once); ``false`` skips it, for a driver that cannot reach the
   database (the tasks then fail on the same causes, each retried).
+- ``check_actor``: ``false`` (default); ``true`` refuses the write on the driver unless a live
+  worker process (one that heartbeated in the last 20 s) consumes the queue and declares the
+  actor, naming the actors it declares: a typo in ``actor`` would otherwise dead-letter every
+  message as ``ActorNotFound``, and a queue that no worker consumes keep them pending.
+  Workers record their actors with each heartbeat (migration 0020; a worker of an older
+  version records none).
 - ``decimals``: ``string`` (default) or ``float``, how a decimal argument is written.
 - ``on_duplicate_key``: ``skip`` (default: one message per key, repeats counted) or ``error``
   (a task whose partition holds a key twice fails and writes nothing).
@@ -116,6 +122,7 @@ OPTIONS = (
     "decimals",
     "on_duplicate_key",
     "check_database",
+    "check_actor",
 )
 REQUIRED = ("url", "actor", "batch", "key")
 #: The message of ``spark.read.format("dramatiq")``.
@@ -253,6 +260,7 @@ class _StreamWriter(DataSourceStreamArrowWriter):
 
 #: How to turn the driver's check off, in its error.
 SKIP_CHECK = '.option("check_database", "false")'
+SKIP_ACTOR_CHECK = '.option("check_actor", "false")'
 
 
 def checked_plan(options: Mapping[str, str], schema: Any) -> Plan:
@@ -261,19 +269,36 @@ def checked_plan(options: Mapping[str, str], schema: Any) -> Plan:
 
     Runs where Spark plans the write, before any task.
 
+    With ``check_actor`` true (default false), the same connection checks that a live worker
+    of the queue declares the actor (:func:`~.options.check_actor`), even if ``check_database``
+    is false.
+
     Raises:
-      ValueError: As :func:`plan_from_options`, or ``check_database`` neither true nor false.
+      ValueError: As :func:`plan_from_options`, or ``check_database`` or ``check_actor``
+        neither true nor false.
       dramatiq.errors.ConnectionFailed, dramatiq_pg_outbox.errors.ConnectionRejected,
       dramatiq_pg_outbox.SchemaNotReady: From :func:`check_database`.
+      dramatiq_pg_outbox.spark.UnknownActor: From :func:`~.options.check_actor`.
     """
     plan = plan_from_options(options, [field.name for field in schema.fields])
     given = {str(k).lower(): str(v) for k, v in options.items()}
-    check = given.get("check_database", "true").strip().lower()
-    if check not in ("true", "false"):
-        raise ValueError(f"option 'check_database' is true or false, not {given['check_database']!r}")
-    if check == "true":
-        check_database(given["url"], plan.conninfo, plan.schema, skip=SKIP_CHECK)
+    check, actor = (
+        _flag(given, name, default)
+        for name, default in (("check_database", "true"), ("check_actor", "false"))
+    )
+    if check or actor:
+        check_database(
+            given["url"], plan.conninfo, plan.schema, skip=SKIP_CHECK if check else SKIP_ACTOR_CHECK,
+            actor=(plan.actor_name, plan.queue_name, SKIP_ACTOR_CHECK) if actor else None,
+        )  # fmt: skip
     return plan
+
+
+def _flag(given: Mapping[str, str], name: str, default: str) -> bool:
+    value = given.get(name, default).strip().lower()
+    if value not in ("true", "false"):
+        raise ValueError(f"option {name!r} is true or false, not {given[name]!r}")
+    return value == "true"
 
 
 def plan_from_options(options: Mapping[str, str], columns: list[str]) -> Plan:

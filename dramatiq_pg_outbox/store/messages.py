@@ -421,14 +421,17 @@ class MessageStore(SchemaStore):
         pid: int,
         queues: Sequence[str],
         running: Sequence[int],
+        actors: Sequence[str] = (),
     ) -> None:
-        """Insert or refresh the ``workers`` row of process ``id`` (its queues and running row ids)."""
+        """Insert or refresh the ``workers`` row of process ``id`` (its queues, running row ids
+        and the names of the actors its broker declares)."""
         params = {
             "id": id,
             "hostname": hostname,
             "pid": pid,
             "queues": list(queues),
             "running": list(running),
+            "actors": list(actors),
         }
         conn.execute(self.queries["heartbeat"], params)
 

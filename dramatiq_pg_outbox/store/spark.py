@@ -131,6 +131,15 @@ class SparkStore(SchemaStore):
         with conn.cursor(row_factory=_WRITE_ROWS) as cur:
             return cur.execute(self.queries["spark_write_counts"], {"batch_id": batch_id}).fetchall()
 
+    def live_workers(
+        self, conn: psycopg.Connection[Any], *, heartbeat_timeout_ms: int
+    ) -> list[tuple[list[str], list[str]]]:
+        """(queues, actors) of each worker process that heartbeated within ``heartbeat_timeout_ms``."""
+        rows = conn.execute(
+            self.queries["spark_live_workers"], {"heartbeat_timeout_ms": heartbeat_timeout_ms}
+        ).fetchall()
+        return [(list(queues), list(actors)) for queues, actors in rows]
+
     def backlog_id_range(self, conn: psycopg.Connection[Any]) -> IdRange | None:
         """The id range of the live messages; None when there is none."""
         row = conn.execute(self.queries["backlog_id_range"]).fetchone()
