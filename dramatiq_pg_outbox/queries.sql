@@ -49,7 +49,7 @@ SET state = 'processing',
     acquired_at = now()
 WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
 RETURNING m.id, m.attempts, m.payload, m.priority,
-          m.next_attempt_at AS due_at
+          m.next_attempt_at AS due_at, m.concurrency_key IS NOT NULL AS keyed
 
 -- fragment: claim_from --
 -- The watermark bound of claim and claim_prioritized (see claim): only rows
@@ -86,7 +86,11 @@ SELECT (extract(epoch FROM coalesce(
         ) - now()) * 1000)::float8 AS next_due_in_ms,
        (extract(epoch FROM now()) * 1000)::float8 AS db_now_ms,
        EXISTS (SELECT 1 FROM {schema}.messages
-               WHERE queue_name = %(queue_name)s AND state = 'pending' AND priority > 0) AS prioritized
+               WHERE queue_name = %(queue_name)s AND state = 'pending' AND priority > 0) AS prioritized,
+       -- Whether the queue has messages with a concurrency key pending (a probe of the
+       -- partial index messages_keyed_idx, which holds only those): then claim_keyed.
+       EXISTS (SELECT 1 FROM {schema}.messages
+               WHERE queue_name = %(queue_name)s AND state = 'pending' AND concurrency_key IS NOT NULL) AS keyed
 
 -- name: enqueue --
 -- Inserts any number of messages in one statement (one row per array element)
@@ -130,8 +134,8 @@ WITH batch AS (
     SELECT t.*, row_number() OVER (PARTITION BY t.k ORDER BY t.n) = 1 AS first
     FROM unnest(%(queue_names)s::text[], %(actor_names)s::text[], %(message_ids)s::text[],
                 %(delays)s::bigint[], %(payloads)s::bytea[], %(idempotency_keys)s::text[],
-                %(priorities)s::smallint[]) WITH ORDINALITY
-        AS t(q, a, m, d, p, k, pr, n)
+                %(priorities)s::smallint[], %(concurrency_keys)s::text[], %(concurrency_limits)s::integer[])
+        WITH ORDINALITY AS t(q, a, m, d, p, k, pr, ck, cl, n)
 ),
 claimed AS (
     INSERT INTO {schema}.idempotency_keys (idempotency_key)
@@ -144,10 +148,12 @@ claimed AS (
 ),
 inserted AS (
     INSERT INTO {schema}.messages
-        (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority, slot)
+        (queue_name, actor_name, message_id, next_attempt_at, payload, idempotency_key, priority, slot,
+         concurrency_key, concurrency_limit)
     SELECT q, a, m, now() + d * interval '1 millisecond', p, k, pr,
            CASE WHEN k IS NOT NULL OR d > %(park_after_ms)s::bigint THEN -1
-                ELSE (SELECT {schema}.message_slot()) END
+                ELSE (SELECT {schema}.message_slot()) END,
+           ck, cl
     FROM batch AS t
     WHERE k IS NULL OR (t.first AND k IN (SELECT idempotency_key FROM claimed))
     ORDER BY n
@@ -354,6 +360,8 @@ WITH candidates AS (
       AND state = 'pending'
       AND next_attempt_at <= now()
       AND {claim_from}
+      -- Messages with a concurrency key are claimed by claim_keyed only.
+      AND concurrency_key IS NULL
       -- A paused queue (queue_pauses) is not claimed: a one-time primary-key probe.
       AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
     ORDER BY next_attempt_at, id
@@ -363,7 +371,7 @@ WITH candidates AS (
 claimed AS {claim_update},
 clock AS {claim_clock}
 SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority,
-       clock.prioritized, claimed.due_at
+       clock.prioritized, claimed.due_at, clock.keyed, claimed.keyed AS row_keyed
 FROM clock LEFT JOIN claimed ON true;
 
 -- name: claim_prioritized --
@@ -378,6 +386,7 @@ WITH prioritized AS (
       AND state = 'pending'
       AND priority > 0
       AND next_attempt_at <= now()
+      AND concurrency_key IS NULL
       AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
     ORDER BY priority DESC, next_attempt_at, id
     LIMIT %(limit)s
@@ -391,6 +400,7 @@ unprioritized AS (
       AND next_attempt_at <= now()
       AND priority = 0
       AND {claim_from}
+      AND concurrency_key IS NULL
       AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
     ORDER BY next_attempt_at, id
     LIMIT %(limit)s - (SELECT count(*) FROM prioritized)
@@ -402,7 +412,99 @@ candidates AS (
 claimed AS {claim_update},
 clock AS {claim_clock}
 SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority,
-       clock.prioritized, claimed.due_at
+       clock.prioritized, claimed.due_at, clock.keyed, claimed.keyed AS row_keyed
+FROM clock LEFT JOIN claimed ON true;
+
+-- name: claim_keys --
+-- The first statement of a keyed claim (claim_keyed, in one READ COMMITTED
+-- transaction): up to %(keys)s concurrency keys of the queue that have a due
+-- pending message, in key order after %(after_key)s (NULL: from the first; the
+-- consumer passes the last key of its previous claim, so that its claims
+-- rotate over the keys: a key with a million messages waiting and a key with
+-- ten both progress), each locked for this transaction with a transaction-level
+-- advisory lock (%(lock_space)s, hashtext(key)).  A key that another claim
+-- holds is skipped: that claim decides for it.  The walk reads the key's first
+-- entry in messages_keyed_idx and jumps to the next key (a loose index scan,
+-- one probe per key, at most %(walk)s keys).  Returns the key and the limit its
+-- first message carries.
+WITH RECURSIVE walk AS (
+    (SELECT m.concurrency_key AS key, m.next_attempt_at AS head, m.concurrency_limit AS lim, 1 AS n
+     FROM {schema}.messages AS m
+     WHERE m.queue_name = %(queue_name)s AND m.state = 'pending' AND m.concurrency_key IS NOT NULL
+       AND m.concurrency_key > coalesce(%(after_key)s::text, '')
+     ORDER BY m.concurrency_key, m.next_attempt_at, m.id
+     LIMIT 1)
+    UNION ALL
+    SELECT nxt.key, nxt.head, nxt.lim, walk.n + 1
+    FROM walk, LATERAL (
+        SELECT m.concurrency_key AS key, m.next_attempt_at AS head, m.concurrency_limit AS lim
+        FROM {schema}.messages AS m
+        WHERE m.queue_name = %(queue_name)s AND m.state = 'pending' AND m.concurrency_key IS NOT NULL
+          AND m.concurrency_key > walk.key
+        ORDER BY m.concurrency_key, m.next_attempt_at, m.id
+        LIMIT 1) AS nxt
+    WHERE walk.n < %(walk)s
+)
+SELECT due.key, due.lim
+FROM (SELECT key, lim FROM walk WHERE head <= now() LIMIT %(keys)s) AS due
+WHERE pg_try_advisory_xact_lock(%(lock_space)s::integer, hashtext(due.key));
+
+-- name: claim_keyed --
+-- The second statement of a keyed claim, after claim_keys locked %(keys)s in
+-- this transaction: a new snapshot (READ COMMITTED), so that it sees every
+-- claim of these keys that committed before their locks were free.  Only
+-- claims make a key's messages processing, and every claim of a key holds its
+-- lock until it commits, so the count of processing messages per key is exact
+-- here (an ack committed since can only make it smaller: a slot seen late,
+-- never one too many).  The limit of a key: the run-time one of its longest
+-- prefix (concurrency_limits), else the one its first message carries
+-- (%(limits)s, NULL: 1).  Each key gives at most %(per_key)s messages (its
+-- oldest due ones: FIFO within a key); messages without a key fill the rest of
+-- the batch, in due order, as claim takes them.  Same columns as claim.
+WITH keys AS (
+    SELECT k.key,
+           greatest(coalesce(
+               (SELECT l.max_running FROM {schema}.concurrency_limits AS l
+                WHERE starts_with(k.key, l.prefix) ORDER BY length(l.prefix) DESC LIMIT 1),
+               k.lim, 1)
+             - (SELECT count(*) FROM {schema}.messages AS r
+                WHERE r.concurrency_key = k.key AND r.state = 'processing'), 0) AS free
+    FROM unnest(%(keys)s::text[], %(limits)s::integer[]) AS k(key, lim)
+    WHERE NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
+),
+keyed AS (
+    SELECT picked.id
+    FROM keys, LATERAL (
+        SELECT m.id
+        FROM {schema}.messages AS m
+        WHERE m.queue_name = %(queue_name)s AND m.state = 'pending' AND m.concurrency_key = keys.key
+          AND m.next_attempt_at <= now()
+        ORDER BY m.next_attempt_at, m.id
+        LIMIT least(keys.free, %(per_key)s)
+        FOR UPDATE SKIP LOCKED
+    ) AS picked
+    LIMIT %(limit)s
+),
+unkeyed AS (
+    SELECT id
+    FROM {schema}.messages
+    WHERE queue_name = %(queue_name)s
+      AND state = 'pending'
+      AND next_attempt_at <= now()
+      AND {claim_from}
+      AND concurrency_key IS NULL
+      AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
+    ORDER BY next_attempt_at, id
+    LIMIT %(limit)s - (SELECT count(*) FROM keyed)
+    FOR UPDATE SKIP LOCKED
+),
+candidates AS (
+    SELECT id FROM keyed UNION ALL SELECT id FROM unkeyed
+),
+claimed AS {claim_update},
+clock AS {claim_clock}
+SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, clock.db_now_ms, claimed.priority,
+       clock.prioritized, claimed.due_at, clock.keyed, claimed.keyed AS row_keyed
 FROM clock LEFT JOIN claimed ON true;
 
 -- name: consumer_rank --
@@ -480,9 +582,9 @@ WITH failed AS (
 archived AS (
     INSERT INTO {schema}.history
         (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
-         error_type, error, payload, idempotency_key, priority)
+         error_type, error, payload, idempotency_key, priority, concurrency_key, concurrency_limit)
     SELECT id, queue_name, actor_name, message_id, %(state)s, attempts, enqueued_at, acquired_at,
-           failure_type, failure, payload, idempotency_key, priority
+           failure_type, failure, payload, idempotency_key, priority, concurrency_key, concurrency_limit
     FROM failed
 ),
 -- Dead letters are counted where they are made (dead_letter_counts, migration 0012):
@@ -564,12 +666,12 @@ quarantined AS (
 archived AS (
     INSERT INTO {schema}.history
         (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
-         error_type, error, payload, idempotency_key, priority)
+         error_type, error, payload, idempotency_key, priority, concurrency_key, concurrency_limit)
     SELECT id, queue_name, actor_name, message_id, 'failed', attempts, enqueued_at, acquired_at,
            'MaxDeliveriesExceeded',
            format('quarantined: delivered %%s times without an ack (max_deliveries=%%s); '
                   'its worker probably died while running it', attempts, %(max_deliveries)s),
-           payload, idempotency_key, priority
+           payload, idempotency_key, priority, concurrency_key, concurrency_limit
     FROM quarantined
     RETURNING queue_name
 ),
@@ -640,12 +742,16 @@ WITH picked AS (
 moved AS (
     DELETE FROM {schema}.history
     WHERE state = 'failed' AND id = ANY (ARRAY(SELECT id FROM picked))
-    RETURNING id, queue_name, actor_name, message_id, payload, idempotency_key, priority
+    RETURNING id, queue_name, actor_name, message_id, payload, idempotency_key, priority, concurrency_key,
+              concurrency_limit
 ),
 inserted AS (
-    INSERT INTO {schema}.messages (queue_name, actor_name, message_id, payload, idempotency_key, priority, slot)
+    INSERT INTO {schema}.messages
+        (queue_name, actor_name, message_id, payload, idempotency_key, priority, slot, concurrency_key,
+         concurrency_limit)
     SELECT queue_name, actor_name, message_id, payload, idempotency_key, priority,
-           CASE WHEN idempotency_key IS NOT NULL THEN -1 ELSE (SELECT {schema}.message_slot()) END
+           CASE WHEN idempotency_key IS NOT NULL THEN -1 ELSE (SELECT {schema}.message_slot()) END,
+           concurrency_key, concurrency_limit
     FROM moved
 ),
 per_queue AS (
@@ -1028,3 +1134,75 @@ SELECT queue_name, pg_notify(%(channel)s, queue_name) FROM resumed;
 -- name: paused_queues --
 -- The paused queues and since when (database clock), oldest first.
 SELECT queue_name, paused_at FROM {schema}.queue_pauses ORDER BY paused_at, queue_name;
+
+-- name: limit_set --
+-- Sets the run-time limit of the concurrency keys that start with %(prefix)s
+-- (migration 0021): the keyed claim takes it before the limit a message carries.
+-- Wakes the workers of every queue with keyed messages waiting (a raised limit
+-- frees slots at once; unless %(notify)s is false).  Returns the previous limit
+-- (NULL: none) and the queues woken.
+WITH previous AS (
+    SELECT max_running FROM {schema}.concurrency_limits WHERE prefix = %(prefix)s
+),
+set AS (
+    INSERT INTO {schema}.concurrency_limits AS l (prefix, max_running)
+    VALUES (%(prefix)s, %(max_running)s)
+    ON CONFLICT (prefix) DO UPDATE SET max_running = excluded.max_running, updated_at = now()
+    RETURNING prefix
+),
+woken AS (
+    SELECT q.queue_name, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, q.queue_name) END
+    FROM (SELECT DISTINCT queue_name FROM {schema}.messages
+          WHERE state = 'pending' AND concurrency_key IS NOT NULL) AS q
+    WHERE (SELECT count(*) FROM set) > 0
+)
+SELECT (SELECT max_running FROM previous), array(SELECT queue_name FROM woken ORDER BY 1);
+
+-- name: limit_unset --
+-- Removes the run-time limit of %(prefix)s; the keys fall back to a shorter
+-- prefix's or to the limits their messages carry.  Wakes the workers as
+-- limit_set does.  Returns the limit removed (no row: there was none).
+WITH gone AS (
+    DELETE FROM {schema}.concurrency_limits WHERE prefix = %(prefix)s RETURNING max_running
+),
+woken AS (
+    SELECT CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, q.queue_name) END
+    FROM (SELECT DISTINCT queue_name FROM {schema}.messages
+          WHERE state = 'pending' AND concurrency_key IS NOT NULL) AS q
+    WHERE (SELECT count(*) FROM gone) > 0
+)
+SELECT max_running FROM gone WHERE (SELECT count(*) FROM woken) >= 0;
+
+-- name: limits --
+-- The run-time limits, with the messages of their keys processing and waiting now.
+SELECT l.prefix, l.max_running, l.updated_at,
+       (SELECT count(*) FROM {schema}.messages AS m
+        WHERE m.state = 'processing' AND starts_with(m.concurrency_key, l.prefix)) AS processing,
+       (SELECT count(*) FROM {schema}.messages AS m
+        WHERE m.state = 'pending' AND starts_with(m.concurrency_key, l.prefix)) AS waiting
+FROM {schema}.concurrency_limits AS l
+ORDER BY l.prefix;
+
+-- name: busiest_keys --
+-- The concurrency keys with messages now (that start with %(prefix)s, NULL:
+-- any), the most waiting first, at most %(limit)s: messages processing and
+-- waiting, and the limit the claim applies (the run-time one of the longest
+-- prefix, else the one the oldest waiting message carries, else 1).
+SELECT k.key, k.processing, k.waiting,
+       coalesce((SELECT l.max_running FROM {schema}.concurrency_limits AS l
+                 WHERE starts_with(k.key, l.prefix) ORDER BY length(l.prefix) DESC LIMIT 1),
+                k.carried, 1) AS max_running,
+       (SELECT l.prefix FROM {schema}.concurrency_limits AS l
+        WHERE starts_with(k.key, l.prefix) ORDER BY length(l.prefix) DESC LIMIT 1) AS limited_by
+FROM (
+    SELECT concurrency_key AS key,
+           count(*) FILTER (WHERE state = 'processing') AS processing,
+           count(*) FILTER (WHERE state = 'pending') AS waiting,
+           (array_agg(concurrency_limit ORDER BY next_attempt_at, id) FILTER (WHERE state = 'pending'))[1] AS carried
+    FROM {schema}.messages
+    WHERE concurrency_key IS NOT NULL
+      AND (%(prefix)s::text IS NULL OR starts_with(concurrency_key, %(prefix)s::text))
+    GROUP BY concurrency_key
+) AS k
+ORDER BY k.waiting DESC, k.processing DESC, k.key
+LIMIT %(limit)s;

@@ -204,6 +204,8 @@ def test_the_spark_role_may_run_the_actor_check(secured: Secured) -> None:
     from dramatiq_pg_outbox.spark.options import check_actor
 
     # The grant of docs/security.md is enough to read the live workers (none here)
+    with psycopg.connect(secured.admin_url, autocommit=True) as admin:
+        admin.execute("DELETE FROM dramatiq.workers")  # another test's worker may be alive
     with psycopg.connect(secured.urls["spark"], autocommit=True) as conn:
         with pytest.raises(UnknownActor, match="no live worker: no worker process heartbeated"):
             check_actor(conn, "dramatiq", "record", "default", "check_actor=False")

@@ -162,3 +162,19 @@ def limited(key: str, hold: float) -> None:
                 break
         time.sleep(0.002)
     _record(key)
+
+
+@dramatiq.actor(max_retries=0, time_limit=120_000)
+def span(group: str, seconds: float) -> None:
+    """Records when it ran (table ``spans``, made by the test): the limit checks of concurrency keys."""
+    row = (
+        _db()
+        .execute(
+            "INSERT INTO spans (grp, pid, started) VALUES (%s, %s, clock_timestamp()) RETURNING id",
+            (group, os.getpid()),
+        )
+        .fetchone()
+    )
+    assert row is not None
+    time.sleep(seconds)
+    _execute("UPDATE spans SET ended = clock_timestamp() WHERE id = %s", (row[0],))

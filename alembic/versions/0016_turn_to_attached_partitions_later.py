@@ -60,7 +60,12 @@ def _reclaim_messages(schema: str, s: str) -> str:
 
 def upgrade() -> None:
     schema = schema_for_migration()
-    s = quote_ident(schema)
+    op.execute(reclaim_messages_sql(schema, quote_ident(schema)))
+    set_schema_revision(op.execute, schema, int(revision))
+
+
+def reclaim_messages_sql(schema: str, s: str) -> str:
+    """``CREATE OR REPLACE`` of ``reclaim_messages`` as this revision creates it (0021 reuses it)."""
     sql = _reclaim_messages(schema, s)
     attach = ATTACH.format(s=s)
     assert sql.count(attach) == 1, "0013's attach statement not found"
@@ -71,8 +76,7 @@ def upgrade() -> None:
         f"{indent}-- with the partitions it knew then (migration 0016); a later call turns to it.\n"
         f"{indent}target := NULL;"
     )
-    op.execute(sql.replace(attach, later))
-    set_schema_revision(op.execute, schema, int(revision))
+    return sql.replace(attach, later)
 
 
 def downgrade() -> None:

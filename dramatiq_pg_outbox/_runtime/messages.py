@@ -113,6 +113,9 @@ class StoredMessage:
     key: str | None
     #: The claim order among due messages of its queue (see :func:`broker_priority`).
     priority: int = 0
+    #: Its concurrency key and the limit it was sent with (see :func:`concurrency`).
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
 
     @classmethod
     def of(cls, message: Message[Any], delay: int = 0, max_bytes: int | None = None) -> StoredMessage:
@@ -120,16 +123,18 @@ class StoredMessage:
 
         Raises:
           ValueError: If its ``idempotency_key`` option is not a non-empty string,
-            or its ``broker_priority`` option not an integer from 0 to ``MAX_PRIORITY``.
+            its ``broker_priority`` option not an integer from 0 to ``MAX_PRIORITY``, or its
+            ``concurrency_key``/``concurrency_limit`` bad (see :func:`concurrency`).
           MessageTooLarge: If it encodes to more than ``max_bytes`` bytes.
           TypeError: If an argument cannot be encoded (see :func:`encode`).
         """
         key = idempotency_key(message)
         priority = broker_priority(message.options)
+        concurrency_key, concurrency_limit = concurrency(message.options)
         payload = encode(message)
         if max_bytes is not None and len(payload) > max_bytes:
             raise MessageTooLarge(message.actor_name, len(payload), max_bytes)
-        return cls(message, delay, payload, key, priority)
+        return cls(message, delay, payload, key, priority, concurrency_key, concurrency_limit)
 
 
 def encode(message: Message[Any]) -> bytes:
@@ -191,7 +196,8 @@ def enqueue_statement(
     ``return_ids``: the statement also returns the ids of the rows it inserted.
     Run it with ``MessageStore.enqueue``, read its rows with :func:`enqueue_result`.
     """
-    if len(items) == 1 and items[0].key is None:
+    limited = any(item.concurrency_key is not None for item in items)
+    if len(items) == 1 and items[0].key is None and not limited:
         item = items[0]
         return EnqueueStatement(
             "enqueue_one",
@@ -223,8 +229,12 @@ def enqueue_statement(
         "return_ids": return_ids,
         "park_after_ms": PARK_AFTER_MS,
     }
-    if any(key is not None for key in keys):
+    if limited or any(key is not None for key in keys):
+        # The general statement: idempotency keys and concurrency keys (the cheaper two
+        # stay as they were for the messages that have neither).
         params["idempotency_keys"] = keys
+        params["concurrency_keys"] = [item.concurrency_key for item in items]
+        params["concurrency_limits"] = [item.concurrency_limit for item in items]
         return EnqueueStatement("enqueue", params)
     return EnqueueStatement("enqueue_unkeyed", params)
 
@@ -299,6 +309,42 @@ def broker_priority(options: Mapping[str, Any]) -> int:
     if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
         raise ValueError(f"broker_priority must be an integer from 0 to {MAX_PRIORITY}, not {priority!r}")
     return priority
+
+
+#: Longest concurrency key, in characters.
+MAX_CONCURRENCY_KEY = 200
+
+
+def concurrency(options: Mapping[str, Any]) -> tuple[str | None, int | None]:
+    """(``concurrency_key``, ``concurrency_limit``) of a message's options.
+
+    A message with a concurrency key is claimed only while fewer than its key's limit
+    of messages with that key are processing, across every worker process
+    (docs/guides/concurrency.md).  The limit is the run-time one of the key's
+    longest prefix (``dramatiq-pg-outbox limits``), else the broker's
+    ``concurrency_limits`` option, else ``concurrency_limit``, else 1.
+
+    Returns:
+      tuple: The key (None: the message is not limited) and the limit it carries
+      (None: the default).
+
+    Raises:
+      ValueError: If the key is not a non-empty string of at most
+        :data:`MAX_CONCURRENCY_KEY` characters, or the limit not an integer >= 0, or a
+        limit is given without a key.
+    """
+    key, limit = options.get("concurrency_key"), options.get("concurrency_limit")
+    if key is not None and (not isinstance(key, str) or not key or len(key) > MAX_CONCURRENCY_KEY):
+        raise ValueError(
+            f"concurrency_key must be a non-empty string of at most {MAX_CONCURRENCY_KEY} characters, "
+            f"not {key!r}"
+        )
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"concurrency_limit must be an integer >= 0, not {limit!r}")
+        if key is None:
+            raise ValueError("concurrency_limit needs a concurrency_key (the messages it limits)")
+    return key, limit
 
 
 def prioritized_notification(payload: str) -> bool:

@@ -54,6 +54,7 @@ from ..options import (
     options_docstring,
 )
 from ..urls import libpq_url, percent_encode, safe_url
+from .concurrency import ConcurrencyKeys, apply_actor_options
 from .consumer import PostgresConsumer, PostgresMessage, begin_deciding, deciding, end_deciding
 
 #: Signals whose middleware hooks run while a delivery's outcome is decided:
@@ -135,6 +136,8 @@ class PostgresBroker(Broker):
         max_message_bytes: int | None = MAX_MESSAGE_BYTES,
     ) -> None:
         super().__init__(middleware=middleware)
+        if not any(isinstance(m, ConcurrencyKeys) for m in self.middleware):
+            self.add_middleware(ConcurrencyKeys())
         #: The worker-side instruments of :class:`~dramatiq_pg_outbox.metrics.WorkerMetrics`, if added.
         self._metrics: Any = None
         if (url is None) == (engine is None):
@@ -294,6 +297,7 @@ class PostgresBroker(Broker):
             stored = []
             for message in batch:
                 self.emit_before("enqueue", message, delay)
+                apply_actor_options(self, message)
                 try:
                     stored.append(StoredMessage.of(message, delay_ms, limit))
                 except MessageTooLarge as e:

@@ -156,6 +156,8 @@ class PostgresMessage(MessageProxy):
         self.deferred = False
         #: The decision taken by ack or nack: (kind, error type, error).
         self.outcome: tuple[str, str | None, str | None] | None = None
+        #: Whether it has a concurrency key: its end frees a slot, and wakes the queue's consumers.
+        self.keyed = False
 
     @contextlib.contextmanager
     def sending_if(self, statement: Statement) -> Iterator[None]:
@@ -209,6 +211,12 @@ class PostgresConsumer(Consumer):
         #: Whether the queue had prioritized rows pending at the last claim (the first claim
         #: assumes so): then it claims with claim_prioritized, else with the plain claim.
         self._prioritized = True
+        #: Whether the queue had messages with a concurrency key pending at the last claim:
+        #: then it claims with claim_keyed.  The first claim is a plain one, which claims
+        #: again at once if it finds keyed messages pending.
+        self._keyed = False
+        #: Where the next keyed claim's walk over the keys starts (Claim.next_key).
+        self._next_key: str | None = None
         #: time.monotonic() of the next poll (or refill, with a backlog).  Consumer thread only.
         self._poll_at = 0.0
         #: time.monotonic() at which the earliest delayed row that the last claim
@@ -346,8 +354,13 @@ class PostgresConsumer(Consumer):
                 look_ahead=LOOK_AHEAD,
                 from_at=bound["from_at"],
                 from_id=bound["from_id"],
+                keyed=self._keyed,
+                after_key=self._next_key,
             )
         next_due_in_ms = claim.next_due_in_ms
+        # Messages with a concurrency key appeared since the last (plain) claim: claim again at once.
+        newly_keyed = claim.keyed and not self._keyed
+        self._keyed, self._next_key = claim.keyed, claim.next_key
         # While the queue has prioritized rows pending, claim them first (see the claim in queries.sql).
         self._prioritized = claim.prioritized
         runtime.observe_clock(claim.db_now_ms, sent)
@@ -356,7 +369,7 @@ class PostgresConsumer(Consumer):
         # Rows with a broker_priority move no watermark: claim_prioritized takes them
         # first, from their own index, whatever their due time.
         self.watermark.claimed(
-            [(row.due_at, row.id) for row in rows if row.priority == 0],
+            [(row.due_at, row.id) for row in rows if row.priority == 0 and not row.row_keyed],
             full=len(rows) >= limit,
             sweep=sweep,
             sent=sent,
@@ -383,7 +396,7 @@ class PostgresConsumer(Consumer):
         now = time.monotonic()
         options = self.broker.options
         interval = options.min_fetch_interval if self._more else options.max_fetch_interval
-        self._poll_at = now + interval / 1000
+        self._poll_at = now if newly_keyed else now + interval / 1000
         if not self._more and now >= self._rank_at:
             self.refresh_rank()
         # The claim returned our next due time (see _mine), relative to its now(),
@@ -414,7 +427,9 @@ class PostgresConsumer(Consumer):
                 message = dataclasses.replace(message, queue_name=self.queue_name)
             with self._lock:
                 self._outstanding += 1
-            self._buffer.append(PostgresMessage(message, row_id, lease, row.attempts, self))
+            proxy = PostgresMessage(message, row_id, lease, row.attempts, self)
+            proxy.keyed = bool(row.row_keyed)
+            self._buffer.append(proxy)
         return len(rows)
 
     @property
@@ -510,6 +525,10 @@ class PostgresConsumer(Consumer):
 
     def _decided(self, message: PostgresMessage) -> None:
         message.consumer._release(message.row_id)
+        if message.keyed:
+            # A slot of its key frees when this decision is written: the flusher sends this
+            # notification after it, and the queue's consumers claim what waited for the slot.
+            self.runtime.flusher.notify_later([self.queue_name])
         if not message.deferred:
             # Called outside Dramatiq's worker (no emit_before): write it now.
             self.submit(message)

@@ -9,6 +9,7 @@ Subcommands::
     retry-failed  put dead letters back on their queue (fresh attempts)
     pause         stop claiming queues (messages keep arriving and wait)
     resume        claim paused queues again (their workers are woken)
+    limits        run-time limits of concurrency keys: list, set PREFIX N, unset PREFIX
     prune         drop the history partitions (and delete the rows) older than a given age
     maintain      create the history partitions of the next days (workers do it hourly)
     dashboard     serve the web dashboard (extra: dashboard)
@@ -49,7 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..options import HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS
-from . import actions, dashboard, periodic
+from . import actions, dashboard, limits, periodic
 from .commands import (
     audit_command,
     failed_command,
@@ -201,6 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     maintain.set_defaults(run=maintain_command)
     actions.add_parsers(sub, common)
+    limits.add_parser(sub, parents=[common])
     dashboard.add_parser(sub, parents=[common])
     metrics = sub.add_parser(
         "metrics", parents=[common], help="serve the database gauges to Prometheus (extra: metrics)"

@@ -16,6 +16,7 @@ from dramatiq.middleware import Middleware
 
 from .._runtime import Service, StoredMessage, enqueue_result, enqueue_statement
 from ..broker import PostgresBroker
+from ..broker.concurrency import apply_actor_options
 from ..store.periodic import PeriodicStore, Rules
 
 if TYPE_CHECKING:
@@ -292,6 +293,7 @@ class Scheduler(Service):
                 for tick in due.ticks:
                     message = schedule.message(broker, tick)
                     broker.emit_before("enqueue", message, None)
+                    apply_actor_options(broker, message)
                     items.append(StoredMessage.of(message, 0, broker.options.max_message_bytes))
                 if due.late:
                     self.logger.warning(

@@ -142,6 +142,35 @@ class AuditRow:
     detail: str
 
 
+@dataclass(frozen=True)
+class LimitRow:
+    """A run-time limit of concurrency keys (``concurrency_limits``, migration 0021)."""
+
+    prefix: str
+    max_running: int
+    updated_at: dt.datetime
+    #: Messages of the matching keys processing and waiting now.
+    processing: int
+    waiting: int
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    """A concurrency key with messages now."""
+
+    key: str
+    processing: int
+    waiting: int
+    #: The limit the claim applies to it now.
+    max_running: int
+    #: The run-time limit's prefix it takes that limit from (None: the messages' own).
+    limited_by: str | None
+
+
+_LIMIT_ROWS = class_row(LimitRow)
+_KEY_ROWS = class_row(KeyRow)
+
+
 #: The actions of the audit trail (``audit.action``).
 AUDIT_ACTIONS = (
     "retry",
@@ -154,6 +183,8 @@ AUDIT_ACTIONS = (
     "schedule-enable",
     "schedule-disable",
     "schedule-run-now",
+    "limit-set",
+    "limit-unset",
 )
 
 
@@ -242,6 +273,41 @@ class AdminStore(SchemaStore):
         """Resume ``queue_names``, waking their workers on ``channel``; those that were paused."""
         params = {"queue_names": list(queue_names), "channel": channel}
         return [str(row[0]) for row in conn.execute(self.queries["resume_queues"], params).fetchall()]
+
+    # -- concurrency limits (migration 0021) ------------------------------------
+    def set_limit(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        prefix: str,
+        max_running: int,
+        channel: str,
+        notify: bool = True,
+    ) -> tuple[int | None, list[str]]:
+        """Set the run-time limit of the keys starting with ``prefix``: (the previous one, or
+        None; the queues whose workers were woken)."""
+        params = {"prefix": prefix, "max_running": max_running, "channel": channel, "notify": notify}
+        row = conn.execute(self.queries["limit_set"], params).fetchone()
+        assert row is not None
+        return (None if row[0] is None else int(row[0])), [str(q) for q in row[1]]
+
+    def unset_limit(
+        self, conn: psycopg.Connection[Any], *, prefix: str, channel: str, notify: bool = True
+    ) -> int | None:
+        """Remove the run-time limit of ``prefix``: the limit removed, None if there was none."""
+        params = {"prefix": prefix, "channel": channel, "notify": notify}
+        row = conn.execute(self.queries["limit_unset"], params).fetchone()
+        return None if row is None else int(row[0])
+
+    def limits(self, conn: psycopg.Connection[Any]) -> list[LimitRow]:
+        """The run-time limits, with their keys' messages processing and waiting."""
+        with conn.cursor(row_factory=_LIMIT_ROWS) as cur:
+            return cur.execute(self.queries["limits"]).fetchall()
+
+    def busiest_keys(self, conn: psycopg.Connection[Any], *, prefix: str | None, limit: int) -> list[KeyRow]:
+        """The concurrency keys with messages, the most waiting first (at most ``limit``)."""
+        with conn.cursor(row_factory=_KEY_ROWS) as cur:
+            return cur.execute(self.queries["busiest_keys"], {"prefix": prefix, "limit": limit}).fetchall()
 
     # -- dead letters -------------------------------------------------------
     def failed_list(

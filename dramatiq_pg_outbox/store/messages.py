@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import uuid
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -100,6 +101,10 @@ class ClaimRow(NamedTuple):
     prioritized: bool
     #: Its due time (``next_attempt_at``), the watermark's key with ``id``.
     due_at: dt.datetime
+    #: Whether the queue has messages with a concurrency key pending.
+    keyed: bool
+    #: Whether this message has a concurrency key (it moves no watermark).
+    row_keyed: bool | None
 
 
 class Claim(NamedTuple):
@@ -114,6 +119,11 @@ class Claim(NamedTuple):
     db_now_ms: float
     #: Whether the queue has prioritized rows pending (then claim with ``prioritized=True``).
     prioritized: bool
+    #: Whether the queue has messages with a concurrency key pending (then claim with ``keyed=True``).
+    keyed: bool = False
+    #: The last concurrency key of a keyed claim's walk, where the next one starts (None: from
+    #: the first key, once the walk reached the last one).
+    next_key: str | None = None
 
 
 class ConsumerRank(NamedTuple):
@@ -196,6 +206,10 @@ class MessageStore(SchemaStore):
         # The hot path's statements, looked up once.
         self._claim = queries["claim"]
         self._claim_prioritized = queries["claim_prioritized"]
+        self._claim_keys = queries["claim_keys"]
+        self._claim_keyed = queries["claim_keyed"]
+        #: The advisory lock space of this schema's concurrency keys (claim_keys).
+        self.lock_space = zlib.crc32(f"dramatiq_pg_outbox.concurrency.{schema}".encode()) & 0x7FFFFFFF
         self._ack = queries["ack"]
         self._archive = queries["archive"]
         self._requeue = queries["requeue"]
@@ -296,11 +310,18 @@ class MessageStore(SchemaStore):
         look_ahead: int,
         from_at: dt.datetime | None,
         from_id: int | None,
+        keyed: bool = False,
+        after_key: str | None = None,
     ) -> Claim:
         """Claim up to ``limit`` due messages of ``queue_name`` under ``lease`` (``claim``).
 
         Parameters:
           prioritized(bool): Claim the prioritized rows first (``claim_prioritized``).
+          keyed(bool): The queue has messages with a concurrency key: claim within their
+            limits (``claim_keys`` then ``claim_keyed``, one transaction; ``prioritized``
+            is then ignored).
+          after_key(str|None): Where the keyed claim's walk over the keys starts
+            (``Claim.next_key`` of the previous one).
           owner(uuid.UUID): This process's worker id.
           consumers(int), rank(int): Of the consumer (see ``consumer_rank``): which due
             times the returned ``next_due_in_ms`` is about.
@@ -318,13 +339,46 @@ class MessageStore(SchemaStore):
             "from_at": from_at,
             "from_id": from_id,
         }
+        if keyed:
+            return self._keyed_claim(conn, params, after_key=after_key)
         query = self._claim_prioritized if prioritized else self._claim
         rows = conn.cursor(row_factory=_CLAIM_ROWS).execute(query, params).fetchall()
+        return self._claim_of(rows)
+
+    @staticmethod
+    def _claim_of(rows: list[ClaimRow], next_key: str | None = None) -> Claim:
         # Every row carries the clock columns; a claim of nothing is one row with a NULL id.
         clock = rows[0]
         if clock.id is None:
             rows = []
-        return Claim(rows, clock.next_due_in_ms, clock.db_now_ms, bool(clock.prioritized))
+        return Claim(rows, clock.next_due_in_ms, clock.db_now_ms, bool(clock.prioritized), bool(clock.keyed),
+                     next_key)  # fmt: skip
+
+    def _keyed_claim(
+        self, conn: psycopg.Connection[Any], params: dict[str, Any], *, after_key: str | None
+    ) -> Claim:
+        """claim_keys then claim_keyed, in one READ COMMITTED transaction (see queries.sql)."""
+        limit = int(params["limit"])
+        # Walk at most this many keys per claim (keys at their limit give nothing).
+        keys_wanted = max(limit, 8)
+        with conn.transaction():
+            found = conn.execute(
+                self._claim_keys,
+                {"queue_name": params["queue_name"], "after_key": after_key, "keys": keys_wanted,
+                 "walk": 4 * keys_wanted, "lock_space": self.lock_space},
+            ).fetchall()  # fmt: skip
+            keys = [str(key) for key, _ in found]
+            per_key = max(1, limit // max(1, len(keys)))
+            rows = (
+                conn.cursor(row_factory=_CLAIM_ROWS)
+                .execute(
+                    self._claim_keyed,
+                    {**params, "keys": keys, "limits": [lim for _, lim in found], "per_key": per_key},
+                )
+                .fetchall()
+            )
+        # A walk that found fewer keys than it wanted reached the last key: the next starts over.
+        return self._claim_of(rows, keys[-1] if len(keys) >= keys_wanted else None)
 
     def consumer_rank(
         self,

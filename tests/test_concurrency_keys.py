@@ -1,0 +1,225 @@
+"""Concurrency keys: at most N messages of a key processing at a time, enforced by the claim
+(migration 0021, docs/guides/concurrency.md), across real worker processes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import dramatiq
+import pytest
+
+from dramatiq_pg_outbox import PostgresBroker
+
+from .helpers import wait_for
+
+SPANS = (
+    "CREATE TABLE IF NOT EXISTS spans (id bigserial PRIMARY KEY, grp text NOT NULL, pid int NOT NULL,"
+    " started timestamptz NOT NULL, ended timestamptz); TRUNCATE spans;"
+)
+
+
+@pytest.fixture
+def spans(db: Any) -> Iterator[Any]:
+    db.execute(SPANS)
+    db.execute("DELETE FROM dramatiq.concurrency_limits")
+    yield db
+    db.execute("DELETE FROM dramatiq.concurrency_limits")
+
+
+def most_at_once(rows: list[tuple[dt.datetime, dt.datetime]]) -> int:
+    """The largest number of the intervals ``(start, end)`` that overlap at one instant."""
+    events = sorted(
+        [(start, 1) for start, _ in rows] + [(end, -1) for _, end in rows], key=lambda e: (e[0], e[1])
+    )
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def peaks(db: Any) -> dict[str, int]:
+    rows = db.execute("SELECT grp, started, ended FROM spans WHERE ended IS NOT NULL ORDER BY grp").fetchall()
+    by_group: dict[str, list[tuple[dt.datetime, dt.datetime]]] = {}
+    for group, started, ended in rows:
+        by_group.setdefault(group, []).append((started, ended))
+    return {group: most_at_once(spans) for group, spans in by_group.items()}
+
+
+def test_most_at_once_counts_overlaps() -> None:
+    t = dt.datetime(2026, 1, 1)
+    s = dt.timedelta(seconds=1)
+    assert most_at_once([(t, t + s), (t + s, t + 2 * s)]) == 1  # one ends as the next starts
+    assert most_at_once([(t, t + 2 * s), (t + s, t + 3 * s), (t + s, t + 2 * s)]) == 3
+
+
+def test_the_limit_of_each_key_holds_across_worker_processes(
+    worker_process: Any, producer: Any, spans: Any
+) -> None:
+    # Given 3 keys with limits 1, 2 and 3, 12 messages each, and unkeyed messages in the same queue
+    span = producer.span
+    for _ in range(12):
+        for key, limit in (("a", 1), ("b", 2), ("c", 3)):
+            span.send_with_options(args=(key, 0.1), concurrency_key=f"test:{key}", concurrency_limit=limit)
+    for _ in range(12):
+        span.send("free", 0.1)
+    # When two worker processes of 6 threads each (12 at once) run them
+    workers = [worker_process(processes=1, threads=6) for _ in range(2)]
+    try:
+        ended = "SELECT count(*) FROM spans WHERE ended IS NOT NULL"
+        wait_for(lambda: spans.execute(ended).fetchone()[0] == 48, 60, "every message to run")
+    finally:
+        for worker in workers:
+            worker.stop()
+    # Then no key ever had more messages running than its limit, and each reached it
+    found = peaks(spans)
+    assert found["a"] == 1 and found["b"] == 2 and found["c"] == 3, found
+    # While the unkeyed messages were not held back by the keys' limits
+    assert found["free"] >= 4, found
+    # And both processes ran keyed messages
+    assert spans.execute("SELECT count(DISTINCT pid) FROM spans WHERE grp <> 'free'").fetchone()[0] == 2
+    assert (
+        spans.execute("SELECT count(*) FROM dramatiq.history WHERE state = 'completed'").fetchone()[0] == 48
+    )
+
+
+def test_a_message_held_by_its_key_is_not_charged_an_attempt_and_a_run_time_limit_wins(
+    broker: PostgresBroker, start_worker: Any, spans: Any, database_url: str
+) -> None:
+    import threading
+
+    release = threading.Event()
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=broker, concurrency_key=lambda i: "account:7", max_retries=0)
+    def sync(i: int) -> None:
+        ran.append(i)
+        release.wait(20)
+
+    for i in range(4):
+        sync.send(i)
+    start_worker(broker, worker_threads=4)
+    # The key's default limit is 1: one runs, the others wait pending, with no attempt charged
+    wait_for(lambda: len(ran) == 1, 10, "the first message to start")
+    time.sleep(0.5)
+    assert ran == [0]
+    states = spans.execute("SELECT state, attempts FROM dramatiq.messages ORDER BY id").fetchall()
+    assert states == [("processing", 1), ("pending", 0), ("pending", 0), ("pending", 0)]
+    # When an operator raises the key's limit at run time (its prefix), two more start at once
+    from dramatiq_pg_outbox.cli import main
+
+    assert main(["limits", "set", "account:", "3", "--url", database_url]) == 0
+    release.set()  # (the running one ends too, freeing a slot and waking the consumers)
+    wait_for(lambda: len(ran) == 4, 10, "every message to run")
+    assert ran == [0, 1, 2, 3]  # FIFO within a key
+    # And the change is on the audit trail
+    audit = "SELECT action, target, count, detail FROM dramatiq.audit WHERE action = 'limit-set' ORDER BY id"
+
+    assert spans.execute(audit).fetchall()[-1] == ("limit-set", "account:", 3, "previous: none")
+
+
+def test_the_limits_command_lists_sets_and_unsets(
+    broker: PostgresBroker, spans: Any, database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dramatiq_pg_outbox.cli import main
+
+    @dramatiq.actor(broker=broker)
+    def export(i: int) -> None:
+        pass
+
+    for i in range(3):
+        export.send_with_options(args=(i,), concurrency_key="customer:1", concurrency_limit=2)
+    export.send_with_options(args=(9,), concurrency_key="customer:2")
+    capsys.readouterr()
+    assert main(["limits", "--url", database_url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "no run-time limit (keys take the limits their messages carry; default 1)"
+    assert lines[2].split() == ["key", "processing", "waiting", "limit", "from"]
+    assert lines[3].split() == ["customer:1", "0", "3", "2", "(message)"]
+    assert lines[4].split() == ["customer:2", "0", "1", "1", "(message)"]
+    assert main(["limits", "set", "customer:", "5", "--dry-run", "--url", database_url]) == 0
+    assert "would set the limit of keys 'customer:'* to 5 (now: none)" in capsys.readouterr().out
+    assert main(["limits", "set", "customer:", "5", "--url", database_url]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "set the limit of keys 'customer:'* to 5 (was: none); woke the workers of 1 queue(s)"
+    )
+    assert main(["limits", "--json", "--url", database_url]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(r["prefix"], r["max_running"], r["waiting"]) for r in listed["limits"]] == [("customer:", 5, 4)]
+    assert [(k["key"], k["max_running"], k["limited_by"]) for k in listed["keys"]] == [
+        ("customer:1", 5, "customer:"), ("customer:2", 5, "customer:")
+    ]  # fmt: skip
+    assert main(["limits", "unset", "customer:", "--url", database_url]) == 0
+    assert "removed the limit 5" in capsys.readouterr().out
+    assert main(["limits", "unset", "customer:", "--url", database_url]) == 1
+    assert "no run-time limit for prefix 'customer:'" in capsys.readouterr().err
+
+
+def test_a_key_with_limit_zero_is_held_and_resumes_when_raised(
+    broker: PostgresBroker, start_worker: Any, spans: Any
+) -> None:
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=broker, concurrency_key="export:1", concurrency_limit=2)
+    def export(i: int) -> None:
+        ran.append(i)
+
+    spans.execute("INSERT INTO dramatiq.concurrency_limits (prefix, max_running) VALUES ('export:', 0)")
+    for i in range(3):
+        export.send(i)
+    start_worker(broker)
+    time.sleep(1)
+    assert ran == []
+    spans.execute("DELETE FROM dramatiq.concurrency_limits WHERE prefix = 'export:'")
+    wait_for(lambda: len(ran) == 3, 10, "the held messages to run")
+
+
+def test_bad_keys_and_limits_are_refused_at_send(broker: PostgresBroker, db: Any) -> None:
+    @dramatiq.actor(broker=broker)
+    def job() -> None:
+        pass
+
+    with pytest.raises(ValueError, match="concurrency_key must be a non-empty string"):
+        job.send_with_options(concurrency_key="")
+    with pytest.raises(ValueError, match="concurrency_limit must be an integer >= 0, not -1"):
+        job.send_with_options(concurrency_key="k", concurrency_limit=-1)
+    with pytest.raises(ValueError, match="concurrency_limit needs a concurrency_key"):
+        job.send_with_options(concurrency_limit=2)
+
+    @dramatiq.actor(broker=broker, concurrency_key=lambda: 1 / 0)
+    def broken() -> None:
+        pass
+
+    with pytest.raises(
+        ValueError, match="the concurrency_key function of actor 'broken' raised ZeroDivisionError"
+    ):
+        broken.send()
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 0
+
+
+def test_a_dead_letter_retried_keeps_its_key(broker: PostgresBroker, start_worker: Any, db: Any) -> None:
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    boom.send_with_options(concurrency_key="tenant:9", concurrency_limit=4)
+    worker = start_worker(broker)
+    wait_for(
+        lambda: db.execute("SELECT count(*) FROM dramatiq.history").fetchone()[0] == 1, 10, "a dead letter"
+    )
+    worker.stop()
+    assert db.execute("SELECT concurrency_key, concurrency_limit FROM dramatiq.history").fetchone() == (
+        "tenant:9",
+        4,
+    )
+    from dramatiq_pg_outbox.cli import main
+
+    assert main(["retry-failed", "--url", broker.conninfo, "--queue", "default"]) == 0
+    assert db.execute("SELECT concurrency_key, concurrency_limit FROM dramatiq.messages").fetchone() == (
+        "tenant:9",
+        4,
+    )
