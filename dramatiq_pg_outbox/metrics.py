@@ -50,7 +50,7 @@ labels ``queue_name``, ``actor_name``, ``state``)            outcome: ``complete
                                                              actor raised, its retry was enqueued),
                                                              ``failed`` (dead-lettered, as counted by
                                                              ``dead_lettered_total``), ``canceled``
-                                                             (an operator's cancel, migration 0021:
+                                                             (an operator's cancel, migration 0022:
                                                              not a dead letter); counted by the
                                                              statements that archive them, one upsert
                                                              per (queue, actor) of a batch (migration

@@ -468,7 +468,7 @@ SELECT id, lease FROM done;
 -- dead letter (nack), completed for an acked delivery whose actor raised
 -- (Retries enqueued its retry), canceled for a delivery an operator canceled
 -- while it ran (its error ends with the operator's reason, cancel_reason of
--- migration 0021).  Fenced like ack (by lease alone, see ack).
+-- migration 0022).  Fenced like ack (by lease alone, see ack).
 -- Returns the (id, lease) of each row archived, as ack does.
 WITH failed AS (
     DELETE FROM {schema}.messages AS m
@@ -549,7 +549,7 @@ DELETE FROM {schema}.workers WHERE id = %(id)s;
 -- so a long task of a live worker is never taken away.  SKIP LOCKED keeps
 -- concurrent rescuers (one per worker process) and flushes out of each
 -- other's way.  Dead worker rows are dropped in the same statement.  A row
--- an operator asked to cancel (cancel_requested_at, migration 0021) is not
+-- an operator asked to cancel (cancel_requested_at, migration 0022) is not
 -- released: it goes to history as canceled (its worker died before it could
 -- stop it).
 WITH stuck AS (

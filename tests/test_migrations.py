@@ -278,7 +278,7 @@ def test_the_upgrade_to_0018_counts_history_by_actor_and_outcome_and_the_downgra
             ("q", "b", "failed", 0, 1),
             ("q.DQ", "b", "completed", 0, 1),
         ]
-        # And an outcome other than the three is refused (0021 adds canceled)
+        # And an outcome other than the three is refused (0022 adds canceled)
         with psycopg.connect(database_url) as conn, pytest.raises(psycopg.errors.CheckViolation):
             conn.execute(
                 f"INSERT INTO {schema}.finished_counts (queue_name, actor_name, state, shard, n)"
@@ -296,12 +296,12 @@ def test_the_upgrade_to_0018_counts_history_by_actor_and_outcome_and_the_downgra
         drop_schema(database_url, schema)
 
 
-def test_the_upgrade_to_0021_makes_canceled_a_state_of_its_own_and_the_downgrade_restores_dead_letters(
+def test_the_upgrade_to_0022_makes_canceled_a_state_of_its_own_and_the_downgrade_restores_dead_letters(
     database_url: str,
 ) -> None:
     # Given a schema at revision 0020 whose history holds a canceled waiting message (a Canceled
     # dead letter, as cancels were stored then) beside a real dead letter
-    schema = "canceled_0021"
+    schema = "canceled_0022"
     drop_schema(database_url, schema)
     upgrade(database_url, schema=schema, revision="0020")
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -312,8 +312,8 @@ def test_the_upgrade_to_0021_makes_canceled_a_state_of_its_own_and_the_downgrade
             " (2, 'q', 'a', 'm2', 'failed', 3, now(), '', 'ValueError')"
         )
     try:
-        # When it is upgraded to 0021
-        upgrade(database_url, schema=schema, revision="0021")
+        # When it is upgraded to 0022
+        upgrade(database_url, schema=schema, revision="0022")
         # Then the cancel is in state canceled (counted as such), the dead letter stays failed
         with psycopg.connect(database_url, autocommit=True) as conn:
             assert conn.execute(f"SELECT id, state FROM {schema}.history ORDER BY id").fetchall() == [

@@ -217,7 +217,7 @@ SELECT (SELECT count(*) FROM purged), ARRAY(SELECT id FROM seen EXCEPT SELECT id
 -- * waiting: it moves to history as canceled (error type Canceled, the reason as
 --   its error), counted in finished_counts;
 -- * running (processing): it is marked (cancel_requested_at and cancel_reason,
---   migration 0021) and the broker channel is told "cancel:<row id>": the worker
+--   migration 0022) and the broker channel is told "cancel:<row id>": the worker
 --   holding it interrupts its actor and archives it as canceled; a worker that
 --   missed the notification finds the mark at its next heartbeat, and the rescuer
 --   archives the row as canceled if that worker died;

@@ -24,8 +24,8 @@ stored passed the stricter constraint it replaces, so a validation would read th
 history under the lock that holds every ack, to prove nothing.  Partitions created
 later carry it validated.
 
-Revision ID: 0021
-Revises: 0020
+Revision ID: 0022
+Revises: 0021
 Create Date: 2026-11-28
 """
 
@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from alembic import op
 from dramatiq_pg_outbox.migrations import quote_ident, schema_for_migration, set_schema_revision
 
-revision: str = "0021"
-down_revision: str | None = "0020"
+revision: str = "0022"
+down_revision: str | None = "0021"
 branch_labels: Sequence[str] | None = None
 depends_on: Sequence[str] | None = None
 
@@ -79,7 +79,7 @@ def upgrade() -> None:
         SELECT queue_name, actor_name, 'canceled', 0, count(*) FROM converted GROUP BY 1, 2
         """
     )
-    set_schema_revision(op.execute, schema_for_migration(), 21)
+    set_schema_revision(op.execute, schema_for_migration(), 22)
 
 
 def downgrade() -> None:
@@ -90,4 +90,4 @@ def downgrade() -> None:
     _finished_states(s, "'completed', 'retried', 'failed'")
     # A marked row loses its mark: its worker finishes it as it would have before.
     op.execute(f"ALTER TABLE {s}.messages DROP COLUMN cancel_requested_at, DROP COLUMN cancel_reason")
-    set_schema_revision(op.execute, schema_for_migration(), 20)
+    set_schema_revision(op.execute, schema_for_migration(), 21)
