@@ -7,12 +7,14 @@ from ._launch import interruptible_imports
 # A Ctrl-C while these import (the command's first moments) is one line in the command.
 with interruptible_imports():
     from .broker import PostgresBroker
-    from .errors import MessageTooLarge, OutboxError, SchemaNotReady
+    from .broker.consumer import is_canceled
+    from .errors import Canceled, MessageTooLarge, OutboxError, SchemaNotReady
     from .migrations import downgrade, upgrade, versions_path
     from .outbox import Outbox, outbox, outside_outbox
     from .results import PostgresBackend
 
 __all__ = [
+    "Canceled",
     "MessageTooLarge",
     "Outbox",
     "OutboxError",
@@ -20,6 +22,7 @@ __all__ = [
     "PostgresBroker",
     "SchemaNotReady",
     "downgrade",
+    "is_canceled",
     "outbox",
     "outside_outbox",
     "upgrade",

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import psycopg
 import psycopg_pool
 from dramatiq.errors import BrokerError, ConnectionClosed, ConnectionFailed
+from dramatiq.middleware import Interrupt
 from psycopg.conninfo import conninfo_to_dict
 
 
@@ -30,6 +31,21 @@ class OutboxError(BrokerError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message)  # type: ignore[no-untyped-call]
+
+
+class Canceled(Interrupt):
+    """An operator canceled the message this thread runs (``dramatiq-pg-outbox cancel``, the dashboard).
+
+    Raised in the actor's thread the way Dramatiq's ``TimeLimit`` raises
+    ``TimeLimitExceeded`` (an asynchronous exception, delivered when the thread
+    next runs Python code: an actor blocked in a C call, such as a socket read, a
+    query or ``time.sleep``, sees it once that call returns).  The delivery then
+    ends in history as ``canceled``, with no retry and none of its follow-ups
+    (callbacks, the pipeline's next step), whatever the ``Retries`` middleware
+    decides; a result waiter gets it as the failure.  An actor declared with
+    ``cancel="ask"`` is never interrupted: it calls
+    :func:`~dramatiq_pg_outbox.is_canceled` and returns (or raises this) on its own.
+    """
 
 
 class MessageTooLarge(ValueError):

@@ -49,7 +49,9 @@ Database gauges (label ``queue_name`` unless said otherwise):
 labels ``queue_name``, ``actor_name``, ``state``)            outcome: ``completed``, ``retried`` (the
                                                              actor raised, its retry was enqueued),
                                                              ``failed`` (dead-lettered, as counted by
-                                                             ``dead_lettered_total``); counted by the
+                                                             ``dead_lettered_total``), ``canceled``
+                                                             (an operator's cancel, migration 0022:
+                                                             not a dead letter); counted by the
                                                              statements that archive them, one upsert
                                                              per (queue, actor) of a batch (migration
                                                              0018); ``prune`` does not lower it
@@ -140,7 +142,7 @@ class Snapshot:
 
 
 #: The outcomes of ``messages_finished_total`` (``finished_counts.state``, migration 0018).
-FINISHED_STATES = ("completed", "retried", "failed")
+FINISHED_STATES = ("completed", "retried", "failed", "canceled")
 
 
 class DatabaseCollector:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 VERSION_TABLE = "dramatiq_pg_outbox_version"
 #: Schema used when none is configured.
 #: Revision number of the newest migration; the broker requires it.
-SCHEMA_REVISION = 21
+SCHEMA_REVISION = 22
 #: Isolation level of the migrations' own connections (``upgrade(url)``, ``migrate``): the revisions'
 #: statements were written for it, whatever the database's default (docs/guarantees.md, "Isolation
 #: levels").  psycopg begins each transaction with it, which holds behind PgBouncer too.

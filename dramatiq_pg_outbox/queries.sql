@@ -568,7 +568,9 @@ SELECT id, lease FROM done;
 -- name: archive --
 -- Moves messages to history in state %(state)s with their error: failed for a
 -- dead letter (nack), completed for an acked delivery whose actor raised
--- (Retries enqueued its retry).  Fenced like ack (by lease alone, see ack).
+-- (Retries enqueued its retry), canceled for a delivery an operator canceled
+-- while it ran (its error ends with the operator's reason, cancel_reason of
+-- migration 0022).  Fenced like ack (by lease alone, see ack).
 -- Returns the (id, lease) of each row archived, as ack does.
 WITH failed AS (
     DELETE FROM {schema}.messages AS m
@@ -584,7 +586,9 @@ archived AS (
         (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
          error_type, error, payload, idempotency_key, priority, concurrency_key, concurrency_limit)
     SELECT id, queue_name, actor_name, message_id, %(state)s, attempts, enqueued_at, acquired_at,
-           failure_type, failure, payload, idempotency_key, priority, concurrency_key, concurrency_limit
+           failure_type,
+           CASE WHEN %(state)s = 'canceled' THEN concat_ws(E'\n', failure, cancel_reason) ELSE failure END,
+           payload, idempotency_key, priority, concurrency_key, concurrency_limit
     FROM failed
 ),
 -- Dead letters are counted where they are made (dead_letter_counts, migration 0012):
@@ -594,12 +598,12 @@ counted AS (
     SELECT queue_name, pg_backend_pid() %% 16, count(*) FROM failed WHERE %(state)s = 'failed' GROUP BY queue_name
     ON CONFLICT (queue_name, shard) DO UPDATE SET n = c.n + excluded.n
 ),
--- And by actor and outcome (finished_counts, migration 0018): failed, or retried for
--- a completed row with an error type (the actor raised; its retry is enqueued).
+-- And by actor and outcome (finished_counts, migration 0018): failed, canceled, or
+-- retried for a completed row with an error type (the actor raised; its retry is enqueued).
 finished AS (
     INSERT INTO {schema}.finished_counts AS c (queue_name, actor_name, state, shard, n)
     SELECT queue_name, actor_name,
-           CASE WHEN %(state)s = 'failed' THEN 'failed' WHEN failure_type IS NULL THEN 'completed'
+           CASE WHEN %(state)s <> 'completed' THEN %(state)s WHEN failure_type IS NULL THEN 'completed'
                 ELSE 'retried' END,
            pg_backend_pid() %% 16, count(*)
     FROM failed GROUP BY 1, 2, 3 ORDER BY 1, 2, 3
@@ -611,11 +615,14 @@ SELECT id, lease FROM failed;
 -- Hands claimed but unstarted messages back at once, without charging them
 -- the attempt their claim took.  Fenced like ack (by lease alone, see ack).  Wakes the listeners of
 -- those queues in the same statement (unless %(notify)s is false) and returns
--- the released count per queue.
+-- the released count per queue.  A row an operator asked to cancel is not
+-- handed back (it would run again): it stays this process's claim, and the
+-- orphan check or, once this process is gone, the rescuer archives it as
+-- canceled.
 WITH released AS (
     UPDATE {schema}.messages AS m
     SET state = 'pending', attempts = greatest(m.attempts - 1, 0), lease = NULL, owner = NULL
-    WHERE m.id = ANY(%(ids)s::bigint[]) AND {fenced}
+    WHERE m.id = ANY(%(ids)s::bigint[]) AND {fenced} AND m.cancel_requested_at IS NULL
     RETURNING m.queue_name
 ),
 per_queue AS (
@@ -643,7 +650,10 @@ DELETE FROM {schema}.workers WHERE id = %(id)s;
 -- history as failed and never run again.  Liveness, not task length, decides,
 -- so a long task of a live worker is never taken away.  SKIP LOCKED keeps
 -- concurrent rescuers (one per worker process) and flushes out of each
--- other's way.  Dead worker rows are dropped in the same statement.
+-- other's way.  Dead worker rows are dropped in the same statement.  A row
+-- an operator asked to cancel (cancel_requested_at, migration 0022) is not
+-- released: it goes to history as canceled (its worker died before it could
+-- stop it).
 WITH stuck AS (
     SELECT m.id
     FROM {schema}.messages AS m
@@ -657,10 +667,32 @@ WITH stuck AS (
       )
     FOR UPDATE OF m SKIP LOCKED
 ),
+canceled AS (
+    DELETE FROM {schema}.messages AS m
+    USING stuck
+    WHERE m.id = stuck.id AND m.cancel_requested_at IS NOT NULL
+    RETURNING m.*
+),
+canceled_archived AS (
+    INSERT INTO {schema}.history
+        (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
+         error_type, error, payload, idempotency_key, priority)
+    SELECT id, queue_name, actor_name, message_id, 'canceled', attempts, enqueued_at, acquired_at,
+           'Canceled', concat_ws(E'\n', 'canceled while its worker was gone (archived by the rescuer)',
+                                 cancel_reason),
+           payload, idempotency_key, priority
+    FROM canceled
+),
+canceled_counted AS (
+    INSERT INTO {schema}.finished_counts AS c (queue_name, actor_name, state, shard, n)
+    SELECT queue_name, actor_name, 'canceled', pg_backend_pid() %% 16, count(*)
+    FROM canceled GROUP BY queue_name, actor_name ORDER BY queue_name, actor_name
+    ON CONFLICT (queue_name, actor_name, state, shard) DO UPDATE SET n = c.n + excluded.n
+),
 quarantined AS (
     DELETE FROM {schema}.messages AS m
     USING stuck
-    WHERE m.id = stuck.id AND m.attempts >= %(max_deliveries)s
+    WHERE m.id = stuck.id AND m.attempts >= %(max_deliveries)s AND m.cancel_requested_at IS NULL
     RETURNING m.*
 ),
 archived AS (
@@ -690,7 +722,7 @@ released AS (
     UPDATE {schema}.messages AS m
     SET state = 'pending', lease = NULL, owner = NULL
     FROM stuck
-    WHERE m.id = stuck.id AND m.attempts < %(max_deliveries)s
+    WHERE m.id = stuck.id AND m.attempts < %(max_deliveries)s AND m.cancel_requested_at IS NULL
     RETURNING m.queue_name
 ),
 dead_workers AS (
@@ -704,23 +736,63 @@ woken AS (
 SELECT (SELECT count(*) FROM released),
        (SELECT count(*) FROM archived),
        (SELECT count(*) FROM dead_workers),
-       (SELECT count(*) FROM woken);
+       (SELECT count(*) FROM woken),
+       (SELECT count(*) FROM canceled);
 
 -- name: release_orphans --
 -- Releases rows this live process holds in the database but not in memory:
 -- a claim whose reply was lost with the connection.  They never reached an
 -- actor, so their attempt is given back.  The grace period keeps claims that
--- are still on their way to memory out of reach.
+-- are still on their way to memory out of reach.  One an operator asked to
+-- cancel (a claim its requeue left marked, see requeue) goes to history as
+-- canceled instead; counted apart.
 WITH orphans AS (
-    UPDATE {schema}.messages AS m
-    SET state = 'pending', attempts = greatest(m.attempts - 1, 0), lease = NULL, owner = NULL
+    SELECT m.id
+    FROM {schema}.messages AS m
     WHERE m.owner = %(owner)s
       AND m.state = 'processing'
       AND m.acquired_at < now() - %(grace_ms)s * interval '1 millisecond'
       AND NOT (m.id = ANY(%(known_ids)s::bigint[]))
+    FOR UPDATE OF m SKIP LOCKED
+),
+released AS (
+    UPDATE {schema}.messages AS m
+    SET state = 'pending', attempts = greatest(m.attempts - 1, 0), lease = NULL, owner = NULL
+    FROM orphans
+    WHERE m.id = orphans.id AND m.cancel_requested_at IS NULL
     RETURNING m.queue_name
+),
+canceled AS (
+    DELETE FROM {schema}.messages AS m
+    USING orphans
+    WHERE m.id = orphans.id AND m.cancel_requested_at IS NOT NULL
+    RETURNING m.*
+),
+archived AS (
+    INSERT INTO {schema}.history
+        (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
+         error_type, error, payload, idempotency_key, priority)
+    SELECT id, queue_name, actor_name, message_id, 'canceled', attempts, enqueued_at, NULL,
+           'Canceled', concat_ws(E'\n', 'canceled before it started', cancel_reason),
+           payload, idempotency_key, priority
+    FROM canceled
+),
+counted AS (
+    INSERT INTO {schema}.finished_counts AS c (queue_name, actor_name, state, shard, n)
+    SELECT queue_name, actor_name, 'canceled', pg_backend_pid() %% 16, count(*)
+    FROM canceled GROUP BY queue_name, actor_name ORDER BY queue_name, actor_name
+    ON CONFLICT (queue_name, actor_name, state, shard) DO UPDATE SET n = c.n + excluded.n
 )
-SELECT count(*) FROM orphans;
+SELECT (SELECT count(*) FROM released), (SELECT count(*) FROM canceled);
+
+-- name: cancel_requests --
+-- Which of this process's claims (%(ids)s, in memory) an operator asked to
+-- cancel: the maintenance loop's poll, the fallback of the "cancel:<row id>"
+-- notifications.  By primary key, one probe per id and partition (the owner's
+-- partial index is the one a pinned horizon fills, see ack).
+SELECT m.id
+FROM {schema}.messages AS m
+WHERE m.id = ANY(%(ids)s::bigint[]) AND m.owner = %(owner)s AND m.cancel_requested_at IS NOT NULL;
 
 -- name: retry_failed --
 -- Puts dead letters back on their queues (the CLI's retry-failed and the

@@ -219,7 +219,13 @@ def test_a_stale_ack_after_release_is_ignored(broker: PostgresBroker, db: Any) -
     assert broker.runtime.flusher.flush_once()["stale"] == 1
     assert db.execute("SELECT state, attempts FROM dramatiq.messages").fetchall() == [("processing", 2)]
     second.ack(again)
-    assert other.runtime.flusher.flush_once() == {"acked": 1, "nacked": 0, "requeued": 0, "stale": 0}
+    assert other.runtime.flusher.flush_once() == {
+        "acked": 1,
+        "nacked": 0,
+        "canceled": 0,
+        "requeued": 0,
+        "stale": 0,
+    }
     assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone()[0] == 0
     first.close()
     second.close()

@@ -317,21 +317,23 @@ def test_cancel_and_run_now_act_on_the_rows_the_dashboard_would(
     (first, _), (second, _), (later, _) = live(db, "jobs")
     # When one is canceled (a dry run first), and the delayed one made due
     out = run(capsys, "cancel", str(first), "--dry-run", "--url", database_url)
-    assert out == f"would cancel message {first} of queue 'jobs': a dead letter (Canceled), retryable\n" + (
+    assert out == f"would cancel message {first} of queue 'jobs': waiting, now in history as canceled\n" + (
         "dry run: nothing changed\n"
     )
     assert len(live(db, "jobs")) == 3
     assert run(capsys, "cancel", str(first), "--url", database_url).startswith(f"canceled message {first}")
     assert run(capsys, "run-now", str(later), "--url", database_url).startswith(f"made message {later}")
-    # Then the canceled one is a Canceled dead letter that names who canceled it, and the other is due
-    ((error_type, error),) = db.execute(
-        "SELECT error_type, error FROM dramatiq.history WHERE id = %s", (first,)
+    # Then the canceled one is in history as canceled, naming who canceled it, and the other is due
+    ((state, error_type, error),) = db.execute(
+        "SELECT state, error_type, error FROM dramatiq.history WHERE id = %s", (first,)
     ).fetchall()
-    assert error_type == "Canceled" and "with dramatiq-pg-outbox cancel" in error
+    assert (state, error_type) == ("canceled", "Canceled") and "with dramatiq-pg-outbox cancel" in error
     assert live(db, "jobs") == [(second, "pending"), (later, "pending")]
-    # And a row that is not waiting (or not delayed) is named, exit 1
+    # And a message that finished already, or that does not exist, is named, exit 1
     one_line_error(
-        cli("cancel", str(first), "--url", database_url), 1, says=["no waiting message", str(first)]
+        cli("cancel", str(first), "99999999", "--url", database_url),
+        1,
+        says=[f"message {first} already finished (canceled) at", "no message 99999999"],
     )
     one_line_error(cli("run-now", str(second), "--url", database_url), 1, says=["no delayed message"])
 

@@ -494,7 +494,7 @@ def test_purge_deletes_the_waiting_messages_of_one_queue_and_leaves_the_running_
     ]
 
 
-def test_cancel_turns_a_waiting_message_into_a_dead_letter_that_can_be_retried(
+def test_cancel_archives_a_waiting_message_as_canceled_and_marks_a_running_one_for_its_worker(
     make_broker: Any, db: Any, serve_dashboard: Serve
 ) -> None:
     # Given a delayed message and a running one
@@ -510,30 +510,35 @@ def test_cancel_turns_a_waiting_message_into_a_dead_letter_that_can_be_retried(
     )
     server = serve_dashboard()
     with httpx.Client(base_url=server.url) as browser:
-        token = csrf_token(browser.get(f"/messages/{delayed}").text)
+        page = browser.get(f"/messages/{running}").text
+        assert "Cancel this message" in page and "interrupts the actor" in page
+        token = csrf_token(page)
         # When both are canceled
         browser.post(f"/messages/{delayed}/cancel", data={"csrf_token": token})
-        refused = browser.post(f"/messages/{running}/cancel", data={"csrf_token": token})
-        assert "was not waiting any more" in browser.get(refused.headers["location"]).text
+        told = browser.post(f"/messages/{running}/cancel", data={"csrf_token": token})
+        assert "Canceling message" in browser.get(told.headers["location"]).text
 
-        # Then the waiting one is a dead letter of type Canceled, the running one runs on
-        assert db.execute("SELECT id, state FROM dramatiq.messages").fetchall() == [(running, "processing")]
+        # Then the waiting one is in history as canceled (error type Canceled), not a dead letter
+        assert db.execute("SELECT id, queue_name, state, error_type FROM dramatiq.history").fetchall() == [
+            (delayed, "shipping", "canceled", "Canceled")
+        ]
+        assert "Canceled" not in browser.get("/failed?error_type=Canceled").text.split("<table", 1)[-1]
+        assert "canceled</strong> by an operator" in browser.get(f"/messages/{delayed}").text
+        # And the running one is marked for its worker (which the rescuer stands for here: no owner)
         assert db.execute(
-            "SELECT id, queue_name, error_type FROM dramatiq.history WHERE state = 'failed'"
-        ).fetchall() == [(delayed, "shipping", "Canceled")]
-        assert "Canceled" in browser.get("/failed?error_type=Canceled").text
-        # And the cancel is counted neither as a dead letter nor as a failure of its actor (it never ran)
+            "SELECT id, state, cancel_requested_at IS NOT NULL,"
+            " cancel_reason LIKE 'canceled from the dashboard%%' FROM dramatiq.messages"
+        ).fetchall() == [(running, "processing", True, True)]
+        # And the cancel is counted as canceled, not as a dead letter
         assert count(db, "SELECT count(*) FROM dramatiq.dead_letter_counts") == 0
-        assert count(db, "SELECT count(*) FROM dramatiq.finished_counts") == 0
+        assert db.execute("SELECT state, n FROM dramatiq.finished_counts").fetchall() == [("canceled", 1)]
 
-        # And a retry brings it back, due now
+        # And a retry of the failed page leaves it where it is; a second cancel says it finished
         browser.post("/failed/retry", data={"csrf_token": token, "ids": str(delayed)})
-    assert (
-        count(
-            db, "SELECT count(*) FROM dramatiq.messages WHERE state = 'pending' AND next_attempt_at <= now()"
-        )
-        == 1
-    )
+        again = browser.post(f"/messages/{delayed}/cancel", data={"csrf_token": token})
+        assert "already finished (canceled)" in browser.get(again.headers["location"]).text
+    assert count(db, "SELECT count(*) FROM dramatiq.messages WHERE state = 'pending'") == 0
+    assert count(db, "SELECT count(*) FROM dramatiq.history WHERE state = 'canceled'") == 1
 
 
 def test_a_queue_name_with_a_trailing_newline_is_not_a_queue(db: Any, serve_dashboard: Serve) -> None:

@@ -222,7 +222,9 @@ def test_the_scraped_gauges_match_the_tables(db: Any, broker: PostgresBroker, me
     }
     assert finished == {
         "emails/email/completed": 0, "emails/email/retried": 0, "emails/email/failed": 3,
+        "emails/email/canceled": 0,
         "reports/report/completed": 7, "reports/report/retried": 0, "reports/report/failed": 0,
+        "reports/report/canceled": 0,
     }  # fmt: skip
     # And the example alerting rules name only metrics that are served
     alerts = (ROOT / "docs" / "prometheus-alerts.yml").read_text()
@@ -587,6 +589,7 @@ def test_finished_messages_are_counted_per_actor_from_the_database_and_prune_doe
         ("charge", "completed"): 4.0, ("charge", "retried"): 0.0, ("charge", "failed"): 0.0,
         ("flaky", "completed"): 0.0, ("flaky", "retried"): 2.0, ("flaky", "failed"): 2.0,
         ("doomed", "completed"): 0.0, ("doomed", "retried"): 0.0, ("doomed", "failed"): 1.0,
+        ("charge", "canceled"): 0.0, ("flaky", "canceled"): 0.0, ("doomed", "canceled"): 0.0,
     }  # fmt: skip
     assert finished() == expected
     # And they are history's counts, and the failures are the queue's dead letters

@@ -263,8 +263,8 @@ def test_the_upgrade_to_0018_counts_history_by_actor_and_outcome_and_the_downgra
             " (7, 'q.DQ', 'b', 'm7', 'completed', 1, now(), '', NULL)"
         )
     try:
-        # When it is upgraded to head
-        upgrade(database_url, schema=schema)
+        # When it is upgraded to 0018
+        upgrade(database_url, schema=schema, revision="0018")
         # Then finished_counts holds history's count per queue, actor and outcome; a cancel is not counted
         with psycopg.connect(database_url) as conn:
             rows = conn.execute(
@@ -278,7 +278,7 @@ def test_the_upgrade_to_0018_counts_history_by_actor_and_outcome_and_the_downgra
             ("q", "b", "failed", 0, 1),
             ("q.DQ", "b", "completed", 0, 1),
         ]
-        # And an outcome other than the three is refused
+        # And an outcome other than the three is refused (0022 adds canceled)
         with psycopg.connect(database_url) as conn, pytest.raises(psycopg.errors.CheckViolation):
             conn.execute(
                 f"INSERT INTO {schema}.finished_counts (queue_name, actor_name, state, shard, n)"
@@ -292,5 +292,63 @@ def test_the_upgrade_to_0018_counts_history_by_actor_and_outcome_and_the_downgra
                 f"SELECT obj_description('{schema}.messages'::regclass, 'pg_class')"
             ).fetchone()
         assert comment == ("dramatiq-pg-outbox schema revision 17",)
+    finally:
+        drop_schema(database_url, schema)
+
+
+def test_the_upgrade_to_0022_makes_canceled_a_state_of_its_own_and_the_downgrade_restores_dead_letters(
+    database_url: str,
+) -> None:
+    # Given a schema at revision 0020 whose history holds a canceled waiting message (a Canceled
+    # dead letter, as cancels were stored then) beside a real dead letter
+    schema = "canceled_0022"
+    drop_schema(database_url, schema)
+    upgrade(database_url, schema=schema, revision="0020")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            f"INSERT INTO {schema}.history (id, queue_name, actor_name, message_id, state, attempts,"
+            " enqueued_at, payload, error_type) VALUES"
+            " (1, 'q', 'a', 'm1', 'failed', 0, now(), '', 'Canceled'),"
+            " (2, 'q', 'a', 'm2', 'failed', 3, now(), '', 'ValueError')"
+        )
+    try:
+        # When it is upgraded to 0022
+        upgrade(database_url, schema=schema, revision="0022")
+        # Then the cancel is in state canceled (counted as such), the dead letter stays failed
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            assert conn.execute(f"SELECT id, state FROM {schema}.history ORDER BY id").fetchall() == [
+                (1, "canceled"),
+                (2, "failed"),
+            ]
+            assert conn.execute(
+                f"SELECT state, n FROM {schema}.finished_counts WHERE state = 'canceled'"
+            ).fetchall() == [("canceled", 1)]
+            # And a processing row can carry a cancel request; history refuses other states
+            conn.execute(f"SELECT cancel_requested_at, cancel_reason FROM {schema}.messages")
+            with pytest.raises(psycopg.errors.CheckViolation):
+                conn.execute(
+                    f"INSERT INTO {schema}.history (id, queue_name, actor_name, message_id, state, attempts,"
+                    " enqueued_at, payload) VALUES (3, 'q', 'a', 'm3', 'aborted', 0, now(), '')"
+                )
+        # And the downgrade makes it a Canceled dead letter again and refuses the state
+        downgrade(database_url, schema=schema, revision="0020")
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            assert conn.execute(f"SELECT id, state FROM {schema}.history ORDER BY id").fetchall() == [
+                (1, "failed"),
+                (2, "failed"),
+            ]
+            with pytest.raises(psycopg.errors.CheckViolation):
+                conn.execute(
+                    f"INSERT INTO {schema}.history (id, queue_name, actor_name, message_id, state, attempts,"
+                    " enqueued_at, payload) VALUES (3, 'q', 'a', 'm3', 'canceled', 0, now(), '')"
+                )
+            assert "cancel_reason" not in {
+                name
+                for (name,) in conn.execute(
+                    "SELECT column_name FROM information_schema.columns"
+                    " WHERE table_schema = %s AND table_name = 'messages'",
+                    (schema,),
+                )
+            }
     finally:
         drop_schema(database_url, schema)

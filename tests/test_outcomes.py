@@ -89,7 +89,7 @@ def test_a_stale_outcome_in_the_batch_of_the_current_one_writes_none_of_its_foll
         flusher.finish(delivery.row_id, delivery.lease, "ack", messages=[StoredMessage.of(message)])
     done = flusher.flush_once()
     # Then only the current delivery's follow-up is stored, and the stale one is counted stale
-    assert done == {"acked": 1, "nacked": 0, "requeued": 0, "stale": 1}
+    assert done == {"acked": 1, "nacked": 0, "canceled": 0, "requeued": 0, "stale": 1}
     assert _follow_up_args(db, queue) == [("current",)]
     assert _history(db, queue) == [("task", "completed", None)]
     consumer.close()

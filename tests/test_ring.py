@@ -192,7 +192,7 @@ def _dashboard(database_url: str, broker: Any, action: str, row_id: int) -> Any:
         await store.open()
         try:
             if action == "cancel":
-                return await store.cancel_message(row_id, "by the operator")
+                return (await store.cancel_message(row_id, "by the operator")).queue_name
             if action == "run_now":
                 return await store.run_now(row_id)
             return await store.purge_queue("default")

@@ -93,6 +93,23 @@ def slow_record(key: str, seconds: float) -> None:
     _record(key)
 
 
+@dramatiq.actor(max_retries=3, min_backoff=10, max_backoff=10, time_limit=120_000)
+def spin(key: str, seconds: float) -> None:
+    """Loops in Python for ``seconds`` (so an interruption lands at once), recording its start,
+    then records the key.  Retries left: a retry would show a cancel that Retries saw."""
+    _execute("INSERT INTO started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sum(range(1_000))
+    _record(key)
+
+
+@dramatiq.actor(max_retries=0)
+def note(*args: Any) -> None:
+    """A callback (``on_success``/``on_failure``): records that it ran."""
+    _record("callback")
+
+
 @dramatiq.actor(max_retries=0)
 def fail(key: str) -> None:
     """Raises: with max_retries=0, a dead letter."""

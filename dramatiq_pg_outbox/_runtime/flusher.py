@@ -63,13 +63,15 @@ class Flusher(Service):
         self.acks: deque[tuple[int, uuid.UUID]] = deque()
         self.nacks: deque[tuple[int, uuid.UUID, str, str]] = deque()
         self.failed_acks: deque[tuple[int, uuid.UUID, str, str]] = deque()
+        #: Deliveries an operator canceled while they ran (archived as canceled).
+        self.cancels: deque[tuple[int, uuid.UUID, str, str]] = deque()
         self.requeues: deque[tuple[int, uuid.UUID]] = deque()
         #: Decisions with follow-ups, each written with them in one transaction.
         self.outcomes: deque[Outcome] = deque()
         self.notifications: deque[str] = deque()
         #: (transaction id, payload): sent once that transaction committed.
         self.commit_notifications: deque[tuple[str, str]] = deque()
-        self.stats = {"acked": 0, "nacked": 0, "requeued": 0, "stale": 0}
+        self.stats = {"acked": 0, "nacked": 0, "canceled": 0, "requeued": 0, "stale": 0}
         self._urgent = threading.Event()
         self._flush_lock = threading.Lock()
         #: How many outcomes at the head of ``outcomes`` are written one at a time: those of a
@@ -89,6 +91,10 @@ class Flusher(Service):
         self.failed_acks.append((row_id, lease, error_type, error))
         self._signal(len(self.failed_acks))
 
+    def cancel(self, row_id: int, lease: uuid.UUID, error_type: str, error: str) -> None:
+        self.cancels.append((row_id, lease, error_type, error))
+        self._signal(len(self.cancels))
+
     def finish(
         self,
         row_id: int,
@@ -101,7 +107,7 @@ class Flusher(Service):
         conditional: list[Conditional] | None = None,
         refused: list[str] | None = None,
     ) -> None:
-        """Buffer the end of a delivery (``kind``: ``ack``, ``ack_with_error``, ``nack``).
+        """Buffer the end of a delivery (``kind``: ``ack``, ``ack_with_error``, ``nack``, ``cancel``).
 
         With follow-ups (``messages``, ``statements``, ``conditional``) it is written
         with them in one transaction (see :class:`Outcome`); without, with the other
@@ -129,6 +135,8 @@ class Flusher(Service):
             assert error_type is not None and error is not None
             if kind == "ack_with_error":
                 self.ack_with_error(row_id, lease, error_type, error)
+            elif kind == "cancel":
+                self.cancel(row_id, lease, error_type, error)
             else:
                 self.nack(row_id, lease, error_type, error)
 
@@ -165,7 +173,15 @@ class Flusher(Service):
         self.wake()
 
     def pending(self) -> int:
-        buffers = (self.acks, self.nacks, self.failed_acks, self.requeues, self.outcomes, self.notifications)
+        buffers = (
+            self.acks,
+            self.nacks,
+            self.failed_acks,
+            self.cancels,
+            self.requeues,
+            self.outcomes,
+            self.notifications,
+        )
         return sum(len(b) for b in buffers)
 
     # -- the service -----------------------------------------------------------------
@@ -202,19 +218,20 @@ class Flusher(Service):
         """Write everything buffered; on failure the undone part is put back and the error re-raised.
 
         Returns:
-          dict[str, int]: How many acks, nacks, requeues were written and how many were stale.
+          dict[str, int]: How many acks, nacks, cancels, requeues were written and how many were stale.
         """
         with self._flush_lock:
             return self._flush_locked()
 
     def _flush_locked(self) -> dict[str, int]:
-        done = {"acked": 0, "nacked": 0, "requeued": 0, "stale": 0}
+        done = {"acked": 0, "nacked": 0, "canceled": 0, "requeued": 0, "stale": 0}
         batch = self.runtime.broker.options.flush_batch_size
         kinds: tuple[tuple[str, deque[Any]], ...] = (
             ("requeue", self.requeues),
             ("ack", self.acks),
             ("ack_with_error", self.failed_acks),
             ("nack", self.nacks),
+            ("cancel", self.cancels),
         )
         for name, buffer in kinds:
             while buffer:
@@ -232,9 +249,13 @@ class Flusher(Service):
                         metrics.stale.inc(len(items) - written)
                 self.runtime.untrack(items)
                 stale = len(items) - written
-                key = {"ack": "acked", "ack_with_error": "acked", "nack": "nacked", "requeue": "requeued"}[
-                    name
-                ]
+                key = {
+                    "ack": "acked",
+                    "ack_with_error": "acked",
+                    "nack": "nacked",
+                    "cancel": "canceled",
+                    "requeue": "requeued",
+                }[name]
                 done[key] += written
                 done["stale"] += stale
                 if stale:
@@ -293,8 +314,9 @@ class Flusher(Service):
                 raise
             self._suspects = max(0, self._suspects - len(outcomes))
             self.runtime.untrack([o.fence() for o in outcomes])
-            done["acked"] += sum(o.kind != "nack" for o in finished)
+            done["acked"] += sum(o.kind in ("ack", "ack_with_error") for o in finished)
             done["nacked"] += sum(o.kind == "nack" for o in finished) + quarantined
+            done["canceled"] += sum(o.kind == "cancel" for o in finished)
             stale = len(outcomes) - len(finished) - quarantined - dropped
             if stale:
                 done["stale"] += stale
@@ -355,8 +377,8 @@ class Flusher(Service):
     def _archive(self, conn: psycopg.Connection[Any], kind: str, items: Sequence[Any]) -> int:
         """The fenced statement of one kind of decision for ``(row id, lease, error type, error)`` items.
 
-        ``ack`` archives as completed; ``ack_with_error`` (completed) and ``nack``
-        (failed) with their errors.  Returns the number of rows archived.
+        ``ack`` archives as completed; ``ack_with_error`` (completed), ``nack``
+        (failed) and ``cancel`` (canceled) with their errors.  Returns the number of rows archived.
         """
         store = self.runtime.store
         fence = fence_params(items)
@@ -374,9 +396,9 @@ class Flusher(Service):
 
     @staticmethod
     def _errors(kind: str, items: Sequence[Any]) -> dict[str, Any]:
-        """The archive's ``state``, ``error_types`` and ``errors`` for ``nack``/``ack_with_error`` items."""
+        """The archive's ``state``, ``error_types`` and ``errors`` for items of ``kind`` (not ``ack``)."""
         return {
-            "state": "failed" if kind == "nack" else "completed",
+            "state": {"nack": "failed", "cancel": "canceled"}.get(kind, "completed"),
             "error_types": [item[2] for item in items],
             "errors": [item[3] for item in items],
         }
@@ -397,7 +419,7 @@ class Flusher(Service):
         store = runtime.store
         with runtime.connection() as conn, conn.transaction():
             archived: set[Fence] = set()
-            for kind in ("ack", "ack_with_error", "nack"):
+            for kind in ("ack", "ack_with_error", "nack", "cancel"):
                 group = [o.fence() for o in outcomes if o.kind == kind]
                 if group:
                     archived.update(self._archive_fenced(conn, kind, group))
@@ -457,7 +479,12 @@ class Flusher(Service):
                     refused.append(f"{what}: {type(e).__name__}: {e}")
             if not refused:  # refused together only
                 refused = [what for what, _ in writes] + [f"together: {type(error).__name__}: {error}"]
-            own = {"ack": "completed", "ack_with_error": "completed after an error", "nack": "failed"}
+            own = {
+                "ack": "completed",
+                "ack_with_error": "completed after an error",
+                "nack": "failed",
+                "cancel": "was canceled",
+            }
             text = (
                 "This delivery's follow-ups can never be written, so none of them was: "
                 + "; ".join(refused)

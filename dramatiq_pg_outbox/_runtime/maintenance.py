@@ -29,14 +29,18 @@ class RescueResult:
     released: int
     quarantined: int
     dead_workers: int
+    #: Claims of dead workers that an operator asked to cancel: archived as canceled.
+    canceled: int = 0
 
 
 class Maintenance(Service):
     """The maintenance loop of a process, every ``heartbeat_interval`` ms (a :class:`~.service.Service`).
 
-    Each pass heartbeats; about every ``rescue_interval`` ms (+-20 %) it releases the
-    claims of dead workers and this process's orphans; about hourly it creates history
-    partitions.  A failed pass is retried after 100 ms, doubling up to the interval.
+    Each pass heartbeats and looks for cancel requests of this process's claims (the
+    fallback of the ``cancel:<row id>`` notifications); about every ``rescue_interval``
+    ms (+-20 %) it releases the claims of dead workers and this process's orphans; about
+    hourly it creates history partitions.  A failed pass is retried after 100 ms,
+    doubling up to the interval.
     """
 
     name = "maintenance"
@@ -56,6 +60,7 @@ class Maintenance(Service):
     def run_once(self) -> RescueResult | None:
         """One pass; the rescue's counts when it ran."""
         self.heartbeat()
+        self.poll_cancels()
         now = time.monotonic()
         broker = self.runtime.broker
         if now - self._beat_at > 2 * broker.options.heartbeat_interval / 1000:
@@ -76,6 +81,11 @@ class Maintenance(Service):
             interval = self.runtime.broker.options.rescue_interval / 1000
             self._next_rescue = now + interval * random.uniform(0.8, 1.2)
             result = self.rescue()
+            if result.canceled:
+                self.logger.warning(
+                    "Archived %d message(s) of dead workers as canceled (an operator canceled them)",
+                    result.canceled,
+                )
             if result.released or result.quarantined:
                 self.logger.warning(
                     "Released %d message(s) of dead workers; quarantined %d after max_deliveries=%d",
@@ -125,6 +135,21 @@ class Maintenance(Service):
                 actors=sorted(runtime.broker.get_declared_actors()),
             )
 
+    def poll_cancels(self) -> int:
+        """Stop the claims of this process that an operator canceled; how many were told now.
+
+        The notification ``cancel:<row id>`` tells at once; this poll (one statement per
+        pass, none while the process holds no claim) covers a notification missed or
+        not sent (``listen=False``, a reconnect).
+        """
+        runtime = self.runtime
+        held = runtime.known_claims()
+        if not held:
+            return 0
+        with runtime.connection() as conn:
+            requested = runtime.store.cancel_requests(conn, owner=runtime.worker_id, ids=held)
+        return runtime.request_cancel(requested) if requested else 0
+
     def rescue(self) -> RescueResult:
         """Release (or quarantine) processing messages whose worker stopped heartbeating."""
         broker = self.runtime.broker
@@ -140,12 +165,19 @@ class Maintenance(Service):
         if metrics is not None and (counts.released or counts.quarantined):
             metrics.rescued.inc(counts.released)
             metrics.quarantined.inc(counts.quarantined)
-        return RescueResult(counts.released, counts.quarantined, counts.dead_workers)
+        return RescueResult(counts.released, counts.quarantined, counts.dead_workers, counts.canceled)
 
     def release_orphans(self, grace_ms: int = ORPHAN_GRACE_MS) -> int:
-        """Release rows this process holds in the database but no longer in memory."""
+        """Release rows this process holds in the database but no longer in memory; how many.
+
+        Those an operator canceled (a stopping consumer's requeue leaves them) are archived
+        as canceled instead, and logged.
+        """
         known = self.runtime.known_claims()
         with self.runtime.connection() as conn:
-            return self.runtime.store.release_orphans(
+            released, canceled = self.runtime.store.release_orphans(
                 conn, owner=self.runtime.worker_id, grace_ms=grace_ms, known_ids=known
             )
+        if canceled:
+            self.logger.warning("Archived %d canceled claim(s) of this process as canceled", canceled)
+        return released

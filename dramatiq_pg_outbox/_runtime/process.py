@@ -8,6 +8,7 @@ LISTEN connection, ``listener.subscribe``).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import shlex
@@ -17,14 +18,15 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import psycopg
 from dramatiq.logging import get_logger
+from dramatiq.middleware.threading import raise_thread_exception
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .._isolation import read_committed
-from ..errors import ConnectionRejected, describe_rejection, translate_errors
+from ..errors import Canceled, ConnectionRejected, describe_rejection, translate_errors
 from ..migrations import check_schema
 from ..store.messages import MessageStore
 from ..urls import MASK
@@ -69,6 +71,31 @@ class _PoolConnection(psycopg.Connection[Any]):
         return conn
 
 
+#: Prefix of the broker channel's notification that asks the worker running a row to stop it:
+#: ``cancel:<row id>`` (a queue name never holds a colon).
+CANCEL_PREFIX = "cancel:"
+
+
+class Cancelable(Protocol):
+    """A running delivery as the runtime sees it (``broker.consumer.PostgresMessage``)."""
+
+    #: Set once an operator's cancel of it reached this process.
+    cancel_requested: bool
+
+
+class _Running(NamedTuple):
+    """A delivery whose actor runs: the worker thread, the delivery, whether to interrupt it."""
+
+    thread_id: int
+    delivery: Cancelable
+    interrupt: bool
+
+
+def _clear_thread_exception(thread_id: int) -> None:
+    """Withdraw an asynchronous exception set on a thread and not raised yet (none: nothing)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
+
+
 class ProcessRuntime:
     def __init__(self, broker: RuntimeHost) -> None:
         self.logger = get_logger(__name__, type(self))
@@ -105,9 +132,14 @@ class ProcessRuntime:
         #: Claims this process holds: row id -> lease.  Removed once the
         #: flusher has written the outcome of that lease (see untrack).
         self.inflight: dict[int, uuid.UUID] = {}
-        #: Row ids of the claimed messages whose actor is running now (the rest of
-        #: ``inflight`` is prefetched): the heartbeat reports them (the dashboard).
-        self.running: set[int] = set()
+        #: The claimed messages whose actor is running now, by row id (the rest of
+        #: ``inflight`` is prefetched): the heartbeat reports them (the dashboard), and
+        #: an operator's cancel interrupts their threads (see request_cancel).
+        self.running: dict[int, _Running] = {}
+        #: Claims an operator asked to cancel before their actor started (see started).
+        self.cancel_before_start: set[int] = set()
+        #: Row ids whose thread this process interrupted with ``Canceled``.
+        self.interrupted: set[int] = set()
         self._inflight_lock = threading.Lock()
         #: Database clock minus this process's time.monotonic(), in milliseconds,
         #: as seen by the latest claim (see observe_clock); until then, the wall clock's.
@@ -260,7 +292,17 @@ class ProcessRuntime:
             consumer.notify_due(due_ms, at)
 
     def notified(self, payload: str) -> None:
-        """Wake consumers for one notification of the broker channel (see parse_notification)."""
+        """Wake consumers for one notification of the broker channel (see parse_notification).
+
+        ``cancel:<row id>`` asks the process running that row to stop it (see request_cancel).
+        """
+        if payload.startswith(CANCEL_PREFIX):
+            try:
+                row_id = int(payload[len(CANCEL_PREFIX) :])
+            except ValueError:
+                return
+            self.request_cancel([row_id])
+            return
         queue_name, due_ms = parse_notification(payload)
         if prioritized_notification(payload):
             with self._lock:
@@ -293,16 +335,73 @@ class ProcessRuntime:
             for item in items:
                 if self.inflight.get(item[0]) == item[1]:
                     del self.inflight[item[0]]
+                    self.cancel_before_start.discard(item[0])
 
-    def started(self, row_id: int) -> None:
-        """The actor of row ``row_id`` starts (Dramatiq's ``before_process_message``)."""
+    def started(self, row_id: int, delivery: Cancelable, *, interrupt: bool = True) -> None:
+        """The actor of row ``row_id`` starts on this thread (Dramatiq's ``before_process_message``).
+
+        Parameters:
+          row_id(int): The claim's row id.
+          delivery(Cancelable): Its message; ``cancel_requested`` is set on it by a cancel.
+          interrupt(bool): Whether a cancel raises :class:`~dramatiq_pg_outbox.errors.Canceled`
+            in this thread (else the actor asks, ``cancel="ask"``).
+
+        Raises:
+          Canceled: The cancel came while the message waited in this process's buffer,
+            and ``interrupt`` is true.
+        """
         with self._inflight_lock:
-            self.running.add(row_id)
+            self.running[row_id] = _Running(threading.get_ident(), delivery, interrupt)
+            early = row_id in self.cancel_before_start
+            if early:
+                self.cancel_before_start.discard(row_id)
+                delivery.cancel_requested = True
+        if early and interrupt:
+            raise Canceled()
 
     def finished(self, row_id: int) -> None:
-        """The actor of row ``row_id`` returned, raised or was skipped."""
+        """The actor of row ``row_id`` returned, raised or was skipped.
+
+        An interruption set on this thread and not raised yet is withdrawn: from here on
+        the delivery is being decided (canceled all the same, see request_cancel), and an
+        exception would land in a middleware's hook.
+        """
         with self._inflight_lock:
-            self.running.discard(row_id)
+            self.running.pop(row_id, None)
+            if row_id in self.interrupted:
+                self.interrupted.discard(row_id)
+                _clear_thread_exception(threading.get_ident())
+
+    def request_cancel(self, row_ids: Iterable[int]) -> int:
+        """An operator canceled these rows: stop those this process runs or holds; how many.
+
+        A running actor's thread gets :class:`~dramatiq_pg_outbox.errors.Canceled`, as
+        Dramatiq's ``TimeLimit`` raises ``TimeLimitExceeded`` (or, for an actor declared
+        with ``cancel="ask"``, only ``cancel_requested`` is set, which
+        :func:`~dramatiq_pg_outbox.is_canceled` reads); a claim still in the buffer is
+        canceled when its actor starts.  Rows this process does not hold, or already told,
+        are left alone.  Its consumer decides the delivery as canceled (see the consumer's
+        ``ack``/``nack``).
+        """
+        told = 0
+        with self._inflight_lock:
+            for row_id in row_ids:
+                running = self.running.get(row_id)
+                if running is None:
+                    if row_id in self.inflight and row_id not in self.cancel_before_start:
+                        self.cancel_before_start.add(row_id)
+                        told += 1
+                    continue
+                if running.delivery.cancel_requested:
+                    continue
+                running.delivery.cancel_requested = True
+                told += 1
+                if running.interrupt:
+                    self.interrupted.add(row_id)
+                    raise_thread_exception(running.thread_id, Canceled)
+        if told:
+            self.logger.info("Canceling %d message(s) at an operator's request", told)
+        return told
 
     def running_ids(self) -> list[int]:
         """Row ids of the messages whose actor runs in this process, as of now."""

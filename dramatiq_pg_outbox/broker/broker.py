@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import psycopg
-from dramatiq import Message
+from dramatiq import Actor, Message
 from dramatiq.broker import Broker, Consumer, MessageProxy
 from dramatiq.common import dq_name, q_name, xq_name
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
@@ -27,7 +27,7 @@ from .._binding import current_binding
 from .._isolation import connect
 from .._queries import CHANGED_ROWS_ROUNDS
 from .._runtime import ProcessRuntime, StoredMessage
-from ..errors import MessageTooLarge, describe_rejection, libpq_detail
+from ..errors import Canceled, MessageTooLarge, describe_rejection, libpq_detail
 from ..names import DEFAULT_SCHEMA, channel_for, validate_queue_name, validate_schema_name
 from ..options import (
     CHECK_SCHEMA,
@@ -55,7 +55,15 @@ from ..options import (
 )
 from ..urls import libpq_url, percent_encode, safe_url
 from .concurrency import ConcurrencyKeys, apply_actor_options
-from .consumer import PostgresConsumer, PostgresMessage, begin_deciding, deciding, end_deciding
+from .consumer import (
+    CANCEL_MODES,
+    PostgresConsumer,
+    PostgresMessage,
+    begin_deciding,
+    deciding,
+    end_deciding,
+    running_message,
+)
 
 #: Signals whose middleware hooks run while a delivery's outcome is decided:
 #: what they enqueue or store is written with the ack or nack (see PostgresBroker.emit_after).
@@ -93,6 +101,14 @@ class PostgresBroker(Broker):
         characters it is ``dramatiq_pg_outbox.<first 27 characters>.<16 hex digits
         of the name's SHA-256>``, to fit PostgreSQL's 63-byte limit.
       middleware(list[Middleware]): As for :class:`dramatiq.Broker`.
+
+    Actors of this broker take one more option, ``cancel`` (str): what an operator's
+    cancel of a running message does (``dramatiq-pg-outbox cancel``, the dashboard's
+    Cancel).  ``"interrupt"`` (the default) raises
+    :class:`~dramatiq_pg_outbox.errors.Canceled` in the actor's thread, as Dramatiq's
+    ``TimeLimit`` does; ``"ask"`` never interrupts: the actor polls
+    :func:`~dramatiq_pg_outbox.is_canceled` and returns.  Either way the delivery ends
+    in history as ``canceled``, with no retry and no follow-ups.
 
     The other keyword arguments are the tuning options, the fields of
     :class:`~dramatiq_pg_outbox.options.BrokerOptions` where each is written
@@ -138,6 +154,8 @@ class PostgresBroker(Broker):
         super().__init__(middleware=middleware)
         if not any(isinstance(m, ConcurrencyKeys) for m in self.middleware):
             self.add_middleware(ConcurrencyKeys())
+        # The option of a running message's cancel (see emit_before): no middleware declares it.
+        self.actor_options.add("cancel")
         #: The worker-side instruments of :class:`~dramatiq_pg_outbox.metrics.WorkerMetrics`, if added.
         self._metrics: Any = None
         if (url is None) == (engine is None):
@@ -342,6 +360,20 @@ class PostgresBroker(Broker):
             middleware = joined(middleware, self)
         super().add_middleware(middleware, before=before, after=after)
 
+    def declare_actor(self, actor: Actor[Any, Any]) -> None:
+        """Declare an actor (Dramatiq's ``Broker.declare_actor``), checking its ``cancel`` option.
+
+        Raises:
+          ValueError: When ``cancel`` is not ``"interrupt"`` or ``"ask"``.
+        """
+        mode = actor.options.get("cancel", "interrupt")
+        if mode not in CANCEL_MODES:
+            raise ValueError(
+                f"actor {actor.actor_name!r}: cancel={mode!r} is not an option; "
+                'use cancel="interrupt" (the default) or cancel="ask"'
+            )
+        super().declare_actor(actor)
+
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         # Dramatiq's worker calls emit_before("ack"/"nack"), then Consumer.ack/nack, then
         # emit_after: the decision waits for emit_after, so what after_ack/after_nack
@@ -350,8 +382,13 @@ class PostgresBroker(Broker):
             args[0].deferred = True
         super().emit_before(signal, *args, **kwargs)
         if signal == "process_message" and args and isinstance(args[0], PostgresMessage):
-            # Running, not prefetched any more: the heartbeat tells the dashboard.
-            self.runtime.started(args[0].row_id)
+            # Running, not prefetched any more: the heartbeat tells the dashboard, and a
+            # cancel interrupts this thread (or, for cancel="ask", is_canceled() tells the actor).
+            message = args[0]
+            actor = self.actors.get(message.actor_name)
+            mode = "interrupt" if actor is None else actor.options.get("cancel", "interrupt")
+            running_message(message)
+            self.runtime.started(message.row_id, message, interrupt=mode == "interrupt")
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         """Run the ``after_<signal>`` hooks; for a delivery's outcome, collect what they send.
@@ -382,6 +419,9 @@ class PostgresBroker(Broker):
             return
         if signal in ("process_message", "skip_message"):
             self.runtime.finished(message.row_id)
+            running_message(None)
+            if message.cancel_requested:
+                kwargs = self._canceled(message, signal, kwargs)
         previous = begin_deciding(message)
         try:
             super().emit_after(signal, *args, **kwargs)
@@ -391,6 +431,24 @@ class PostgresBroker(Broker):
             message.deferred = False
             if message.outcome is not None:
                 message.consumer.submit(message)
+
+    @staticmethod
+    def _canceled(message: PostgresMessage, signal: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The hooks' keywords for a delivery an operator canceled: it failed with ``Canceled``.
+
+        The hooks see an exception (no result stored, no pipeline step) and the worker
+        nacks it (a result waiter gets the failure); the consumer decides it as canceled
+        and drops the messages the hooks sent (Retries' retry, Callbacks' on_failure).
+        """
+        message.fail()
+        if signal != "process_message":
+            return kwargs
+        exception = kwargs.get("exception")
+        if exception is None:
+            # cancel="ask": the actor returned on its own.
+            exception = Canceled("its actor returned after the cancel")
+            message.stuff_exception(exception)
+        return {"exception": exception}
 
     def _refuse_to_boot_if_rejected(self) -> None:
         """In a ``dramatiq`` worker process at boot: exit at once if PostgreSQL refuses us for good.

@@ -43,6 +43,33 @@ LOOK_AHEAD = 64
 
 #: Per thread: the claimed message whose outcome this thread is deciding, if any.
 _deciding = threading.local()
+#: Per thread: the claimed message whose actor this thread runs, if any (see is_canceled).
+_running = threading.local()
+
+#: The values of the actor option ``cancel``: what an operator's cancel does to a running actor.
+CANCEL_MODES = ("interrupt", "ask")
+
+
+def is_canceled() -> bool:
+    """Whether an operator canceled the message whose actor runs on this thread.
+
+    For actors declared with ``cancel="ask"`` (never interrupted): poll it between
+    steps and return once it is true; the delivery ends in history as ``canceled``,
+    with no retry and no follow-ups, whether the actor returns or raises.  Becomes true
+    within milliseconds of ``dramatiq-pg-outbox cancel`` (the broker's notification), or
+    within ``heartbeat_interval`` ms without notifications (``listen=False``).  False
+    outside an actor of a :class:`~dramatiq_pg_outbox.PostgresBroker` worker.
+
+    Returns:
+      bool: True once the cancel reached this worker process.
+    """
+    message: PostgresMessage | None = getattr(_running, "message", None)
+    return message is not None and message.cancel_requested
+
+
+def running_message(message: PostgresMessage | None) -> None:
+    """Make ``message`` the one whose actor this thread runs (None: none), for :func:`is_canceled`."""
+    _running.message = message
 
 
 def deciding() -> PostgresMessage | None:
@@ -158,6 +185,9 @@ class PostgresMessage(MessageProxy):
         self.outcome: tuple[str, str | None, str | None] | None = None
         #: Whether it has a concurrency key: its end frees a slot, and wakes the queue's consumers.
         self.keyed = False
+        #: Set by the runtime when an operator's cancel of this delivery reached the process
+        #: (see ProcessRuntime.request_cancel): its outcome is ``cancel``, whatever the actor did.
+        self.cancel_requested = False
 
     @contextlib.contextmanager
     def sending_if(self, statement: Statement) -> Iterator[None]:
@@ -506,6 +536,9 @@ class PostgresConsumer(Consumer):
     def ack(self, message: MessageProxy) -> None:
         assert isinstance(message, PostgresMessage)
         exception = getattr(message, "_exception", None)
+        if message.cancel_requested:
+            self._canceled(message, exception)
+            return
         if exception is None:
             message.outcome = ("ack", None, None)
         else:
@@ -518,7 +551,25 @@ class PostgresConsumer(Consumer):
 
     def nack(self, message: MessageProxy) -> None:
         assert isinstance(message, PostgresMessage)
+        if message.cancel_requested:
+            self._canceled(message, getattr(message, "_exception", None))
+            return
         message.outcome = ("nack", *format_error(getattr(message, "_exception", None)))
+        self._decided(message)
+        if self.broker._metrics is not None:
+            self.broker._metrics.nacked.labels(self.queue_name).inc()
+
+    def _canceled(self, message: PostgresMessage, exception: BaseException | None) -> None:
+        """Decide a delivery an operator canceled while it ran: archived as canceled.
+
+        The error is where the actor stopped (the traceback of its exception); the
+        archive adds the operator's reason.  None of its follow-ups is written (see submit).
+        """
+        if exception is None:
+            error = 'its actor returned after the cancel (cancel="ask")'
+        else:
+            error = format_error(exception)[1]
+        message.outcome = ("cancel", "Canceled", error)
         self._decided(message)
         if self.broker._metrics is not None:
             self.broker._metrics.nacked.labels(self.queue_name).inc()
@@ -534,10 +585,17 @@ class PostgresConsumer(Consumer):
             self.submit(message)
 
     def submit(self, message: PostgresMessage) -> None:
-        """Hand a decided message, with its follow-ups, to the flusher."""
+        """Hand a decided message, with its follow-ups, to the flusher.
+
+        A canceled delivery's messages (the retry, callbacks, the pipeline's next step,
+        a group's completion) are dropped; its other writes (the result backend's
+        failure, for a waiter) are kept.
+        """
         assert message.outcome is not None
         follow_ups, statements, conditional = message.follow_ups, message.statements, message.conditional
         refused = message.refused
+        if message.outcome[0] == "cancel":
+            follow_ups, conditional, refused = [], [], []
         message.follow_ups, message.statements, message.conditional = [], [], []
         message.refused = []
         message.sending_to = message.follow_ups

@@ -39,10 +39,12 @@ T = TypeVar("T")
 def add_parsers(sub: Any, common: Any) -> None:
     """Register the subcommands (see ``cli.main._parser``)."""
     cancel = sub.add_parser(
-        "cancel", parents=[common], help="move waiting messages to the dead letters (Canceled)"
+        "cancel",
+        parents=[common],
+        help="cancel messages: waiting ones now, running ones through their worker (history: canceled)",
     )
     cancel.add_argument("ids", nargs="+", type=parse_positive_int, metavar="ID", help="a message's row id")
-    cancel.add_argument("--reason", help="stored as the dead letter's error (default: who and when)")
+    cancel.add_argument("--reason", help="stored as the canceled message's error (default: who and when)")
     cancel.add_argument("--dry-run", action="store_true", help="say what would be canceled, change nothing")
     cancel.set_defaults(run=cancel_command)
 
@@ -71,7 +73,7 @@ def add_parsers(sub: Any, common: Any) -> None:
     history.add_argument("--until", help="finished before: an age or an ISO time (default: now)")
     history.add_argument("--queue", type=parse_queue_name, help="only this queue")
     history.add_argument("--actor", help="only this actor")
-    history.add_argument("--state", choices=("completed", "failed"), help="only this outcome")
+    history.add_argument("--state", choices=("completed", "failed", "canceled"), help="only this outcome")
     history.add_argument("--message-id", help="only the rows of this Dramatiq message id")
     history.add_argument("--args", metavar="TEXT", help="arguments containing TEXT (Dramatiq's JSON "
                          'encoder only; "TEXT" in double quotes: a whole string value)')  # fmt: skip
@@ -120,17 +122,62 @@ def _missing(what: str, ids: list[int], args: argparse.Namespace) -> CliError:
 
 
 def cancel_command(args: argparse.Namespace) -> int:
+    """``cancel``: a waiting message is archived as canceled; a running one is stopped by its worker.
+
+    One line per message canceled (or being canceled); exit 1 naming each message left
+    alone: finished already (its outcome and when) or unknown.
+    """
+    from ..dashboard.store import CancelResult
+
     now = format_time(dt.datetime.now(dt.timezone.utc))
     reason = args.reason or f"canceled by {getpass.getuser()} with {PROG} cancel at {now}"
-    return _each_message(
-        args,
-        action="cancel",
-        act=lambda store, row_id: store.cancel_message(row_id, reason),
-        would=lambda row: row.state == "pending",
-        did=("would cancel", "canceled", "a dead letter (Canceled), retryable"),
-        missing="no waiting message (running, finished or gone) with id",
-        detail=reason,
-    )
+
+    async def would(store: Any, row_id: int) -> CancelResult:
+        row = await store.message(row_id)
+        if row is not None:
+            outcome = "canceled" if row.state == "pending" else "canceling"
+            return CancelResult(queue_name=row.queue_name, outcome=outcome)
+        done = await store.finished_message(row_id)
+        if done is None:
+            return CancelResult(queue_name=None, outcome=None)
+        return CancelResult(None, None, finished_state=done.state, finished_at=done.finished_at)
+
+    async def use(store: Any) -> list[tuple[int, CancelResult]]:
+        return [
+            (row_id, await (would(store, row_id) if args.dry_run else store.cancel_message(row_id, reason)))
+            for row_id in args.ids
+        ]
+
+    def audited(results: list[tuple[int, CancelResult]]) -> dict[str, Any]:
+        count = sum(result.outcome is not None for _, result in results)
+        return {"action": "cancel", "target": ", ".join(map(str, args.ids)), "count": count, "detail": reason}
+
+    results = with_store(args, use, audited)
+    left = []
+    for row_id, result in results:
+        queue = result.queue_name
+        if result.outcome == "canceled":
+            verb = "would cancel" if args.dry_run else "canceled"
+            print(f"{verb} message {row_id} of queue {queue!r}: waiting, now in history as canceled")
+        elif result.outcome == "canceling":
+            if args.dry_run:
+                print(f"would cancel message {row_id} of queue {queue!r}: running, its worker would stop it")
+            else:
+                print(
+                    f"canceling message {row_id} of queue {queue!r}: its worker "
+                    f"({result.worker or 'gone: the rescuer archives it'}) stops its actor; "
+                    "it ends in history as canceled"
+                )
+        elif result.finished_state is not None and result.finished_at is not None:
+            when = format_time(result.finished_at)
+            left.append(f"message {row_id} already finished ({result.finished_state}) at {when}")
+        else:
+            left.append(f"no message {row_id} (never stored, or pruned)")
+    if args.dry_run:
+        print("dry run: nothing changed")
+    if left:
+        raise CliError(f"not canceled: {'; '.join(left)} in schema {args.schema!r}")
+    return 0
 
 
 def _each_message(

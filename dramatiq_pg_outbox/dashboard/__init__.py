@@ -2,7 +2,7 @@
 
 Queues, workers, dead letters (search, payload, traceback; retry one or
 many), charts of throughput and latency per actor, and the actions retry,
-purge a queue and cancel a waiting message.  Starlette + Jinja2, served by
+purge a queue and cancel a message (waiting, or running: its worker stops it).  Starlette + Jinja2, served by
 uvicorn; needs the ``dashboard`` extra
 (``pip install 'dramatiq-pg-outbox[dashboard]'``).
 

@@ -193,7 +193,7 @@ HISTORY_RANGES: dict[str, dt.timedelta] = {
 }
 #: How far back the history page looks when no ``since`` is given.
 HISTORY_DEFAULT_RANGE = dt.timedelta(days=1)
-HISTORY_STATES = ("completed", "failed")
+HISTORY_STATES = ("completed", "failed", "canceled")
 
 
 def _epoch_ms(value: Any) -> dt.datetime | None:
@@ -612,16 +612,27 @@ class Dashboard:
         row_id = int(request.path_params["id"])
         await action_form(request)
         reason = f"canceled from the dashboard at {format_time(dt.datetime.now(dt.timezone.utc))}"
-        queue_name = await self.store.cancel_message(row_id, reason)
-        await self.record(request, "cancel", str(row_id), int(queue_name is not None))
-        if queue_name is None:
+        result = await self.store.cancel_message(row_id, reason)
+        await self.record(request, "cancel", str(row_id), int(result.outcome is not None))
+        if result.queue_name is None:
+            if result.finished_state is not None and result.finished_at is not None:
+                flash(
+                    request,
+                    f"Message {row_id} already finished ({result.finished_state}) at "
+                    f"{format_time(result.finished_at)}: not canceled.",
+                )
+                return RedirectResponse(request.url_for("message", id=row_id), status_code=303)
+            flash(request, f"There is no message {row_id} (never stored, or pruned): not canceled.")
+            return RedirectResponse(request.url_for("queues"), status_code=303)
+        if result.outcome == "canceling":
             flash(
                 request,
-                f"Message {row_id} was not waiting any more (running, finished or gone): not canceled.",
+                f"Canceling message {row_id}: its worker ({result.worker or 'gone'}) stops its actor; "
+                "it ends in history as canceled, with no retry and no follow-ups.",
             )
-            return RedirectResponse(request.url_for("queues"), status_code=303)
-        flash(request, f"Canceled message {row_id}: it is now a dead letter (Canceled) and can be retried.")
-        return RedirectResponse(request.url_for("queue", queue_name=queue_name), status_code=303)
+        else:
+            flash(request, f"Canceled message {row_id}: it is in history as canceled.")
+        return RedirectResponse(request.url_for("queue", queue_name=result.queue_name), status_code=303)
 
     # -- login --------------------------------------------------------------------
     async def login_page(self, request: Request) -> Response:

@@ -213,14 +213,22 @@ WITH seen AS (
 SELECT (SELECT count(*) FROM purged), ARRAY(SELECT id FROM seen EXCEPT SELECT id FROM purged);
 
 -- name: cancel_message --
--- Cancels a waiting message: it moves to history as a dead letter with the
--- error type Canceled (so the cancel is on record and can be undone with a
--- retry), in one statement.  A row that a worker claimed meanwhile is not
--- touched.  One row: the queue (NULL when not canceled) and whether the
--- statement's snapshot saw the row waiting (seen and not canceled: changed under
--- it, as in run_now; Store runs it again).
+-- Cancels a message (the dashboard's Cancel, the CLI's cancel), in one statement:
+-- * waiting: it moves to history as canceled (error type Canceled, the reason as
+--   its error), counted in finished_counts;
+-- * running (processing): it is marked (cancel_requested_at and cancel_reason,
+--   migration 0022) and the broker channel is told "cancel:<row id>": the worker
+--   holding it interrupts its actor and archives it as canceled; a worker that
+--   missed the notification finds the mark at its next heartbeat, and the rescuer
+--   archives the row as canceled if that worker died;
+-- * finished: nothing changes; its state and time in history are returned.
+-- One row: the queue (NULL when neither canceled nor marked), what was done
+-- ('canceled', 'canceling' or NULL), the worker holding a marked row (host and pid),
+-- whether the statement's snapshot saw the row in messages (seen and neither
+-- canceled nor marked: changed under it, claimed or moved, as in run_now; Store
+-- runs it again), and for a row not seen, its state and finish time in history.
 WITH seen AS (
-    SELECT id FROM {schema}.messages WHERE id = %(id)s AND state = 'pending'
+    SELECT id FROM {schema}.messages WHERE id = %(id)s
 ), canceled AS (
     DELETE FROM {schema}.messages
     WHERE id = %(id)s AND state = 'pending'
@@ -229,14 +237,34 @@ WITH seen AS (
     INSERT INTO {schema}.history
         (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, started_at,
          error_type, error, payload, idempotency_key, priority)
-    SELECT id, queue_name, actor_name, message_id, 'failed', attempts, enqueued_at, NULL,
+    SELECT id, queue_name, actor_name, message_id, 'canceled', attempts, enqueued_at, NULL,
            'Canceled', %(reason)s::text, payload, idempotency_key, priority
     FROM canceled
-    RETURNING queue_name
+), counted AS (
+    INSERT INTO {schema}.finished_counts AS c (queue_name, actor_name, state, shard, n)
+    SELECT queue_name, actor_name, 'canceled', pg_backend_pid() %% 16, count(*)
+    FROM canceled GROUP BY queue_name, actor_name
+    ON CONFLICT (queue_name, actor_name, state, shard) DO UPDATE SET n = c.n + excluded.n
+), marked AS (
+    UPDATE {schema}.messages AS m
+    SET cancel_requested_at = coalesce(m.cancel_requested_at, now()),
+        cancel_reason = coalesce(m.cancel_reason, %(reason)s::text)
+    WHERE m.id = %(id)s AND m.state = 'processing'
+    RETURNING m.queue_name, m.owner, pg_notify(%(channel)s, 'cancel:' || m.id::text) AS notified
 )
-SELECT a.queue_name, s.seen
-FROM (SELECT EXISTS (SELECT 1 FROM seen) AS seen) AS s
-LEFT JOIN archived AS a ON true;
+SELECT coalesce((SELECT queue_name FROM canceled), (SELECT queue_name FROM marked)) AS queue_name,
+       CASE WHEN EXISTS (SELECT 1 FROM canceled) THEN 'canceled'
+            WHEN EXISTS (SELECT 1 FROM marked) THEN 'canceling' END AS outcome,
+       (SELECT w.hostname || ' pid ' || w.pid::text
+        FROM marked JOIN {schema}.workers AS w ON w.id = marked.owner) AS worker,
+       EXISTS (SELECT 1 FROM seen) AS seen,
+       h.state AS finished_state, h.finished_at
+FROM (SELECT 1) AS one
+LEFT JOIN LATERAL (
+    SELECT state, finished_at FROM {schema}.history
+    WHERE id = %(id)s AND NOT EXISTS (SELECT 1 FROM seen)
+    ORDER BY finished_at DESC LIMIT 1
+) AS h ON true;
 
 -- name: message_stats --
 -- Throughput and latency per actor and time bucket (message_stats() of

@@ -339,6 +339,23 @@ class HistoryRow:
 
 
 @dataclass(frozen=True)
+class CancelResult:
+    """What a cancel did (:meth:`Store.cancel_message`).
+
+    ``outcome`` is ``canceled`` (a waiting message, archived as canceled now),
+    ``canceling`` (a running one: marked, its worker told; ``worker`` is
+    ``"<host> pid <pid>"`` when its process is listed) or None: then the row was
+    finished (``finished_state``, ``finished_at`` from history) or is unknown.
+    """
+
+    queue_name: str | None
+    outcome: str | None
+    worker: str | None = None
+    finished_state: str | None = None
+    finished_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
 class HistoryFilter:
     """The history search; ``None`` means "any".
 
@@ -891,16 +908,32 @@ class Store:
         """Enable or disable a schedule; whether it changed."""
         return bool(await self._tuples("set_schedule_enabled", {"name": name, "enabled": enabled}))
 
-    async def cancel_message(self, row_id: int, reason: str) -> str | None:
-        """Move a waiting row to history as a ``Canceled`` dead letter; its queue, or None if not waiting.
+    async def cancel_message(self, row_id: int, reason: str) -> CancelResult:
+        """Cancel a message: a waiting one now, a running one through its worker (see the statement).
 
-        Runs again while its statement saw the row waiting but did not cancel it (moved by
-        the reclaimer, see :meth:`purge_queue`).
+        A waiting row moves to history as ``canceled`` (error type ``Canceled``, ``reason``
+        its error); a running one is marked and its worker told (``cancel:<row id>`` on the
+        broker channel), which interrupts the actor and archives it as ``canceled``.
+        Runs again while its statement saw the row but changed nothing (claimed or moved by
+        the reclaimer meanwhile, see :meth:`purge_queue`).
+
+        Parameters:
+          row_id(int): The row id of the message (``messages.id``).
+          reason(str): Stored as the canceled row's error (who and when).
+
+        Returns:
+          CancelResult: What was done, or where the row was found (finished, or gone).
         """
         for _ in range(CHANGED_ROWS_ROUNDS):
-            ((queue_name, seen),) = await self._copying(
-                self.queries["cancel_message"], {"id": row_id, "reason": reason}
+            ((queue_name, outcome, worker, seen, finished_state, finished_at),) = await self._tuples(
+                "cancel_message", {"id": row_id, "reason": reason, "channel": self.channel}
             )
-            if queue_name is not None or not seen:
-                return None if queue_name is None else str(queue_name)
-        return None
+            if outcome is not None or not seen:
+                break
+        return CancelResult(
+            queue_name=queue_name,
+            outcome=outcome,
+            worker=worker,
+            finished_state=finished_state,
+            finished_at=finished_at,
+        )

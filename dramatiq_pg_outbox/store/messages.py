@@ -166,6 +166,8 @@ class RescueCounts(NamedTuple):
     quarantined: int
     dead_workers: int
     woken: int
+    #: Rows an operator asked to cancel, archived as canceled instead of released.
+    canceled: int
 
 
 class ReclaimRow(NamedTuple):
@@ -515,10 +517,24 @@ class MessageStore(SchemaStore):
 
     def release_orphans(
         self, conn: psycopg.Connection[Any], *, owner: uuid.UUID, grace_ms: int, known_ids: Sequence[int]
-    ) -> int:
-        """Release the claims of ``owner`` older than ``grace_ms`` ms and not in ``known_ids``; how many."""
+    ) -> tuple[int, int]:
+        """Release the claims of ``owner`` older than ``grace_ms`` ms and not in ``known_ids``.
+
+        Returns:
+          tuple[int, int]: Rows released, and rows archived as canceled instead (an
+          operator asked to cancel them, see the statement).
+        """
         params = {"owner": owner, "grace_ms": grace_ms, "known_ids": list(known_ids)}
-        return self._count(conn, self.queries["release_orphans"], params)
+        row = conn.execute(self.queries["release_orphans"], params).fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1])
+
+    def cancel_requests(
+        self, conn: psycopg.Connection[Any], *, owner: uuid.UUID, ids: Sequence[int]
+    ) -> list[int]:
+        """Which of the claims ``ids`` of process ``owner`` an operator asked to cancel (row ids)."""
+        rows = conn.execute(self.queries["cancel_requests"], {"owner": owner, "ids": list(ids)}).fetchall()
+        return [int(row[0]) for row in rows]
 
     def create_history_partitions(self, conn: psycopg.Connection[Any], *, days: int) -> int:
         """Create the history partitions of the next ``days`` days; how many were created."""
