@@ -1198,3 +1198,52 @@ def test_a_schedules_run_now_button_makes_its_next_tick_due_and_is_audited(
         ).fetchall() == [("dashboard", "schedule-run-now", name, 1)]
     finally:
         db.execute("DELETE FROM dramatiq.schedules WHERE name IN (%s, %s)", (name, off))
+
+
+def test_the_limits_page_lists_keys_and_sets_and_removes_a_run_time_limit(
+    make_broker: Any, db: Any, serve_dashboard: Serve
+) -> None:
+    # Given keyed messages waiting: three of customer:1 (carrying limit 2), one of customer:2
+    broker = make_broker()
+    _, ship = failing_actors(broker)
+    db.execute("DELETE FROM dramatiq.concurrency_limits")
+    for order in range(3):
+        ship.send_with_options(args=(order,), concurrency_key="customer:1", concurrency_limit=2)
+    ship.send_with_options(args=(9,), concurrency_key="customer:2")
+    server = serve_dashboard()
+    try:
+        with httpx.Client(base_url=server.url) as browser:
+            page = browser.get("/limits").text
+            # Then the page lists the keys with the limit each takes from its messages
+            assert 'id="no-limits"' in page
+            keys = re.findall(r'<tr data-key="([^"]+)">', page)
+            assert keys == ["customer:1", "customer:2"]
+            # When an operator sets a run-time limit for the prefix
+            token = csrf_token(page)
+            done = browser.post(
+                "/limits", data={"csrf_token": token, "prefix": "customer:", "max_running": "5"}
+            )
+            shown = browser.get(done.headers["location"]).text
+            assert "Keys customer:* may now have 5 message(s) processing at a time (was: none)" in shown
+            assert '<tr data-prefix="customer:">' in shown
+            assert db.execute("SELECT prefix, max_running FROM dramatiq.concurrency_limits").fetchall() == [
+                ("customer:", 5)
+            ]
+            # And a bad limit is refused, changing nothing
+            assert (
+                browser.post(
+                    "/limits", data={"csrf_token": token, "prefix": "customer:", "max_running": "-1"}
+                ).status_code
+                == 400
+            )
+            # And removing it (an empty limit) says so and is audited with the setting
+            done = browser.post(
+                "/limits", data={"csrf_token": token, "prefix": "customer:", "max_running": ""}
+            )
+            assert "Removed the limit 5 of keys customer:*" in browser.get(done.headers["location"]).text
+    finally:
+        db.execute("DELETE FROM dramatiq.concurrency_limits")
+    rows = db.execute(
+        "SELECT action, target, count FROM dramatiq.audit WHERE target = 'customer:' ORDER BY id"
+    ).fetchall()
+    assert rows[-2:] == [("limit-set", "customer:", 5), ("limit-unset", "customer:", 5)]

@@ -105,6 +105,8 @@ logger = logging.getLogger(__name__)
 AUDIT_ROWS = 200
 #: Dead letters per page of ``/failed``; live messages per page of a queue.
 PAGE_SIZE = 50
+#: Concurrency keys listed on the Limits page, the most waiting first.
+KEYS_SHOWN = 50
 QUEUE_MESSAGES = 100
 #: The queue page's status filter: what a live row waits for.
 QUEUE_STATUSES = ("due", "delayed", "processing")
@@ -401,6 +403,46 @@ class Dashboard:
             request, "schedules.html", page="schedules", schedules=await self.store.schedules(),
             refresh=self.refresh(request),
         )  # fmt: skip
+
+    async def limits(self, request: Request) -> Response:
+        """The run-time limits of concurrency keys and the busiest keys (docs/guides/concurrency.md)."""
+        prefix = request.query_params.get("prefix") or None
+        return self.render(
+            request, "limits.html", page="limits", limits=await self.store.limits(),
+            keys=await self.store.busiest_keys(prefix, KEYS_SHOWN), prefix=prefix or "",
+            keys_shown=KEYS_SHOWN, refresh=self.refresh(request),
+        )  # fmt: skip
+
+    async def set_limit(self, request: Request) -> Response:
+        """Set (``max_running`` given) or remove (empty) the run-time limit of a key prefix."""
+        form = await action_form(request)
+        prefix = form.get("prefix")
+        if not isinstance(prefix, str) or not prefix.strip() or len(prefix) > 200:
+            raise HTTPException(400, "Which keys? Give a key prefix of 1 to 200 characters, e.g. customer:")
+        raw = form.get("max_running")
+        text = raw.strip() if isinstance(raw, str) else ""
+        if not text:
+            removed = await self.store.unset_limit(prefix)
+            await self.record(request, "limit-unset", prefix, removed or 0)
+            flash(
+                request,
+                f"Removed the limit {removed} of keys {prefix}*: they take the limits their messages carry."
+                if removed is not None
+                else f"There was no run-time limit for keys {prefix}*.",
+            )
+            return RedirectResponse(request.url_for("limits"), status_code=303)
+        if not text.isdigit():
+            raise HTTPException(400, f"The limit is a whole number of messages, 0 or more, not {text!r}.")
+        previous = await self.store.set_limit(prefix, int(text))
+        await self.record(
+            request, "limit-set", prefix, int(text), f"previous: {'none' if previous is None else previous}"
+        )
+        flash(
+            request,
+            f"Keys {prefix}* may now have {int(text)} message(s) processing at a time "
+            f"(was: {'none' if previous is None else previous}); the workers were woken.",
+        )
+        return RedirectResponse(request.url_for("limits"), status_code=303)
 
     async def failed(self, request: Request) -> Response:
         where = _failed_filter(request.query_params)
@@ -751,6 +793,8 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
         Route("/schedules/toggle", d.toggle_schedule, methods=["POST"], name="toggle_schedule"),
         Route("/schedules/run-now", d.run_schedule_now, methods=["POST"], name="run_schedule_now"),
         Route("/workers", d.workers, name="workers"),
+        Route("/limits", d.limits, name="limits"),
+        Route("/limits", d.set_limit, methods=["POST"], name="set_limit"),
         Route("/failed", d.failed, name="failed"),
         Route("/failed/retry", d.retry, methods=["POST"], name="retry"),
         Route("/failed/discard", d.discard, methods=["POST"], name="discard"),

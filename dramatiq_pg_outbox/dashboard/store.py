@@ -27,7 +27,7 @@ from .._isolation import read_committed_async
 from .._queries import CHANGED_ROWS_ROUNDS, DASHBOARD_SQL, file_queries
 from .._queries import queries_for_schema as all_queries_for_schema
 from ..options import HEARTBEAT_TIMEOUT_MS
-from ..store.admin import AuditRow, audit_params
+from ..store.admin import AuditRow, KeyRow, LimitRow, audit_params
 from ..urls import libpq_url
 
 #: The oldest schema revision the dashboard reads: the analytics views of migration 0003.
@@ -881,6 +881,40 @@ class Store:
             return await self._rows(ScheduleRow, "schedules")
         except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedTable):
             return None
+
+    # -- concurrency limits (migration 0021; the CLI's statements) ---------------
+    async def limits(self) -> list[LimitRow]:
+        """The run-time limits of concurrency keys, with their keys' messages processing and waiting."""
+        async with self.pool.connection() as conn:
+            async with conn.cursor(row_factory=class_row(LimitRow)) as cur:
+                await cur.execute(all_queries_for_schema(self.schema)["limits"])
+                return await cur.fetchall()
+
+    async def busiest_keys(self, prefix: str | None, limit: int) -> list[KeyRow]:
+        """The concurrency keys with messages, the most waiting first (at most ``limit``)."""
+        async with self.pool.connection() as conn:
+            async with conn.cursor(row_factory=class_row(KeyRow)) as cur:
+                await cur.execute(
+                    all_queries_for_schema(self.schema)["busiest_keys"], {"prefix": prefix, "limit": limit}
+                )
+                return await cur.fetchall()
+
+    async def set_limit(self, prefix: str, max_running: int) -> int | None:
+        """Set the run-time limit of the keys starting with ``prefix``, waking the workers of the
+        queues with keyed messages waiting; the previous limit (None: there was none)."""
+        params = {"prefix": prefix, "max_running": max_running, "channel": self.channel, "notify": True}
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(all_queries_for_schema(self.schema)["limit_set"], params)
+            row = await cur.fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    async def unset_limit(self, prefix: str) -> int | None:
+        """Remove the run-time limit of ``prefix``; the limit removed (None: there was none)."""
+        params = {"prefix": prefix, "channel": self.channel, "notify": True}
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(all_queries_for_schema(self.schema)["limit_unset"], params)
+            row = await cur.fetchone()
+        return None if row is None else int(row[0])
 
     async def record_audit(self, **action: Any) -> bool:
         """Write one row of the audit trail (the keywords of ``audit_params``); False before 0017."""
