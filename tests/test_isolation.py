@@ -418,6 +418,48 @@ def test_a_window_rate_limiter_never_admits_past_its_limit_under_a_default_level
     assert sum(calls) == 10
 
 
+@pytest.mark.parametrize("level", ("read committed", *LEVELS))
+def test_concurrency_keys_hold_their_limits_across_brokers_under_a_default_level(
+    at_level: Any, brokers: Any, level: str
+) -> None:
+    # Given a database whose sessions default to the level, and two brokers (as two processes)
+    # of 6 threads each, and keyed messages: 4 keys with limits 1 to 4, 10 messages each
+    url = at_level("database", level)
+    lock = threading.Lock()
+    running: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    done: list[str] = []
+    first = brokers(url)
+    second = brokers(url)
+    for broker in (first, second):
+
+        @dramatiq.actor(broker=broker, actor_name="iso_keyed", max_retries=0)
+        def iso_keyed(key: str) -> None:
+            with lock:
+                running[key] = running.get(key, 0) + 1
+                peak[key] = max(peak.get(key, 0), running[key])
+            time.sleep(0.05)
+            with lock:
+                running[key] -= 1
+                done.append(key)
+
+    sender = first.get_actor("iso_keyed")
+    for _ in range(10):
+        for limit in range(1, 5):
+            sender.send_with_options(
+                args=(f"k{limit}",), concurrency_key=f"iso:k{limit}", concurrency_limit=limit
+            )
+    # When both drain them at once
+    for broker in (first, second):
+        worker = dramatiq.Worker(broker, worker_threads=6, worker_timeout=100)
+        worker.start()
+        brokers.workers.append(worker)
+    wait_for(lambda: len(done) == 40, 30, "every keyed message to run")
+    # Then each key reached its limit and never passed it: the claim's second statement counts
+    # at READ COMMITTED whatever the default (its transaction says its level)
+    assert peak == {"k1": 1, "k2": 2, "k3": 3, "k4": 4}
+
+
 # -- every connection the package opens runs READ COMMITTED ------------------------------------
 
 
