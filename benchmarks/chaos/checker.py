@@ -39,6 +39,9 @@ business rows, and counts anomalies by kind:
                        expired) fell between the first run's end and the second's start.
 ``left_pending``       a row still in the hot table after the drain.
 ``result_missing``     a completed ``store_results`` message without its result.
+``over_limit``         more deliveries of a concurrency key running at one instant than its
+                       limit (from the runs' start and end), outside the window of a cut or a
+                       restart (the rescuer may then take a live process's claims).
 
 The seed fixes the schedule of operations and faults (which, with what parameters, at what
 offsets), not the interleaving of threads and processes.
@@ -138,6 +141,9 @@ class Sent:
     #: Sent by the worker as a follow-up (pipeline step, callback, group completion): expected
     #: exactly when the message it follows completed.
     follows: str | None = None
+    #: Its concurrency key and that key's limit (``limited`` operations).
+    concurrency_key: str | None = None
+    concurrency_limit: int = 0
 
 
 @dataclass
@@ -303,7 +309,7 @@ class Run:
         loop = asyncio.new_event_loop()
         # The default mix, in the order the seeds' schedules were drawn from: outbox() twice.
         kinds = ["plain", "keyed", "outbox", "outbox", "outbox_async", "django"]
-        kinds += ["many", "pipeline", "callback", "group"]
+        kinds += ["many", "pipeline", "callback", "group", "limited"]
         if index < 2:
             kinds += ["spark"]
         kinds += [kind for kind in kinds if kind in self.weights for _ in range(self.weights[kind] - 1)]
@@ -380,6 +386,25 @@ class Run:
         pairs = [
             self._send(actors, token, f"m{i}", self._mode(rng)[0], "many") for i in range(rng.randint(2, 5))
         ]
+        self._enqueue(broker, [s for s, _ in pairs], [m for _, m in pairs])
+
+    def _op_limited(
+        self, engine: Any, broker: PostgresBroker, actors: dict[str, Any], token: str, rng: random.Random
+    ) -> None:
+        # A few concurrency keys (limit 1 or 2, fixed per key) whose messages hold their slot
+        # 20-100 ms (``hold``), sent in bursts of 2-8 by racing clients, some failing once (a retry
+        # keeps the key); never ``slow``: a claim that max_lease takes from a running actor is
+        # outside the limit's promise (docs/guides/concurrency.md).
+        number = rng.randint(0, 3)
+        key, limit = f"lim-{number}", 1 + number % 2
+        pairs = []
+        for i in range(rng.randint(2, 8)):
+            mode = "retry" if rng.random() < 0.15 else "hold"
+            sent, message = self._send(
+                actors, token, f"l{i}", mode, "limited", concurrency_key=key, concurrency_limit=limit
+            )
+            sent.concurrency_key, sent.concurrency_limit = key, limit
+            pairs.append((sent, message))
         self._enqueue(broker, [s for s, _ in pairs], [m for _, m in pairs])
 
     def _op_keyed(
@@ -952,7 +977,30 @@ def check(url: str, record: Record, drained: bool) -> tuple[Counter[str], dict[s
         if outcome == "committed" and not spark_runs.get(key):
             bad("lost", f"spark key {key}: written, never ran")
 
-    # 5. Results (written with the ack): every completed rec message stored its result.
+    # 5. Concurrency keys: at no instant more deliveries of a key running than its limit, but
+    # inside the documented window (a cut or a restart after which the rescuer may have taken
+    # the claims of a process that was still running their actors; a kill -9 leaves no run).
+    limited = {s.message_id: s for s in record.sent if s.concurrency_key is not None}
+    spans: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    for r in runs:
+        sent = limited.get(r[2])
+        if sent is not None and sent.concurrency_key is not None:
+            spans[sent.concurrency_key].append((float(r[6]), float(r[7]), int(r[5])))
+    limits = {s.concurrency_key: s.concurrency_limit for s in limited.values()}
+    for key, intervals in spans.items():
+        for at, running in _over(intervals, limits[key]):
+            # The window: the rescuer released a running delivery's claim after a cut or a
+            # restart, between that delivery's start (its claim, up to 2 s earlier when it
+            # waited in a worker's buffer) and the instant the limit was passed.
+            since = min(start for start, _, _ in running) - 2.0
+            if not _fault_near(record, since, at):
+                pids = sorted({pid for _, _, pid in running})
+                bad(
+                    "over_limit",
+                    f"key {key} (limit {limits[key]}): {len(running)} running at {at:.3f}, pids {pids}",
+                )
+
+    # 6. Results (written with the ack): every completed rec message stored its result.
     for h in history:
         if h[5] == "rec" and h[2] == "completed":
             message = Message.decode(bytes(h[6]))
@@ -961,6 +1009,33 @@ def check(url: str, record: Record, drained: bool) -> tuple[Counter[str], dict[s
             if _result_key(message) not in results:
                 bad("result_missing", f"{message.args[0]}/{message.args[1]} {message.message_id}")
     return anomalies, dict(examples), len(history)
+
+
+def _over(
+    intervals: list[tuple[float, float, int]], limit: int
+) -> list[tuple[float, list[tuple[float, float, int]]]]:
+    """Each instant at which more than ``limit`` of the intervals ``(start, end, pid)`` overlap
+    (a start), with the intervals running then."""
+    found = []
+    for start, _, _ in intervals:
+        running = [i for i in intervals if i[0] <= start < i[1]]
+        if len(running) > limit:
+            found.append((start, running))
+    return found
+
+
+def _fault_near(record: Record, since: float, at: float) -> bool:
+    """Whether a cut or a restart may have had effects between ``since`` and ``at``: from its
+    start to its end plus the workers' ``heartbeat_timeout`` and the flusher's 5 s longest
+    backoff, as ``_fault_between``."""
+    after = (WORKER_SETTINGS["heartbeat_timeout"] + 5_000) / 1000
+    ends = {"cut": "cut_end", "restart": "restart_end"}
+    for i, (start, kind, _) in enumerate(record.faults):
+        if kind in ends:
+            until = next((t for t, k, _ in record.faults[i + 1 :] if k == ends[kind]), float("inf")) + after
+            if start <= at and until >= since:
+                return True
+    return False
 
 
 def _result_key(message: Message[Any]) -> str:

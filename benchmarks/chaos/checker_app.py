@@ -14,6 +14,7 @@ delivery does is chosen by its ``mode`` argument:
 
 ``ok``       returns ``token``.
 ``retry``    raises on the message's first delivery (``retries`` 0); Retries stores the retry.
+``hold``     sleeps 20-100 ms, then returns ``token`` (a concurrency key's slot held a while).
 ``slow``     on its first delivery (``attempts`` 1) runs until its lease was taken over (the
              broker's ``max_lease`` released it and another delivery claimed it), then a few
              milliseconds more: the stale delivery ends beside the current one.
@@ -127,6 +128,8 @@ def _wait_for_takeover() -> bool:
 def rec(token: str, step: str, mode: str = "ok") -> str:
     started = time.time()
     m = _delivery()
+    if mode == "hold":
+        time.sleep(random.uniform(0.02, 0.1))  # holds its concurrency key's slot a while
     taken_over = mode == "slow" and getattr(m, "attempts", 0) == 1 and _wait_for_takeover()
     _record(token, step, started, taken_over)
     if mode == "retry" and m.options.get("retries", 0) == 0:
