@@ -321,8 +321,8 @@ def concurrency(options: Mapping[str, Any]) -> tuple[str | None, int | None]:
     A message with a concurrency key is claimed only while fewer than its key's limit
     of messages with that key are processing, across every worker process
     (docs/guides/concurrency.md).  The limit is the run-time one of the key's
-    longest prefix (``dramatiq-pg-outbox limits``), else the broker's
-    ``concurrency_limits`` option, else ``concurrency_limit``, else 1.
+    longest prefix (``dramatiq-pg-outbox limits``), else ``concurrency_limit``
+    (the message's option, or its actor's), else 1.
 
     Returns:
       tuple: The key (None: the message is not limited) and the limit it carries
