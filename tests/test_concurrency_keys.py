@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,9 +14,10 @@ from typing import Any
 import dramatiq
 import pytest
 
+from benchmarks.chaos.harness import gone
 from dramatiq_pg_outbox import PostgresBroker
 
-from .helpers import wait_for
+from .helpers import Supervisor, count, wait_for
 
 SPANS = (
     "CREATE TABLE IF NOT EXISTS spans (id bigserial PRIMARY KEY, grp text NOT NULL, pid int NOT NULL,"
@@ -85,6 +88,50 @@ def test_the_limit_of_each_key_holds_across_worker_processes(
     assert (
         spans.execute("SELECT count(*) FROM dramatiq.history WHERE state = 'completed'").fetchone()[0] == 48
     )
+
+
+def test_the_limit_of_each_key_holds_when_a_worker_process_is_killed_9_mid_run(
+    worker_process: Any, producer: Any, spans: Any
+) -> None:
+    # Given 3 keys with limits 1, 2 and 3, 10 messages each of 0.4 s, and unkeyed messages
+    limits = {"a": 1, "b": 2, "c": 3}
+    for _ in range(10):
+        for key, limit in limits.items():
+            producer.span.send_with_options(
+                args=(key, 0.4), concurrency_key=f"kill:{key}", concurrency_limit=limit
+            )
+        producer.span.send("free", 0.4)
+    total = 40
+    # And two supervised worker processes (the CLI of a killed one exits and is started again)
+    hosts = [Supervisor(worker_process, processes=1, threads=4) for _ in range(2)]
+    victim = next(iter(hosts[0].workers(spans)))
+    # When one of them is killed -9 while it runs keyed messages
+    running = "SELECT count(*) FROM spans WHERE pid = %s AND ended IS NULL AND grp <> 'free'"
+    wait_for(lambda: count(spans, running, (victim,)) > 0, 30, "the victim to run a keyed message")
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: gone(victim), 10, "the killed process to die", interval=0.01)
+    # (the database's clock once it is dead: the actors died with it, no later)
+    killed_at = spans.execute("SELECT clock_timestamp()").fetchone()[0]
+    # Then every message completes, the killed ones on the other process or the restarted one
+    completed = "SELECT count(*) FROM dramatiq.history WHERE state = 'completed'"
+    wait_for(lambda: count(spans, completed) == total, 60, "every message to complete")
+    wait_for(lambda: count(spans, "SELECT count(*) FROM dramatiq.messages") == 0, 30, "the queue to drain")
+    for host in hosts:
+        host.stop()
+    rows = spans.execute("SELECT grp, pid, started, ended FROM spans").fetchall()
+    # And the only deliveries without an end are the killed process's (re-run since)
+    cut = [row for row in rows if row[3] is None]
+    assert cut and {row[1] for row in cut} == {victim}, cut
+    assert hosts[0].restarts == 1
+    by_group: dict[str, list[tuple[dt.datetime, dt.datetime]]] = {}
+    for group, _pid, started, ended in rows:
+        by_group.setdefault(group, []).append((started, max(started, killed_at) if ended is None else ended))
+    ended_per_group = {g: sum(1 for row in rows if row[0] == g and row[3] is not None) for g in by_group}
+    assert all(n >= 10 for n in ended_per_group.values()), ended_per_group
+    # And no key ever had more running than its limit, a killed delivery's interval ending at the kill
+    found = {group: most_at_once(intervals) for group, intervals in by_group.items()}
+    assert all(found[key] <= limit for key, limit in limits.items()), found
+    assert found["a"] == 1 and found["c"] >= 2, found
 
 
 def test_a_message_held_by_its_key_is_not_charged_an_attempt_and_a_run_time_limit_wins(

@@ -65,7 +65,7 @@ def table(results: list[Result]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer messages, fast liveness settings")
-    parser.add_argument("--scenarios", default="1,2,3,4,5,6,7,8,9", help="comma-separated numbers")
+    parser.add_argument("--scenarios", default="1,2,3,4,5,6,7,8,9,12", help="comma-separated numbers")
     parser.add_argument("--url", help="admin URL of an existing server (scenario 3 is then skipped)")
     parser.add_argument("--markdown", type=Path, help="also write the results table to this file")
     parser.add_argument(

@@ -15,16 +15,19 @@ Every delivery of a ``work`` or ``long_task`` message adds one to its key's
 count in the table ``chaos_received`` (unique key + count), in its own
 committed transaction: that table is the durable record the suite compares
 with what was sent.  Keys starting with ``poison`` make ``work`` kill its own
-process with ``os._exit`` (a poison message).
+process with ``os._exit`` (a poison message).  ``keyed_work`` (scenario 12) also
+records each delivery's start and end in ``chaos_spans``.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 from typing import Any
 
 import dramatiq
+from dramatiq.middleware import CurrentMessage
 
 from dramatiq_pg_outbox import PostgresBroker
 
@@ -52,6 +55,7 @@ settings = {
     if f"CHAOS_{name.upper()}" in os.environ
 }
 broker = PostgresBroker(url=URL, **settings)
+broker.add_middleware(CurrentMessage())  # the message id and attempt that keyed_work records
 dramatiq.set_broker(broker)
 
 WORK_MS = int(os.environ.get("CHAOS_WORK_MS", "0"))
@@ -83,6 +87,33 @@ def work(key: str) -> None:
 def long_task(key: str, seconds: float) -> None:
     execute("INSERT INTO chaos_started (key, pid) VALUES (%s, %s)", (key, os.getpid()))
     time.sleep(seconds)
+    execute(RECORD, (key,))
+
+
+# -- scenario 12: concurrency keys under kill -9 and restarts ---------------------------------
+# Each delivery records its own interval in chaos_spans: the start before the actor's work and the
+# end after it, on the database's clock (clock_timestamp()), with its message id, attempt, process
+# and concurrency key.  The start is written under a token of the delivery's own, so a retried
+# statement (a restart cut the reply of one that committed) records one interval, not two.
+
+SPAN_START = (
+    "INSERT INTO chaos_spans (token, key, ckey, message_id, attempt, pid, started) "
+    "VALUES (%s, %s, %s, %s, %s, %s, clock_timestamp()) ON CONFLICT (token) DO NOTHING"
+)
+SPAN_END = "UPDATE chaos_spans SET ended = clock_timestamp() WHERE token = %s"
+
+
+@dramatiq.actor(max_retries=0)
+def keyed_work(key: str, ms: int) -> None:
+    """Works ``ms`` milliseconds between the records of its start and end; then counts the key."""
+    message = CurrentMessage.get_current_message()
+    assert message is not None
+    token = uuid.uuid4()
+    ckey = message.options.get("concurrency_key")
+    attempt = getattr(message, "attempts", None)
+    execute(SPAN_START, (token, key, ckey, message.message_id, attempt, os.getpid()))
+    time.sleep(ms / 1000)
+    execute(SPAN_END, (token,))
     execute(RECORD, (key,))
 
 

@@ -38,6 +38,16 @@ CREATE TABLE IF NOT EXISTS chaos_received (
 CREATE TABLE IF NOT EXISTS chaos_started (key text NOT NULL, pid int NOT NULL, at timestamptz DEFAULT now());
 CREATE TABLE IF NOT EXISTS chaos_orders (key text PRIMARY KEY, created_at timestamptz DEFAULT now());
 CREATE TABLE IF NOT EXISTS chaos_attempts (key text PRIMARY KEY, n int NOT NULL);
+CREATE TABLE IF NOT EXISTS chaos_spans (
+    token uuid PRIMARY KEY,
+    key text NOT NULL,
+    ckey text,
+    message_id text NOT NULL,
+    attempt int,
+    pid int NOT NULL,
+    started timestamptz NOT NULL,
+    ended timestamptz
+);
 """
 
 
@@ -91,7 +101,7 @@ class Db:
         self.rows(TABLES)
         self.rows(
             "TRUNCATE dramatiq.messages, dramatiq.history, dramatiq.workers, dramatiq.idempotency_keys, "
-            "chaos_received, chaos_started, chaos_orders, chaos_attempts"
+            "chaos_received, chaos_started, chaos_orders, chaos_attempts, chaos_spans"
         )
 
     def close(self) -> None:
@@ -274,6 +284,14 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: f
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(poll)
     return time.monotonic() - start
+
+
+def gone(pid: int) -> bool:
+    """Whether a process has died (a zombie that its parent has not reaped yet counts as dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def worker_ids_of(db: Db, pids: Iterable[int]) -> list[Any]:

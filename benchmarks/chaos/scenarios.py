@@ -1,4 +1,5 @@
-"""The nine scenarios of the chaos suite.  Each returns a :class:`Result`."""
+"""The scenarios of the chaos suite (10 and 11 are in pinned.py and checker.py).  Each returns a
+:class:`Result`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,9 @@ from .harness import (
     Proxy,
     cluster,
     counts,
+    gone,
     held_by,
+    jitter,
     keys_of_rows,
     long_message,
     lost_keys,
@@ -724,6 +729,159 @@ def outage_follow_ups(ctx: Context) -> Result:
     )
 
 
+# -- 12 -----------------------------------------------------------------------
+
+#: Scenario 12's concurrency keys: 30 keys, limits 1, 2 and 3 in turn.
+KEY_LIMITS = {f"chaos:{i:02d}": 1 + i % 3 for i in range(30)}
+
+
+def _keyed_messages(n: int, rng: random.Random) -> list[tuple[str, Message[Any]]]:
+    """(business key, message) pairs: ``keyed_work`` of 20-180 ms, four in five with a key of
+    :data:`KEY_LIMITS` (and its limit), the rest without one; keys interleaved at random."""
+    keys = list(KEY_LIMITS)
+    pairs = []
+    for i in range(n):
+        options: dict[str, Any] = {}
+        if i % 5:
+            ckey = rng.choice(keys)
+            options = {"concurrency_key": ckey, "concurrency_limit": KEY_LIMITS[ckey]}
+        business = f"q{i:06d}"
+        message: Message[Any] = Message(
+            queue_name=QUEUE, actor_name="keyed_work", args=(business, rng.randint(20, 180)), kwargs={},
+            options=options,
+        )  # fmt: skip
+        pairs.append((business, message))
+    return pairs
+
+
+def most_at_once(intervals: Iterable[tuple[Any, Any]]) -> int:
+    """The largest number of the intervals ``(start, end)`` that overlap at one instant (one that
+    ends as another starts does not overlap it)."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def key_limits(ctx: Context) -> Result:
+    """Concurrency keys under ``kill -9`` of worker processes and PostgreSQL restarts.
+
+    Three hosts of one worker process and 4 threads drain keyed messages (30 keys, limits 1, 2
+    and 3) and unkeyed ones while the suite kills a worker process with ``kill -9`` (the
+    supervisor restarts its CLI) and restarts PostgreSQL (``fast``).  Each delivery records its
+    start and end (``chaos_spans``); history's ``started_at`` cannot serve, it is the claim's time
+    and keeps only a message's last delivery.  A delivery that a kill cut has no end: its interval
+    ends at the time its process was seen dead (on the database clock, taken once the process is
+    gone), when the actor died with it.  The check: for each key, the most intervals overlapping
+    at one instant is at most the key's limit.
+    """
+    n = ctx.n(20_000)
+    rng = random.Random(12)
+    pairs = _keyed_messages(n, rng)
+    ctx.producer.send_messages(pairs)
+    faults = ["kill", "restart", "kill", "kill"] if ctx.quick else (
+        ["kill", "kill", "restart", "kill", "kill", "restart", "kill", "kill"])  # fmt: skip
+    if ctx.server is None:
+        faults = [f for f in faults if f != "restart"]
+    every = 5.0 if ctx.quick else 15.0
+    killed_at: dict[int, Any] = {}  # pid -> the database's clock once that process was gone
+    restarts_done = 0
+    env = {**ctx.liveness}
+    cut = 0
+    with cluster(ctx.url, ctx.logdir, hosts=3, processes=1, threads=4, env=env) as sup:
+        wait_until(lambda: counts(ctx.db).received >= n * 0.05, 120, "work to start")
+        for i, fault in enumerate(faults):
+            if fault == "kill":
+                host = sup.hosts[i % len(sup.hosts)]
+                victim = _wait_for_workers(ctx, host)[0]
+                os.kill(victim, signal.SIGKILL)
+                wait_until(partial(gone, victim), 10, "the killed process to die", poll=0.01)
+                killed_at[victim] = ctx.db.value("SELECT clock_timestamp()")
+                open_spans = "SELECT count(*) FROM chaos_spans WHERE pid = %s AND ended IS NULL"
+                cut += int(ctx.db.value(open_spans, (victim,)))
+            else:
+                assert ctx.server is not None
+                ctx.db.close()
+                ctx.producer.close()
+                ctx.server.restart("fast")
+                restarts_done += 1
+            time.sleep(jitter(every))
+        wait_until(lambda: counts(ctx.db).received >= n, 900, "every key")
+        wait_until(ctx.drained, 120, "the queue to drain")
+        worker_restarts = sup.restarts
+    spans = ctx.db.rows("SELECT message_id, ckey, pid, started, ended FROM chaos_spans ORDER BY started")
+    by_key: dict[str, list[tuple[Any, Any]]] = {}
+    unexplained = 0  # intervals without an end whose process was not killed
+    for _message_id, ckey, pid, started, ended in spans:
+        if ended is None:
+            if pid not in killed_at:
+                unexplained += 1
+                continue
+            ended = max(started, killed_at[pid])  # (a start the server wrote as the process died)
+        by_key.setdefault(ckey or "", []).append((started, ended))
+    free = by_key.pop("", [])
+    peaks = {ckey: most_at_once(intervals) for ckey, intervals in by_key.items()}
+    over = sorted(ckey for ckey, peak in peaks.items() if peak > KEY_LIMITS[ckey])
+    at_limit = sum(1 for ckey, peak in peaks.items() if peak == KEY_LIMITS[ckey])
+    # A re-run is a delivery after a message's first (in start order).  Each must follow a delivery
+    # in a killed process: one the kill cut (no end), or one that ended before its ack was written.
+    earlier: dict[str, list[tuple[int, Any]]] = {}
+    reruns = after_cut = after_end = unexplained_reruns = 0
+    for message_id, _ckey, pid, _started, ended in spans:
+        previous = earlier.setdefault(message_id, [])
+        if previous:
+            reruns += 1
+            last_pid, last_end = previous[-1]
+            if last_pid not in killed_at:
+                unexplained_reruns += 1
+            elif last_end is None:
+                after_cut += 1
+            else:
+                after_end += 1
+        previous.append((pid, ended))
+    completed = int(
+        ctx.db.value("SELECT count(DISTINCT message_id) FROM dramatiq.history WHERE state = 'completed'")
+    )
+    not_completed = int(ctx.db.value("SELECT count(*) FROM dramatiq.history WHERE state <> 'completed'"))
+    charged = int(ctx.db.value("SELECT count(*) FROM dramatiq.history WHERE attempts > 1"))
+    c = counts(ctx.db)
+    lost = len(lost_keys(ctx.db, [key for key, _ in pairs]))
+    by_limit = {
+        limit: max((peaks.get(k, 0) for k, lim in KEY_LIMITS.items() if lim == limit), default=0)
+        for limit in (1, 2, 3)
+    }
+    ok = (
+        lost == 0
+        and not over
+        and unexplained == 0
+        and completed == n
+        and not_completed == 0
+        and unexplained_reruns == 0
+        and len(by_key) == len(KEY_LIMITS)
+    )
+    return Result(
+        "12. concurrency keys under kill -9 / restarts",
+        n,
+        lost,
+        c.duplicates,
+        "-",
+        f"{len(KEY_LIMITS)} keys (limits 1, 2, 3) + {len(free)} unkeyed deliveries; "
+        f"{faults.count('kill')} kills ({cut} deliveries cut mid-run), {restarts_done} PostgreSQL restarts, "
+        f"{worker_restarts} supervisor restarts; most running at once per limit {by_limit} "
+        f"(keys above their limit: {len(over)}{': ' + ', '.join(over) if over else ''}; "
+        f"at their limit at some instant: {at_limit} of {len(KEY_LIMITS)}); unkeyed at once: "
+        f"{most_at_once(free)}; {len(spans)} deliveries recorded, {reruns} re-runs ({after_cut} after a "
+        f"delivery the kill cut, {after_end} after one that ended before its ack, {unexplained_reruns} "
+        f"after a delivery in a process not killed), {charged} messages "
+        f"charged more than one attempt; completed in history: {completed} of {n}, other states: "
+        f"{not_completed}; open intervals outside killed processes: {unexplained}",
+        ok,
+        extra={"peaks": peaks, "killed": len(killed_at), "reruns": reruns, "cut": cut},
+    )
+
+
 SCENARIOS = {
     1: worker_kill,
     2: graceful_restart,
@@ -734,4 +892,5 @@ SCENARIOS = {
     7: producer_failure,
     8: pressure,
     9: outage_follow_ups,
+    12: key_limits,
 }
