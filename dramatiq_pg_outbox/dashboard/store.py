@@ -68,6 +68,11 @@ def without_slot(query: str) -> str:
     return re.sub(r",\s*slot\b", "", query)
 
 
+def without_concurrency(query: str) -> str:
+    """``query`` for a schema older than migration 0021, which has no concurrency key columns."""
+    return re.sub(r",\s*concurrency_(?:key|limit)\b", "", query)
+
+
 #: Statements of the package's namespace (``admin.sql``) that the dashboard runs too.
 SHARED_QUERIES = ("audit_record", "audit_list")
 
@@ -808,14 +813,16 @@ class Store:
     async def _copying(self, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run an action that copies rows between messages and history, on any readable revision."""
         async with self.pool.connection() as conn:
-            # The newest schema first, then without migration 0013's slot, then without 0010's priority.
-            for variant in (query, without_slot(query)):
+            # The newest schema first, then without migration 0021's concurrency keys, 0013's
+            # slot, then 0010's priority.
+            older = without_concurrency(query)
+            for variant in (query, older, without_slot(older)):
                 try:
                     cur = await conn.execute(variant, params)
                     return await cur.fetchall()
                 except psycopg.errors.UndefinedColumn:
                     continue
-            cur = await conn.execute(without_priority(without_slot(query)), params)
+            cur = await conn.execute(without_priority(without_slot(older)), params)
             return await cur.fetchall()
 
     async def paused_queues(self) -> dict[str, dt.datetime]:
