@@ -458,9 +458,12 @@ WHERE pg_try_advisory_xact_lock(%(lock_space)s::integer, hashtext(due.key));
 -- here (an ack committed since can only make it smaller: a slot seen late,
 -- never one too many).  The limit of a key: the run-time one of its longest
 -- prefix (concurrency_limits), else the one its first message carries
--- (%(limits)s, NULL: 1).  Each key gives at most %(per_key)s messages (its
--- oldest due ones: FIFO within a key); messages without a key fill the rest of
--- the batch, in due order, as claim takes them.  Same columns as claim.
+-- (%(limits)s, NULL: 1).  Each key gives at most %(per_key)s messages, its
+-- due ones by priority, then oldest first (FIFO within a priority of a key);
+-- messages without a key fill the rest of the batch as claim_prioritized (or,
+-- without prioritized rows pending, claim) takes them.  Prioritized rows are
+-- read from messages_priority_idx only while %(prioritized)s (the queue has
+-- some pending, see claim).  Same columns as claim.
 WITH keys AS (
     SELECT k.key,
            greatest(coalesce(
@@ -472,18 +475,50 @@ WITH keys AS (
     FROM unnest(%(keys)s::text[], %(limits)s::integer[]) AS k(key, lim)
     WHERE NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
 ),
-keyed AS (
+keyed_prioritized AS (
+    SELECT keys.key, picked.id
+    FROM keys, LATERAL (
+        SELECT m.id
+        FROM {schema}.messages AS m
+        WHERE %(prioritized)s::boolean
+          AND m.queue_name = %(queue_name)s AND m.state = 'pending' AND m.priority > 0
+          AND m.concurrency_key = keys.key AND m.next_attempt_at <= now()
+        ORDER BY m.priority DESC, m.next_attempt_at, m.id
+        LIMIT least(keys.free, %(per_key)s)
+        FOR UPDATE SKIP LOCKED
+    ) AS picked
+),
+keyed_rest AS (
     SELECT picked.id
     FROM keys, LATERAL (
         SELECT m.id
         FROM {schema}.messages AS m
         WHERE m.queue_name = %(queue_name)s AND m.state = 'pending' AND m.concurrency_key = keys.key
           AND m.next_attempt_at <= now()
+          AND (NOT %(prioritized)s::boolean OR m.priority = 0)
         ORDER BY m.next_attempt_at, m.id
-        LIMIT least(keys.free, %(per_key)s)
+        LIMIT greatest(least(keys.free, %(per_key)s)
+                       - (SELECT count(*) FROM keyed_prioritized AS p WHERE p.key = keys.key), 0)
         FOR UPDATE SKIP LOCKED
     ) AS picked
+),
+keyed AS (
+    SELECT id FROM (SELECT id FROM keyed_prioritized UNION ALL SELECT id FROM keyed_rest) AS both_tiers
     LIMIT %(limit)s
+),
+unkeyed_prioritized AS (
+    SELECT id
+    FROM {schema}.messages
+    WHERE %(prioritized)s::boolean
+      AND queue_name = %(queue_name)s
+      AND state = 'pending'
+      AND priority > 0
+      AND next_attempt_at <= now()
+      AND concurrency_key IS NULL
+      AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
+    ORDER BY priority DESC, next_attempt_at, id
+    LIMIT %(limit)s - (SELECT count(*) FROM keyed)
+    FOR UPDATE SKIP LOCKED
 ),
 unkeyed AS (
     SELECT id
@@ -493,13 +528,14 @@ unkeyed AS (
       AND next_attempt_at <= now()
       AND {claim_from}
       AND concurrency_key IS NULL
+      AND (NOT %(prioritized)s::boolean OR priority = 0)
       AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses WHERE queue_name = %(queue_name)s)
     ORDER BY next_attempt_at, id
-    LIMIT %(limit)s - (SELECT count(*) FROM keyed)
+    LIMIT %(limit)s - (SELECT count(*) FROM keyed) - (SELECT count(*) FROM unkeyed_prioritized)
     FOR UPDATE SKIP LOCKED
 ),
 candidates AS (
-    SELECT id FROM keyed UNION ALL SELECT id FROM unkeyed
+    SELECT id FROM keyed UNION ALL SELECT id FROM unkeyed_prioritized UNION ALL SELECT id FROM unkeyed
 ),
 claimed AS {claim_update},
 clock AS {claim_clock}

@@ -270,3 +270,33 @@ def test_a_dead_letter_retried_keeps_its_key(broker: PostgresBroker, start_worke
         "tenant:9",
         4,
     )
+
+
+def test_priorities_come_first_within_a_key_and_among_the_unkeyed_messages_of_a_keyed_queue(
+    broker: PostgresBroker, start_worker: Any, spans: Any
+) -> None:
+    import threading
+
+    release = threading.Event()
+    ran: list[str] = []
+
+    @dramatiq.actor(broker=broker, max_retries=0)
+    def job(name: str) -> None:
+        ran.append(name)
+        if name == "first":
+            release.wait(20)
+
+    # Given a key at limit 1 busy with its first message, four more waiting, then one of the
+    # same key with a broker_priority
+    job.send_with_options(args=("first",), concurrency_key="acct:1")
+    worker = start_worker(broker, worker_threads=1)
+    wait_for(lambda: ran == ["first"], 10, "the first message to start")
+    for i in range(4):
+        job.send_with_options(args=(f"old{i}",), concurrency_key="acct:1")
+    job.send_with_options(args=("urgent",), concurrency_key="acct:1", broker_priority=9)
+    # When the slot frees
+    release.set()
+    wait_for(lambda: len(ran) == 6, 15, "every message to run")
+    # Then the prioritized message of the key runs before the older ones, which keep their order
+    assert ran == ["first", "urgent", "old0", "old1", "old2", "old3"]
+    worker.stop()

@@ -320,8 +320,8 @@ class MessageStore(SchemaStore):
         Parameters:
           prioritized(bool): Claim the prioritized rows first (``claim_prioritized``).
           keyed(bool): The queue has messages with a concurrency key: claim within their
-            limits (``claim_keys`` then ``claim_keyed``, one transaction; ``prioritized``
-            is then ignored).
+            limits (``claim_keys`` then ``claim_keyed``, one transaction; with ``prioritized``,
+            the prioritized rows of each key and of the rest first).
           after_key(str|None): Where the keyed claim's walk over the keys starts
             (``Claim.next_key`` of the previous one).
           owner(uuid.UUID): This process's worker id.
@@ -342,7 +342,7 @@ class MessageStore(SchemaStore):
             "from_id": from_id,
         }
         if keyed:
-            return self._keyed_claim(conn, params, after_key=after_key)
+            return self._keyed_claim(conn, {**params, "prioritized": prioritized}, after_key=after_key)
         query = self._claim_prioritized if prioritized else self._claim
         rows = conn.cursor(row_factory=_CLAIM_ROWS).execute(query, params).fetchall()
         return self._claim_of(rows)
