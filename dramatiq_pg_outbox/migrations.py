@@ -16,10 +16,12 @@ table, so the broker can check the schema whichever route created it
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import create_engine, pool
@@ -78,6 +80,24 @@ def script_location() -> str:
 def versions_path() -> str:
     """Path of the folder holding our revisions, for an application's ``version_locations``."""
     return str(Path(script_location()) / "versions")
+
+
+def revision_module(filename: str) -> ModuleType:
+    """A private copy of one of our revisions' modules, by file name (``"0013_message_ring.py"``).
+
+    A revision that re-creates an earlier one's function reads the earlier code this way;
+    alembic's own copy of the module is left alone.
+
+    Raises:
+      FileNotFoundError: If ``alembic/versions`` has no such file.
+    """
+    path = Path(versions_path()) / filename
+    spec = importlib.util.spec_from_file_location(f"_dramatiq_pg_outbox_{path.stem}", path)
+    if spec is None or spec.loader is None or not path.exists():
+        raise FileNotFoundError(path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def schema_for_migration() -> str:

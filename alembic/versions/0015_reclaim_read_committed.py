@@ -24,28 +24,21 @@ Create Date: 2026-12-02
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 from alembic import op
-from dramatiq_pg_outbox.migrations import quote_ident, schema_for_migration, set_schema_revision
+from dramatiq_pg_outbox.migrations import (
+    quote_ident,
+    revision_module,
+    schema_for_migration,
+    set_schema_revision,
+)
 
 revision: str = "0015"
 down_revision: str | None = "0014"
 branch_labels: Sequence[str] | None = None
 depends_on: Sequence[str] | None = None
-
-
-def _revision(filename: str) -> ModuleType:
-    """A private copy of an earlier revision's module (alembic's own copy is left alone)."""
-    path = Path(__file__).with_name(filename)
-    spec = importlib.util.spec_from_file_location(f"_dramatiq_pg_outbox_{path.stem}", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _created(module: ModuleType, run: Callable[[], None], function: str) -> str:
@@ -60,8 +53,8 @@ def _created(module: ModuleType, run: Callable[[], None], function: str) -> str:
 
 def _originals(schema: str, s: str) -> dict[str, str]:
     """``CREATE OR REPLACE`` of the two functions as 0013 and 0008 create them, by name."""
-    ring = _revision("0013_message_ring.py")
-    limits = _revision("0008_rate_limits.py")
+    ring = revision_module("0013_message_ring.py")
+    limits = revision_module("0008_rate_limits.py")
     return {
         "reclaim_messages": _created(ring, lambda: ring._functions(schema, s), "reclaim_messages"),
         "rate_limit_incr_and_sum": _created(limits, limits.upgrade, "rate_limit_incr_and_sum"),

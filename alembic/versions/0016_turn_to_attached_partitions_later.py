@@ -25,13 +25,15 @@ Create Date: 2026-11-26
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
-from pathlib import Path
-from types import ModuleType
 
 from alembic import op
-from dramatiq_pg_outbox.migrations import quote_ident, schema_for_migration, set_schema_revision
+from dramatiq_pg_outbox.migrations import (
+    quote_ident,
+    revision_module,
+    schema_for_migration,
+    set_schema_revision,
+)
 
 revision: str = "0016"
 down_revision: str | None = "0015"
@@ -42,19 +44,9 @@ depends_on: Sequence[str] | None = None
 ATTACH = "PERFORM {s}.attach_message_slot(target);"
 
 
-def _previous() -> ModuleType:
-    """A private copy of revision 0015's module (alembic's own copy is left alone)."""
-    path = Path(__file__).with_name("0015_reclaim_read_committed.py")
-    spec = importlib.util.spec_from_file_location(f"_dramatiq_pg_outbox_{path.stem}", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _reclaim_messages(schema: str, s: str) -> str:
     """``CREATE OR REPLACE`` of ``reclaim_messages`` as 0015 creates it."""
-    previous = _previous()
+    previous = revision_module("0015_reclaim_read_committed.py")
     return str(previous._guarded(previous._originals(schema, s)["reclaim_messages"], "reclaim_messages"))
 
 

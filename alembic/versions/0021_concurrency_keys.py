@@ -31,13 +31,15 @@ Create Date: 2026-11-27
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
-from pathlib import Path
-from types import ModuleType
 
 from alembic import op
-from dramatiq_pg_outbox.migrations import quote_ident, schema_for_migration, set_schema_revision
+from dramatiq_pg_outbox.migrations import (
+    quote_ident,
+    revision_module,
+    schema_for_migration,
+    set_schema_revision,
+)
 
 revision: str = "0021"
 down_revision: str | None = "0020"
@@ -45,22 +47,12 @@ branch_labels: Sequence[str] | None = None
 depends_on: Sequence[str] | None = None
 
 
-def _module(name: str) -> ModuleType:
-    """A private copy of an earlier revision's module (alembic's own copy is left alone)."""
-    path = Path(__file__).with_name(name)
-    spec = importlib.util.spec_from_file_location(f"_dramatiq_pg_outbox_{path.stem}", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _reclaim_messages(schema: str, s: str, *, with_keys: bool) -> str:
     """0016's ``reclaim_messages``, its moved columns with the concurrency key's if ``with_keys``."""
-    sql = str(_module("0016_turn_to_attached_partitions_later.py").reclaim_messages_sql(schema, s))
+    sql = str(revision_module("0016_turn_to_attached_partitions_later.py").reclaim_messages_sql(schema, s))
     if not with_keys:
         return sql
-    columns = str(_module("0013_message_ring.py").COLUMNS)
+    columns = str(revision_module("0013_message_ring.py").COLUMNS)
     assert sql.count(columns) == 2, "0013's moved columns not found"
     return sql.replace(columns, columns + ", concurrency_key, concurrency_limit")
 
