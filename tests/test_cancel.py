@@ -214,3 +214,55 @@ def test_an_actor_declared_with_an_unknown_cancel_mode_is_refused(make_broker: A
         @dramatiq.actor(broker=broker, cancel="later")
         def undecided() -> None:
             pass
+
+
+def test_a_prefetched_message_canceled_before_it_starts_never_runs_and_the_next_one_does(
+    make_broker: Any, start_worker: Any, db: Any, database_url: str
+) -> None:
+    # Given a worker of one thread busy with a first message, and a second one claimed and
+    # waiting in its buffer (prefetched: processing in the table, not running)
+    broker = make_broker()
+    release = threading.Event()
+    ran: list[str] = []
+
+    @dramatiq.actor(broker=broker, max_retries=3)
+    def job(name: str) -> None:
+        ran.append(name)
+        if name == "busy":
+            release.wait(20)
+
+    job.send("busy")
+    job.send("prefetched")
+    job.send("after")
+    start_worker(broker, worker_threads=1)
+    wait_for(lambda: ran == ["busy"], 10, "the first message to start")
+    second = int(
+        db.execute(
+            "SELECT min(id) FROM dramatiq.messages WHERE id > (SELECT min(id) FROM dramatiq.messages)"
+        ).fetchone()[0]
+    )
+    wait_for(
+        lambda: (
+            db.execute("SELECT state FROM dramatiq.messages WHERE id = %s", (second,)).fetchone()
+            == ("processing",)
+        ),
+        10,
+        "the second message to be prefetched",
+    )
+    assert second not in broker.runtime.running_ids()
+
+    # When the operator cancels the prefetched one, then the first ends
+    async def cancel() -> Any:
+        store = Store(database_url, "dramatiq", broker.channel)
+        await store.open()
+        try:
+            return await store.cancel_message(second, "not needed any more")
+        finally:
+            await store.close()
+
+    assert asyncio.run(cancel()).outcome == "canceling"
+    release.set()
+    # Then it never runs, ends canceled, and the next message runs
+    wait_for(lambda: ran == ["busy", "after"], 10, "the third message to run")
+    wait_for(lambda: finished_state(db, second) == "canceled", 5, "the prefetched message to be canceled")
+    assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone() == (0,)
