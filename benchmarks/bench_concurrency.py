@@ -31,6 +31,11 @@ Dramatiq's ``Worker`` in spawned processes of 8 threads and an actor whose body 
    (and the median small message), total drain time and rate, in 1 x 8 and, with
    ``BENCH_FAIR_CONFIGS=1x8,2x8``, 2 x 8.
 
+3. ``explain``: ``EXPLAIN (ANALYZE, BUFFERS)`` of a claim of 100 (claim_keys, then claim_keyed
+   on the keys it locked, rolled back; the plain claim on the same messages without keys) on
+   part 1's queue and on the fairness queue, freshly filled and ANALYZEd, median of 15.
+
+``BENCH_CONCURRENCY_PARTS`` (default ``keyed,fairness,explain``) selects the parts.
 ``--smoke``: each case once on a few hundred messages, the limiter with short backoffs.
 """
 
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -216,7 +222,7 @@ def fresh(ctx: Context, case: str) -> str:
 #: Statements named in the server-time summary, by a fragment of their text.
 STATEMENTS = (
     ("claim_keys", "pg_try_advisory_xact_lock"),
-    ("claim_keyed", "WITH keys AS"),
+    ("claim_keyed", "least(keys.free"),
     ("claim", "WITH candidates AS"),
     ("ack", "WITH done AS"),
     ("rate limiter", "rate_limits"),
@@ -356,10 +362,11 @@ def drain_case(
         options = {"max_retries": retries[0], "min_backoff": retries[1], "max_backoff": retries[2]}
     load = os.getloadavg()[0]
     with Group(url, 1, n, limiter=case == "limiter", sleep_s=sleep_s, actor_options=options) as group:
-        t0, _ = group.go()
+        t0, wall0 = group.go()
         t1 = group.wait_for(n, cap_s)
         elapsed = (t1 if t1 is not None else time.perf_counter()) - t0
         done = group.done
+        ends = sorted(group.shared.finished[i] - wall0 for i in range(n) if group.shared.finished[i])
         attempts, limited = int(group.shared.attempts.value), int(group.shared.limited.value)
     result: dict[str, Any] = {
         "case": case,
@@ -371,6 +378,11 @@ def drain_case(
         "rate": done / elapsed if elapsed else None,
         "attempts": attempts,
         "rate_limited": limited,
+        # Seconds from go until this share of the N messages had completed (None: not reached).
+        "done_at": {
+            f"{p:g}%": (ends[math.ceil(p / 100 * n) - 1] if math.ceil(p / 100 * n) <= len(ends) else None)
+            for p in (50, 90, 99, 99.9)
+        },
         "load1": load,
         **outcome(url),
         "statements": statements(url),
@@ -378,10 +390,15 @@ def drain_case(
     print(
         f"  concurrency {case}: {done:,}/{n:,} in {elapsed:.1f} s ({fmt_rate(result['rate'])} msgs/s), "
         f"{attempts:,} attempts, {limited:,} RateLimitExceeded, {result['dead_letters']} dead letters, "
-        f"{result['left']:,} left, load {load:.2f}\n    {fmt_statements(result['statements'])}",
+        f"{result['left']:,} left, load {load:.2f}; done at {_done_at(result['done_at'])}"
+        f"\n    {fmt_statements(result['statements'])}",
         flush=True,
     )
     return result
+
+
+def _done_at(done_at: dict[str, float | None]) -> str:
+    return ", ".join(f"{p} {'-' if s is None else f'{s:,.1f} s'}" for p, s in done_at.items())
 
 
 def expected_default_tail(
@@ -424,11 +441,13 @@ def part1(ctx: Context) -> dict[str, Any]:
     retries = (None if spec[0] in ("", "none") else int(spec[0]), int(spec[1]), int(spec[2]))
     cap = _env_float("BENCH_CONCURRENCY_LIMITER_CAP", 5 if ctx.smoke else 600)
     limiter_runs = getenv_int("BENCH_CONCURRENCY_LIMITER_RUNS", 1)
+    wanted = os.environ.get("BENCH_CONCURRENCY_CASES", "unkeyed,keyed,limiter").split(",")
     order = os.environ.get("BENCH_CONCURRENCY_ORDER", "grouped")
     results: dict[str, list[dict[str, Any]]] = {"unkeyed": [], "keyed": [], "limiter": []}
     for run_no in range(ctx.runs):
         # Interleaved: each round runs every case once, the limiter in the first rounds only.
         cases = ["unkeyed", "keyed"] + (["limiter"] if run_no < limiter_runs else [])
+        cases = [c for c in cases if c in wanted]
         for case in cases:
             try:
                 results[case].append(
@@ -476,6 +495,7 @@ def part1(ctx: Context) -> dict[str, Any]:
                 f"{statistics.median(r['retried'] for r in runs):,.0f}",
                 f"{statistics.median(r['dead_letters'] for r in runs):,.0f}",
                 f"{statistics.median(r['left'] for r in runs):,.0f}",
+                _done_at(runs[0]["done_at"]),
                 ", ".join(f"{r['load1']:.1f}" for r in runs),
             ]
         )
@@ -490,6 +510,7 @@ def part1(ctx: Context) -> dict[str, Any]:
         "retries (history)",
         "dead letters",
         "left at the end",
+        "done at (run 1)",
         "load (1 min) per run",
     ]
     left_rows = []
@@ -656,10 +677,146 @@ def part2(ctx: Context) -> dict[str, Any]:
     }
 
 
+# -- part 3: EXPLAIN of the claims --------------------------------------------------------------
+
+
+def _claim_params(limit: int) -> dict[str, Any]:
+    import uuid
+
+    return {
+        "queue_name": QUEUE,
+        "limit": limit,
+        "lease": uuid.uuid4(),
+        "owner": uuid.uuid4(),
+        "consumers": 1,
+        "rank": 0,
+        "look_ahead": 64,
+        "from_at": None,
+        "from_id": None,
+    }
+
+
+def _explain(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> tuple[float, int, str]:
+    """(execution ms, shared buffers, plan text) of one EXPLAIN ANALYZE (the caller rolls back)."""
+    rows = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query}", params).fetchone()
+    assert rows is not None
+    plan = (rows[0] if not isinstance(rows[0], str) else json.loads(rows[0]))[0]
+    top = plan["Plan"]
+    buffers = int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0))
+    text = conn.execute(f"EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) {query}", params).fetchall()
+    return float(plan["Execution Time"]), buffers, "\n".join(r[0] for r in text)
+
+
+def explain_state(url: str, limit: int, repeats: int) -> dict[str, Any]:
+    """The claim of ``limit`` on the queue as filled: claim_keys, then claim_keyed on the keys it
+    locked (each pair in one transaction, rolled back), or the plain claim on an unkeyed queue."""
+    from dramatiq_pg_outbox.store.messages import MessageStore
+
+    store = MessageStore("dramatiq")
+    queries = store.queries
+    keys_wanted = max(limit, 8)
+    kparams = {"queue_name": QUEUE, "after_key": None, "keys": keys_wanted, "walk": 4 * keys_wanted,
+               "lock_space": store.lock_space}  # fmt: skip
+    found: dict[str, list[tuple[float, int]]] = {}
+    plans: dict[str, str] = {}
+    with psycopg.connect(url) as conn:
+        keyed = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM dramatiq.messages WHERE concurrency_key IS NOT NULL)"
+        ).fetchone()
+        for _ in range(repeats):
+            params = _claim_params(limit)
+            if keyed and keyed[0]:
+                with conn.transaction(force_rollback=True):
+                    ms, buffers, plans["claim_keys"] = _explain(conn, queries["claim_keys"], kparams)
+                    found.setdefault("claim_keys", []).append((ms, buffers))
+                with conn.transaction(force_rollback=True):
+                    locked = conn.execute(queries["claim_keys"], kparams).fetchall()
+                    keys = [str(k) for k, _ in locked]
+                    extra = {"keys": keys, "limits": [lim for _, lim in locked],
+                             "per_key": max(1, limit // max(1, len(keys)))}  # fmt: skip
+                    ms, buffers, plans["claim_keyed"] = _explain(
+                        conn, queries["claim_keyed"], {**params, **extra}
+                    )
+                    found.setdefault("claim_keyed", []).append((ms, buffers))
+            else:
+                with conn.transaction(force_rollback=True):
+                    ms, buffers, plans["claim"] = _explain(conn, queries["claim"], params)
+                    found.setdefault("claim", []).append((ms, buffers))
+    return {
+        "medians": {
+            k: (statistics.median(m for m, _ in v), statistics.median(b for _, b in v))
+            for k, v in found.items()
+        },
+        "plans": plans,
+    }
+
+
+def part3(ctx: Context) -> dict[str, Any]:
+    """EXPLAIN ANALYZE of the claims of 100 on part 1's queues and on the fairness queue."""
+    n = getenv_int("BENCH_CONCURRENCY_MESSAGES", 400 if ctx.smoke else 100_000)
+    keys = getenv_int("BENCH_CONCURRENCY_KEYS", max(1, n // 100))
+    big = getenv_int("BENCH_FAIR_BIG", 300 if ctx.smoke else 200_000)
+    repeats = 2 if ctx.smoke else 15
+    limit = 100
+    states = (
+        (f"{n:,} messages, no key (plain claim)", keyed_items(n, keys), False),
+        (f"{n:,} messages over {keys:,} keys, limit 1", keyed_items(n, keys), True),
+        (
+            f"one key with {big:,} + {SMALL_KEYS} keys x {SMALL_EACH}, limit {FAIR_LIMIT}",
+            fair_items(big, FAIR_LIMIT),
+            True,
+        ),
+    )
+    drain_s = 2.0 if ctx.smoke else _env_float("BENCH_CONCURRENCY_EXPLAIN_DRAIN", 30)
+    sleep_s = _env_float("BENCH_CONCURRENCY_SLEEP_MS", 2.0) / 1000
+    states += (
+        (
+            f"the same after a 1 x 8 drain of {drain_s:.0f} s (not vacuumed)",
+            fair_items(big, FAIR_LIMIT),
+            True,
+        ),
+    )
+    rows = []
+    plans = {}
+    for name, items, keyed in states:
+        url = fresh(ctx, "explain")
+        fill(url, items, keyed=keyed)
+        if "drain of" in name:
+            with Group(url, 1, 0, sleep_s=sleep_s) as group:
+                group.go()
+                time.sleep(drain_s)
+                name += f", {group.done:,} done"
+        got = explain_state(url, limit, repeats)
+        for statement, (ms, buffers) in got["medians"].items():
+            rows.append([name, statement, f"{ms:.2f}", f"{buffers:,.0f}"])
+            print(
+                f"  concurrency explain {name}: {statement} {ms:.2f} ms, {buffers:,.0f} buffers", flush=True
+            )
+        plans[name] = got["plans"]
+    return {
+        "explain_table": markdown_table(
+            [
+                "queue (ANALYZEd after the fill)",
+                "statement (claim of 100)",
+                "execution ms (median)",
+                "shared buffers",
+            ],
+            rows,
+        ),
+        "explain_plans": plans,
+        "explain": "\n\n".join(
+            f"{name}, {statement}:\n{text}"
+            for name, found in plans.items()
+            for statement, text in found.items()
+            if statement != "claim"
+        ),
+    }
+
+
 def run(ctx: Context) -> dict[str, Any]:
     if OURS not in ctx.systems:
         return {"skipped": "our broker not selected"}
-    parts = os.environ.get("BENCH_CONCURRENCY_PARTS", "keyed,fairness").split(",")
+    parts = os.environ.get("BENCH_CONCURRENCY_PARTS", "keyed,fairness,explain").split(",")
     out: dict[str, Any] = {}
     if "keyed" in parts:
         out.update(part1(ctx))
@@ -667,4 +824,6 @@ def run(ctx: Context) -> dict[str, Any]:
         fair = part2(ctx)
         out.update({k: v for k, v in fair.items() if k != "raw"})
         out["fair_raw"] = fair["raw"]
+    if "explain" in parts:
+        out.update(part3(ctx))
     return out
