@@ -8,6 +8,8 @@ Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained
 (issue 19): rate_limits (acquisitions per second of the rate-limiter backends), priorities
 (the claim with priorities against the claim before them, EXPLAIN and drains), migrate
 (seconds per million history rows of the 0007 rewrite);
+(issue 35): concurrency (the keyed drain against the unkeyed one and Dramatiq's
+ConcurrentRateLimiter; fair claims: small keys behind one big key's backlog);
 (issue 21): spark (the data source's batch write against a JDBC append, on local[2] and on a
 standalone cluster; a rate stream's rows per second and latency).
 Every system of a scenario is measured in the same run, on the same machine,
@@ -48,6 +50,7 @@ SCENARIOS = (
     "priorities",
     "migrate",
     "spark",
+    "concurrency",
 )
 
 
@@ -76,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain-messages", type=int, default=None, help="messages per drain (20000)")
     parser.add_argument("--migrate-rows", type=int, default=None, help="history rows of migrate (1000000)")
     parser.add_argument("--spark-rows", type=int, default=None, help="rows of spark's batch (1000000)")
+    parser.add_argument(
+        "--concurrency-messages", type=int, default=None, help="messages of the keyed drain (100000)"
+    )
+    parser.add_argument(
+        "--fair-big", type=int, default=None, help="the big key's messages in concurrency's fairness (200000)"
+    )
     parser.add_argument("--out", default="out/benchmarks", help="directory of the JSON results")
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -100,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BENCH_MIGRATE_ROWS"] = str(args.migrate_rows)
     if args.spark_rows:
         os.environ["BENCH_SPARK_ROWS"] = str(args.spark_rows)
+    if args.concurrency_messages:
+        os.environ["BENCH_CONCURRENCY_MESSAGES"] = str(args.concurrency_messages)
+    if args.fair_big:
+        os.environ["BENCH_FAIR_BIG"] = str(args.fair_big)
     if args.prune_rows:
         os.environ["BENCH_PRUNE_ROWS"] = str(args.prune_rows)
     if args.history_rows:
