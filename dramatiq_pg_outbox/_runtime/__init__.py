@@ -22,6 +22,7 @@ from __future__ import annotations
 from .host import Runtime, RuntimeHost, Wakeable
 from .maintenance import Maintenance, RescueResult
 from .messages import (
+    SLOT_FREED,
     Conditional,
     EnqueueResult,
     Outcome,
@@ -37,6 +38,7 @@ from .process import ProcessRuntime
 from .service import Every, Service
 
 __all__ = [
+    "SLOT_FREED",
     "Conditional",
     "EnqueueResult",
     "Every",

@@ -356,17 +356,28 @@ def prioritized_notification(payload: str) -> bool:
     return "!" in payload
 
 
+#: The mark of a notification that a message with a concurrency key finished (``"<queue>~"``):
+#: a slot of its key is free, and nothing new was stored.
+SLOT_FREED = "~"
+
+
+def slot_freed_notification(payload: str) -> bool:
+    """Whether a broker channel notification says that a keyed message of its queue finished."""
+    return payload.endswith(SLOT_FREED)
+
+
 def parse_notification(payload: str) -> tuple[str, int | None]:
     """(queue name, due time or None) of a broker channel notification.
 
     ``"<queue>"``: a message of that queue is due now.  ``"<queue>@<due>"``:
     a delayed message falls due at ``<due>``, epoch milliseconds on the
-    database clock.  Queue names never contain ``@`` or ``!``; a ``!`` after
-    the name (see :func:`prioritized_notification`) is dropped.  A malformed
+    database clock.  Queue names never contain ``@``, ``!`` or ``~``; a ``!`` after
+    the name (see :func:`prioritized_notification`) or a ``~``
+    (:func:`slot_freed_notification`) is dropped.  A malformed
     due time counts as "now" (an early claim costs a round trip, never a message).
     """
     queue_name, at, due = payload.partition("@")
-    queue_name = queue_name.rstrip("!")
+    queue_name = queue_name.rstrip("!" + SLOT_FREED)
     if not at:
         return queue_name, None
     try:

@@ -40,6 +40,7 @@ from .messages import (
     enqueue_statement,
     parse_notification,
     prioritized_notification,
+    slot_freed_notification,
 )
 from .reclaimer import Reclaimer
 
@@ -304,6 +305,12 @@ class ProcessRuntime:
             self.request_cancel([row_id])
             return
         queue_name, due_ms = parse_notification(payload)
+        if slot_freed_notification(payload):
+            with self._lock:
+                freed = list(self.consumers.get(queue_name) or ())
+            for consumer in freed:
+                consumer.slot_freed()
+            return
         if prioritized_notification(payload):
             with self._lock:
                 targets = list(self.consumers.get(queue_name) or ())

@@ -24,7 +24,7 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import DecodeError
 from dramatiq.logging import get_logger
 
-from .._runtime import Conditional, ProcessRuntime, RuntimeHost, StoredMessage, format_error
+from .._runtime import SLOT_FREED, Conditional, ProcessRuntime, RuntimeHost, StoredMessage, format_error
 from .._runtime.watermark import Watermark
 from ..store.messages import ClaimRow, Statement
 
@@ -40,6 +40,9 @@ class ConsumerHost(RuntimeHost, Protocol):
 SUSPECT_AT_DELIVERY = 3
 #: Upcoming delayed rows a claim reads to find the next due time of its consumer (see _mine).
 LOOK_AHEAD = 64
+#: Seconds a consumer's keyed claims skip the messages without a key after one found none
+#: (a notification of a stored message, or one of its due times, ends it sooner).
+UNKEYED_RECHECK_S = 1.0
 
 #: Per thread: the claimed message whose outcome this thread is deciding, if any.
 _deciding = threading.local()
@@ -241,12 +244,19 @@ class PostgresConsumer(Consumer):
         #: Whether the queue had prioritized rows pending at the last claim (the first claim
         #: assumes so): then it claims with claim_prioritized, else with the plain claim.
         self._prioritized = True
+        #: Count of prioritize() calls: one during a claim keeps _prioritized set whatever that
+        #: claim's snapshot said (its message may have committed after the snapshot).
+        self._prioritize_calls = 0
         #: Whether the queue had messages with a concurrency key pending at the last claim:
         #: then it claims with claim_keyed.  The first claim is a plain one, which claims
         #: again at once if it finds keyed messages pending.
         self._keyed = False
         #: Where the next keyed claim's walk over the keys starts (Claim.next_key).
         self._next_key: str | None = None
+        #: time.monotonic() until which keyed claims skip the messages without a key: the
+        #: last one found none (see claim_keyed).  A notification of a stored message, a due
+        #: time of ours or UNKEYED_RECHECK_S end it.  Consumer thread, and notify().
+        self._skip_unkeyed_until = 0.0
         #: time.monotonic() of the next poll (or refill, with a backlog).  Consumer thread only.
         self._poll_at = 0.0
         #: time.monotonic() at which the earliest delayed row that the last claim
@@ -276,6 +286,7 @@ class PostgresConsumer(Consumer):
     def notify(self) -> None:
         """Called by the listener: something may be ready now."""
         self._notified = True
+        self._skip_unkeyed_until = 0.0  # a message may have been stored without a key
         # What was stored or released may lie behind the watermark: sweep soon.
         self.watermark.owe_sweep()
         self._wakeup.set()
@@ -285,8 +296,15 @@ class PostgresConsumer(Consumer):
         """Messages this consumer claimed and not yet acked, nacked or handed back (its slots in use)."""
         return self._outstanding
 
+    def slot_freed(self) -> None:
+        """Called by the listener: a message with a concurrency key of this queue finished
+        (``<queue>~``): claim again, its key has a free slot; nothing new was stored."""
+        self._notified = True
+        self._wakeup.set()
+
     def prioritize(self) -> None:
         """Called by the listener: a message with a ``broker_priority`` was stored; claim those first."""
+        self._prioritize_calls += 1
         self._prioritized = True
 
     def notify_due(self, due_ms: int, at: float) -> None:
@@ -371,6 +389,8 @@ class PostgresConsumer(Consumer):
             held = self._outstanding
         sweep, bound = self.watermark.start(sent)
         runtime = self.runtime
+        scan_unkeyed = on_time or sent >= self._skip_unkeyed_until
+        prioritize_calls = self._prioritize_calls
         with runtime.connection() as conn:
             claim = runtime.store.claim(
                 conn,
@@ -386,13 +406,19 @@ class PostgresConsumer(Consumer):
                 from_id=bound["from_id"],
                 keyed=self._keyed,
                 after_key=self._next_key,
+                unkeyed=scan_unkeyed,
             )
         next_due_in_ms = claim.next_due_in_ms
         # Messages with a concurrency key appeared since the last (plain) claim: claim again at once.
         newly_keyed = claim.keyed and not self._keyed
+        if not claim.keyed or any(not row.row_keyed for row in claim.rows):
+            self._skip_unkeyed_until = 0.0
+        elif scan_unkeyed and self._keyed and len(claim.rows) < limit:
+            # A keyed claim looked for messages without a key and found none: skip them a while.
+            self._skip_unkeyed_until = sent + UNKEYED_RECHECK_S
         self._keyed, self._next_key = claim.keyed, claim.next_key
         # While the queue has prioritized rows pending, claim them first (see the claim in queries.sql).
-        self._prioritized = claim.prioritized
+        self._prioritized = claim.prioritized or self._prioritize_calls != prioritize_calls
         runtime.observe_clock(claim.db_now_ms, sent)
         # Highest priority first, then oldest: the worker runs them in hand-off order.
         rows = sorted(claim.rows, key=_hand_off_order)
@@ -578,8 +604,9 @@ class PostgresConsumer(Consumer):
         message.consumer._release(message.row_id)
         if message.keyed:
             # A slot of its key frees when this decision is written: the flusher sends this
-            # notification after it, and the queue's consumers claim what waited for the slot.
-            self.runtime.flusher.notify_later([self.queue_name])
+            # notification after it, and the queue's consumers claim what waited for the slot
+            # ("~": nothing new was stored, see slot_freed).
+            self.runtime.flusher.notify_later([f"{self.queue_name}{SLOT_FREED}"])
         if not message.deferred:
             # Called outside Dramatiq's worker (no emit_before): write it now.
             self.submit(message)

@@ -314,6 +314,7 @@ class MessageStore(SchemaStore):
         from_id: int | None,
         keyed: bool = False,
         after_key: str | None = None,
+        unkeyed: bool = True,
     ) -> Claim:
         """Claim up to ``limit`` due messages of ``queue_name`` under ``lease`` (``claim``).
 
@@ -324,6 +325,8 @@ class MessageStore(SchemaStore):
             the prioritized rows of each key and of the rest first).
           after_key(str|None): Where the keyed claim's walk over the keys starts
             (``Claim.next_key`` of the previous one).
+          unkeyed(bool): Whether the keyed claim also looks for messages without a key
+            (see ``claim_keyed``); the plain claims always do.
           owner(uuid.UUID): This process's worker id.
           consumers(int), rank(int): Of the consumer (see ``consumer_rank``): which due
             times the returned ``next_due_in_ms`` is about.
@@ -342,7 +345,9 @@ class MessageStore(SchemaStore):
             "from_id": from_id,
         }
         if keyed:
-            return self._keyed_claim(conn, {**params, "prioritized": prioritized}, after_key=after_key)
+            return self._keyed_claim(
+                conn, {**params, "prioritized": prioritized, "unkeyed": unkeyed}, after_key=after_key
+            )
         query = self._claim_prioritized if prioritized else self._claim
         rows = conn.cursor(row_factory=_CLAIM_ROWS).execute(query, params).fetchall()
         return self._claim_of(rows)
