@@ -733,11 +733,21 @@ def explain_state(url: str, limit: int, repeats: int) -> dict[str, Any]:
                     locked = conn.execute(queries["claim_keys"], kparams).fetchall()
                     keys = [str(k) for k, _ in locked]
                     extra = {"keys": keys, "limits": [lim for _, lim in locked],
-                             "per_key": max(1, limit // max(1, len(keys)))}  # fmt: skip
+                             "per_key": max(1, limit // max(1, len(keys))), "prioritized": False,
+                             "unkeyed": True}  # fmt: skip
                     ms, buffers, plans["claim_keyed"] = _explain(
                         conn, queries["claim_keyed"], {**params, **extra}
                     )
                     found.setdefault("claim_keyed", []).append((ms, buffers))
+                with conn.transaction(force_rollback=True):
+                    # As a consumer claims once a claim found no message without a key (3b488a4).
+                    locked = conn.execute(queries["claim_keys"], kparams).fetchall()
+                    keys = [str(k) for k, _ in locked]
+                    extra = {**extra, "keys": keys, "limits": [lim for _, lim in locked], "unkeyed": False}
+                    ms, buffers, plans["claim_keyed, unkeyed skipped"] = _explain(
+                        conn, queries["claim_keyed"], {**params, **extra}
+                    )
+                    found.setdefault("claim_keyed, unkeyed skipped", []).append((ms, buffers))
             else:
                 with conn.transaction(force_rollback=True):
                     ms, buffers, plans["claim"] = _explain(conn, queries["claim"], params)
