@@ -127,8 +127,8 @@ def message_rows(frame: Any, batch_id: str) -> Any:
 
 #: The columns of the messages table that the COPY floor fills (the others take their
 #: defaults, as in the data source's insert: ``enqueued_at`` and ``next_attempt_at`` now(),
-#: ``state`` pending, ``attempts`` and ``priority`` 0).
-FLOOR_COLUMNS = ("queue_name", "actor_name", "message_id", "idempotency_key", "payload", "slot")
+#: ``state`` pending, ``attempts`` 0).
+FLOOR_COLUMNS = ("queue_name", "actor_name", "message_id", "idempotency_key", "payload", "priority", "slot")
 
 
 def copy_floor(frame: Any, conninfo: str, batch_id: str) -> int:
@@ -155,64 +155,37 @@ def floor_writer(plan: Plan) -> Callable[[Iterable[Any]], int]:
     """One task of the floor: its Arrow batches (``plan.columns``) as messages in one transaction.
 
     One connection, one ``COPY dramatiq.messages (...) FROM STDIN (FORMAT BINARY)`` whose rows
-    Arrow frames a batch at a time (no Python per row but the uuid5 of ``encode_batch``),
-    ``slot`` -1 (the partition of keyed messages, ``messages_vacuumed``, as the data source's
-    insert), into the table and all its indexes, committed.  No staging table, no check of
-    known keys (no row in ``idempotency_keys``, no join with history), no NOTIFY: not
-    idempotent, a lower bound.  Returns the function (a closure: Spark pickles it by value,
-    so the executors need only the package).
+    Arrow frames a batch at a time (``copy_binary_rows``, the data source's: no Python per row
+    but the uuid5 of ``encode_batch``), ``slot`` -1 (the partition of keyed messages,
+    ``messages_vacuumed``, as the data source), into the table and all its indexes,
+    committed.  No staging table, no claim or check of the keys (no row in
+    ``idempotency_keys``, no join with history), no NOTIFY: not idempotent, a lower bound.
+    Returns the function (a closure: Spark pickles it by value, so the executors need only
+    the package).
     """
     columns = list(plan.columns)
     statement = f"COPY {plan.schema}.messages ({', '.join(FLOOR_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
-    queue, actor = plan.queue_name.encode(), plan.actor_name.encode()
-    slot = (-1).to_bytes(2, "big", signed=True)
-
-    def framed(value: Any) -> list[Any]:
-        """A field of COPY's binary rows: its int32 length, then its bytes (a constant or a column)."""
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        if isinstance(value, bytes):
-            return [len(value).to_bytes(4, "big") + value]
-        lengths = pc.binary_length(value).to_numpy().astype(">i4")
-        prefix = pa.Array.from_buffers(pa.binary(4), len(value), [None, pa.py_buffer(lengths.tobytes())])
-        return [pc.cast(prefix, pa.binary()), pc.cast(value, pa.binary())]
-
-    def rows_of(fields: list[Any]) -> bytes:
-        """COPY's binary rows of ``fields`` (constants or Arrow columns without nulls), one join."""
-        import numpy as np
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        pieces: list[Any] = [len(fields).to_bytes(2, "big")]
-        for value in fields:
-            pieces += framed(value)
-        merged: list[Any] = []  # neighbouring constants in one scalar
-        for piece in pieces:
-            if isinstance(piece, bytes) and merged and isinstance(merged[-1], bytes):
-                merged[-1] += piece
-            else:
-                merged.append(piece)
-        joined = pc.binary_join_element_wise(
-            *(pa.scalar(p, pa.binary()) if isinstance(p, bytes) else p for p in merged),
-            pa.scalar(b"", pa.binary()),
-        )
-        end = int(np.frombuffer(joined.buffers()[1], np.int32)[len(joined)])
-        return bytes(joined.buffers()[2].slice(0, end).to_pybytes())
+    constants = (plan.queue_name.encode(), plan.actor_name.encode())
+    tail = (plan.priority.to_bytes(2, "big", signed=True), (-1).to_bytes(2, "big", signed=True))
 
     def write(batches: Iterable[Any]) -> int:
-        from dramatiq_pg_outbox.spark.encoding import encode_batch
+        from dramatiq_pg_outbox.spark.encoding import (
+            COPY_BINARY_HEADER,
+            COPY_BINARY_TRAILER,
+            copy_binary_rows,
+            encode_batch,
+        )
 
         now_ms = int(time.time() * 1000)
         written = 0
         with psycopg.connect(plan.conninfo) as conn, conn.cursor() as cur, cur.copy(statement) as copy:
-            copy.write(b"PGCOPY\n\xff\r\n\x00" + bytes(8))  # signature, flags, no extension
+            copy.write(COPY_BINARY_HEADER)
             for batch in batches:
                 if batch.num_rows:
-                    m = encode_batch(plan, batch.select(columns), now_ms)
-                    copy.write(rows_of([queue, actor, m.column(0), m.column(1), m.column(2), slot]))
+                    message_id, key, payload = encode_batch(plan, batch.select(columns), now_ms).columns
+                    copy.write(copy_binary_rows([*constants, message_id, key, payload, *tail]))
                     written += batch.num_rows
-            copy.write(b"\xff\xff")  # trailer
+            copy.write(COPY_BINARY_TRAILER)
         return written
 
     return write
