@@ -14,8 +14,9 @@ Batch, ``--runs`` rounds, each on freshly truncated tables, the cases interleave
   and its indexes in one transaction (``bench_spark.copy_floor``): no staging table, no check of
   known keys, no NOTIFY (not idempotent);
 - ``format("dramatiq")``: the same DataFrame written as messages by the data source (the
-  executors encode a batch at a time with Arrow; COPY, the known keys dropped, INSERT, one
-  NOTIFY per task), with a new batch id each round;
+  executors encode a batch at a time with Arrow; a task of new keys COPYs them into
+  ``idempotency_keys`` and its messages into the table, else it stages its rows, drops the
+  known keys and INSERTs the rest; one NOTIFY per task), with a new batch id each round;
 - ``enqueue_dataframe``: the same through the function (the same writer in each task; for
   scale);
 - ``jdbc append, indexed messages``: for scale too, the message rows themselves (ids, keys and
