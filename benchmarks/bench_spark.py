@@ -3,9 +3,11 @@
 ``python -m benchmarks.run --scenarios spark [--spark-rows N]`` (the ``spark`` scenario, issue 21):
 ``run`` below measures, in one Spark application on ``local[2]`` and then in one on a standalone
 cluster started here (a master and two workers of 1 core; executors in their own JVMs), the
-data source ``df.write.format("dramatiq")`` against a plain JDBC append of the same rows, and
-a stream from Spark's ``rate`` source through ``writeStream.format("dramatiq")``: rows per
-second, and each row's latency from its timestamp to its commit (see ``spark_runs.py``).
+data source ``df.write.format("dramatiq")`` against a plain JDBC append of the same rows and
+against its physical floor (each task COPYing the same message rows straight into the messages
+table, :func:`copy_floor`; issue 34), and a stream from Spark's ``rate`` source through
+``writeStream.format("dramatiq")``: rows per second, and each row's latency from its timestamp
+to its commit (see ``spark_runs.py``).
 
 The standalone script compares ``enqueue_dataframe`` with the JDBC append in more cases:
 
@@ -48,6 +50,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +71,10 @@ from dramatiq_pg_outbox.testing import postgres_server, scratch_database
 
 #: The scenario's database.
 DATABASE = "bench_spark"
+#: The batch case that the others are compared to: the bare JDBC append of the customer rows.
+BASELINE = "jdbc append"
+#: The batch case of the physical floor (:func:`copy_floor`), the others' second reference.
+FLOOR = "COPY floor, messages table"
 
 
 class PythonJSONEncoder(JSONEncoder):
@@ -90,17 +97,24 @@ def customers(spark: Any, rows: int, partitions: int) -> Any:
     return df
 
 
+def message_plan(batch_id: str, conninfo: str = "") -> Plan:
+    """The write plan of the ``customers()`` rows as ``notify_customer`` messages (key
+    customer_id, args customer_id and email, kwarg segment): the data source's, for the
+    baselines that build the same message rows."""
+    return Plan.build(
+        key="customer_id", args=["customer_id", "email"], kwargs={"segment": "segment"},
+        conninfo=conninfo, schema="dramatiq", channel="", queue_name="notifications",
+        actor_name="notify_customer", batch_id=batch_id, options={}, delay_ms=0, notify=False,
+        encoder=JSONEncoder(),
+    )  # fmt: skip
+
+
 def message_rows(frame: Any, batch_id: str) -> Any:
     """The rows enqueue_dataframe writes for ``customers()`` (id, key, JSON payload), built by the
     same encoder (``encode_batch``, in the executors), for a bare JDBC append of the message rows."""
     from dramatiq_pg_outbox.spark.encoding import encode_batch
 
-    plan = Plan.build(
-        key="customer_id", args=["customer_id", "email"], kwargs={"segment": "segment"},
-        conninfo="", schema="dramatiq", channel="", queue_name="notifications",
-        actor_name="notify_customer", batch_id=batch_id, options={}, delay_ms=0, notify=False,
-        encoder=JSONEncoder(),
-    )  # fmt: skip
+    plan = message_plan(batch_id)
 
     def encode(batches: Any) -> Any:
         for batch in batches:
@@ -109,6 +123,72 @@ def message_rows(frame: Any, batch_id: str) -> Any:
     return frame.select(*plan.columns).mapInArrow(
         encode, "message_id string, idempotency_key string, payload string"
     )
+
+
+#: The columns of the messages table that the COPY floor fills (the others take their
+#: defaults, as in the data source's insert: ``enqueued_at`` and ``next_attempt_at`` now(),
+#: ``state`` pending, ``attempts`` 0).
+FLOOR_COLUMNS = ("queue_name", "actor_name", "message_id", "idempotency_key", "payload", "priority", "slot")
+
+
+def copy_floor(frame: Any, conninfo: str, batch_id: str) -> int:
+    """The physical floor of the data source's write: each task COPYs its message rows straight
+    into the messages table (:func:`floor_writer`, in a ``mapInArrow``); the rows written.
+
+    The rows are the data source's (``customers()`` rows encoded by ``encode_batch`` in the
+    executors: the same queue, actor, uuid5 ids, idempotency keys and JSON payload bytes), in
+    the same Arrow batches.
+    """
+    import pyarrow as pa
+
+    plan = message_plan(batch_id, conninfo)
+    task = floor_writer(plan)
+
+    def write(batches: Any) -> Any:
+        yield pa.RecordBatch.from_pydict({"rows": [task(batches)]})
+
+    selected = frame.select(*plan.columns)
+    return sum(int(r["rows"]) for r in selected.mapInArrow(write, "rows long").collect())
+
+
+def floor_writer(plan: Plan) -> Callable[[Iterable[Any]], int]:
+    """One task of the floor: its Arrow batches (``plan.columns``) as messages in one transaction.
+
+    One connection, one ``COPY dramatiq.messages (...) FROM STDIN (FORMAT BINARY)`` whose rows
+    Arrow frames a batch at a time (``copy_binary_rows``, the data source's: no Python per row
+    but the uuid5 of ``encode_batch``), ``slot`` -1 (the partition of keyed messages,
+    ``messages_vacuumed``, as the data source), into the table and all its indexes,
+    committed.  No staging table, no claim or check of the keys (no row in
+    ``idempotency_keys``, no join with history), no NOTIFY: not idempotent, a lower bound.
+    Returns the function (a closure: Spark pickles it by value, so the executors need only
+    the package).
+    """
+    columns = list(plan.columns)
+    statement = f"COPY {plan.schema}.messages ({', '.join(FLOOR_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
+    constants = (plan.queue_name.encode(), plan.actor_name.encode())
+    tail = (plan.priority.to_bytes(2, "big", signed=True), (-1).to_bytes(2, "big", signed=True))
+
+    def write(batches: Iterable[Any]) -> int:
+        from dramatiq_pg_outbox.spark.encoding import (
+            COPY_BINARY_HEADER,
+            COPY_BINARY_TRAILER,
+            copy_binary_rows,
+            encode_batch,
+        )
+
+        now_ms = int(time.time() * 1000)
+        written = 0
+        with psycopg.connect(plan.conninfo) as conn, conn.cursor() as cur, cur.copy(statement) as copy:
+            copy.write(COPY_BINARY_HEADER)
+            for batch in batches:
+                if batch.num_rows:
+                    message_id, key, payload = encode_batch(plan, batch.select(columns), now_ms).columns
+                    copy.write(copy_binary_rows([*constants, message_id, key, payload, *tail]))
+                    written += batch.num_rows
+            copy.write(COPY_BINARY_TRAILER)
+        return written
+
+    return write
 
 
 def timed(fn: Any) -> tuple[float, Any]:
@@ -246,6 +326,26 @@ def _check_wrote(ctx: Any, where: str, figures: dict[str, Any]) -> None:
         ctx.failed(f"spark {where} stream (latency)", "no row committed after the first third of the run")
 
 
+def batch_table(figures: dict[str, Any], rows: int) -> str:
+    """The batch cases of ``spark_runs`` (``{master: figures}``) as a Markdown table: each case's
+    median seconds, its spread, rows per second, and its ratio to the bare JDBC append and to
+    the COPY floor of the same master."""
+    from benchmarks.bench_common import markdown_table
+
+    out = []
+    for where, f in figures.items():
+        cases = {name: statistics.median(values) for name, values in f["batch"].items()}
+        base, floor = cases[BASELINE], cases.get(FLOOR)
+        for name, value in cases.items():
+            spread = f"{min(f['batch'][name]):.2f}-{max(f['batch'][name]):.2f}"
+            ratio = "1.00x (baseline)" if name == BASELINE else f"{value / base:.2f}x"
+            to_floor = "-" if floor is None else "1.00x (floor)" if name == FLOOR else f"{value / floor:.2f}x"
+            out.append([where, name, f"{value:.2f}", spread, f"{rows / value:,.0f}", ratio, to_floor])
+    return markdown_table(
+        ["spark", "case", "seconds (median)", "min-max", "rows/s", "vs jdbc append", "vs floor"], out
+    )
+
+
 def run(ctx: Any) -> dict[str, Any]:
     """The ``spark`` scenario of ``python -m benchmarks.run`` (see the module's documentation)."""
     import subprocess
@@ -294,14 +394,8 @@ def run(ctx: Any) -> dict[str, Any]:
                     _check_wrote(ctx, where, figures[where])
     finally:
         drop_database(ctx.admin_url, DATABASE)
-    batch_rows, stream_rows = [], []
+    stream_rows = []
     for where, f in figures.items():
-        cases = {name: statistics.median(values) for name, values in f["batch"].items()}
-        base = cases["jdbc append"]
-        for name, value in cases.items():
-            spread = f"{min(f['batch'][name]):.2f}-{max(f['batch'][name]):.2f}"
-            ratio = "1.00x (baseline)" if name == "jdbc append" else f"{value / base:.2f}x"
-            batch_rows.append([where, name, f"{value:.2f}", spread, f"{rows / value:,.0f}", ratio])
         t, lat = f["stream_throughput"], f["stream_latency"]
         stream_rows.append([
             where, f"{t['rows_per_s']:,.0f}", f"{lat['offered_rows_per_s']:,}", f"{lat['rows_per_s']:,.0f}",
@@ -309,16 +403,14 @@ def run(ctx: Any) -> dict[str, Any]:
             f"{lat['enqueued_p50_ms']:,.0f}", f"{lat['enqueued_p95_ms']:,.0f}",
             f"{lat['rows_measured']:,} ({lat['rows_unseen']} unseen)",
         ])  # fmt: skip
-    batch_table = markdown_table(
-        ["spark", "case", "seconds (median)", "min-max", "rows/s", "vs jdbc append"], batch_rows
-    )
+    table = batch_table(figures, rows)
     stream_table = markdown_table(
         ["spark", "max rows/s (rate-micro-batch)", "offered rows/s", "rows/s",
          "row -> commit seen p50 ms", "p95 ms", "row -> enqueued_at p50 ms", "p95 ms", "rows measured"],
         stream_rows,
     )  # fmt: skip
     return {"rows": rows, "runs": ctx.runs, "stream_seconds": seconds, "figures": figures,
-            "batch_table": batch_table, "stream_table": stream_table}  # fmt: skip
+            "batch_table": table, "stream_table": stream_table}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,17 +6,24 @@ One executor task of the data source (and of ``enqueue_dataframe``) gets Arrow b
 writes them in one transaction (``spark/write.py``'s ``write_arrow_partition``).  This runs the
 same code on one partition of ``--rows`` customer rows (customer_id, email, segment: the
 ``spark`` scenario's), in this process, adding one step at a time, each timed (best of
-``--runs``):
+``--runs``; 4, 4b and 7 take turns in each round):
 
 1. every batch encoded column at a time: uuid5 id, idempotency key, JSON payload
    (``encode_batch``);
 2. ... and written as CSV by Arrow;
 3. ... and COPY'd into the staging table (transaction rolled back);
-4. the whole task (``write_arrow_partition``): 3, then the known keys dropped, the INSERT
-   into the messages table, the twins' check and the NOTIFY, committed (table truncated first);
+4. the whole task (``write_arrow_partition``) on new keys, committed (table truncated first):
+   the direct write of a partition that fits in memory (every key claimed by a COPY into
+   ``idempotency_keys``, looked up in history, the messages COPYed into the table, NOTIFY);
+4b. the same task through the staging table (``DIRECT_BYTES`` 0: the path of a larger
+   partition, or of one with keys taken already): 3, then the known keys dropped, the INSERT
+   into the messages table claiming the keys, the NOTIFY, committed;
 5. for scale: the same Arrow batches appended to a bare table by COPY (what a JDBC append does
    with the customer rows, minus JDBC's batched INSERTs);
-6. for scale: the row-by-row encoder of custom encoders (``encode_rows``), alone.
+6. for scale: the row-by-row encoder of custom encoders (``encode_rows``), alone;
+7. the floor (issue 34): the same message rows COPYed straight into the messages table, no
+   key claimed or checked, no NOTIFY (``bench_spark.floor_writer``, the Spark benchmark's
+   floor row), committed (table truncated first).
 
 The database: ``$DATABASE_URL``, else the local server, else a throwaway one (a scratch
 database either way).
@@ -35,9 +42,11 @@ import dramatiq
 import psycopg
 from pyarrow import csv
 
+from benchmarks.bench_spark import floor_writer
 from dramatiq_pg_outbox import upgrade
 from dramatiq_pg_outbox._queries import queries_for_schema
 from dramatiq_pg_outbox.spark import Plan, write_arrow_partition
+from dramatiq_pg_outbox.spark import write as spark_write
 from dramatiq_pg_outbox.spark.encoding import arrow_rows, encode_batch, encode_rows
 from dramatiq_pg_outbox.testing import postgres_server, scratch_database
 from dramatiq_pg_outbox.urls import libpq_url
@@ -69,6 +78,21 @@ def best(runs: int, step: Callable[[], Any], before: Callable[[], Any] = lambda:
         step()
         times.append(time.perf_counter() - started)
     return min(times)
+
+
+def best_interleaved(
+    runs: int, steps: dict[str, Callable[[], Any]], before: Callable[[], Any]
+) -> dict[str, float]:
+    """The best time of each step, the steps taking turns in each of ``runs`` rounds (a shared
+    machine's load then weighs on each alike)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(runs):
+        for name, step in steps.items():
+            before()
+            started = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - started)
+    return {name: min(values) for name, values in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         def whole() -> None:
             assert write_arrow_partition(plan, data) == (args.rows, args.rows, 0)
 
+        def staged() -> None:
+            limit, spark_write.DIRECT_BYTES = spark_write.DIRECT_BYTES, 0
+            try:
+                whole()
+            finally:
+                spark_write.DIRECT_BYTES = limit
+
+        def floor() -> None:
+            assert floor_writer(plan)(data) == args.rows
+
         def plain_copy() -> None:
             with psycopg.connect(plan.conninfo) as conn, conn.cursor() as cur:
                 cur.execute("CREATE TEMP TABLE plain (customer_id bigint, email text, segment text)")
@@ -130,19 +164,25 @@ def main(argv: list[str] | None = None) -> int:
                         copy.write_row(row)
                 conn.commit()
 
+        committed = {
+            "4 whole task, direct": whole,
+            "4b whole task, staged": staged,
+            "7 floor: COPY into messages": floor,
+        }
         steps = {
             "1 encode (Arrow)": best(args.runs, encode),
             "2 + CSV": best(args.runs, encode_csv),
             "3 + COPY to staging": best(args.runs, copy_only),
-            "4 whole task (+ INSERT, commit)": best(args.runs, whole, truncate),
+            **best_interleaved(args.runs, committed, truncate),
             "5 bare-table COPY of the rows": best(args.runs, plain_copy),
             "6 row-by-row encode (alone)": best(args.runs, row_by_row),
         }
     print(f"\none task of {args.rows:,} rows, best of {args.runs}")
-    print(f"{'step':<36}{'seconds':>9}{'us/row':>9}{'share of 4':>12}")
+    print(f"{'step':<36}{'seconds':>9}{'us/row':>9}{'share of 4':>12}{'vs floor':>10}")
     for name, seconds in steps.items():
-        share = seconds / steps["4 whole task (+ INSERT, commit)"]
-        print(f"{name:<36}{seconds:>9.2f}{seconds / args.rows * 1e6:>9.1f}{share:>12.0%}")
+        share = seconds / steps["4 whole task, direct"]
+        floor_ratio = seconds / steps["7 floor: COPY into messages"]
+        print(f"{name:<36}{seconds:>9.2f}{seconds / args.rows * 1e6:>9.1f}{share:>12.0%}{floor_ratio:>9.2f}x")
     return 0
 
 

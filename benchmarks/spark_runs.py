@@ -8,9 +8,15 @@ Batch, ``--runs`` rounds, each on freshly truncated tables, the cases interleave
 
 - ``jdbc append``: ``df.write.format("jdbc").mode("append")`` of the rows (customer_id bigint,
   email text, segment text; batchsize 10,000) into a bare table without an index: the baseline;
+- ``COPY floor, messages table``: the physical floor of the data source (issue 34): the same
+  message rows (queue, actor, uuid5 id, idempotency key, JSON payload: the data source's bytes,
+  by its encoder, in the executors), each task one binary COPY straight into the messages table
+  and its indexes in one transaction (``bench_spark.copy_floor``): no staging table, no check of
+  known keys, no NOTIFY (not idempotent);
 - ``format("dramatiq")``: the same DataFrame written as messages by the data source (the
-  executors encode a batch at a time with Arrow; COPY, the known keys dropped, INSERT, one
-  NOTIFY per task), with a new batch id each round;
+  executors encode a batch at a time with Arrow; a task of new keys COPYs them into
+  ``idempotency_keys`` and its messages into the table, else it stages its rows, drops the
+  known keys and INSERTs the rest; one NOTIFY per task), with a new batch id each round;
 - ``enqueue_dataframe``: the same through the function (the same writer in each task; for
   scale);
 - ``jdbc append, indexed messages``: for scale too, the message rows themselves (ids, keys and
@@ -46,7 +52,7 @@ from typing import Any
 
 import psycopg
 
-from benchmarks.bench_spark import customers, message_rows
+from benchmarks.bench_spark import BASELINE, FLOOR, batch_table, copy_floor, customers, message_rows
 from dramatiq_pg_outbox.names import channel_for
 from dramatiq_pg_outbox.spark import (
     cluster_session,
@@ -55,6 +61,7 @@ from dramatiq_pg_outbox.spark import (
     local_session,
     register,
 )
+from dramatiq_pg_outbox.urls import libpq_url
 
 #: Rows per micro-batch when measuring the stream's throughput.
 ROWS_PER_BATCH = 100_000
@@ -79,6 +86,7 @@ def timed(fn: Any) -> float:
 def batch(spark: Any, url: str, rows: int, partitions: int, runs: int) -> dict[str, list[float]]:
     """Seconds of each case in each round."""
     jdbc = jdbc_options(url)
+    conninfo = libpq_url(url)
     df = customers(spark, rows, partitions)
     warm = customers(spark, 20_000, partitions)
 
@@ -123,15 +131,21 @@ def batch(spark: Any, url: str, rows: int, partitions: int, runs: int) -> dict[s
     function(warm, "warm-function")
     fresh("indexed_messages")
     append_messages(jdbc_message_rows(warm))
+    fresh("dramatiq.messages, dramatiq.idempotency_keys")
+    copy_floor(warm, conninfo, "warm-floor")
     cases: dict[str, list[float]] = {
-        "jdbc append": [],
+        BASELINE: [],
+        FLOOR: [],
         'format("dramatiq")': [],
         "enqueue_dataframe": [],
         "jdbc append, indexed messages": [],
     }
     for i in range(runs):
         fresh("plain_customers")
-        cases["jdbc append"].append(timed(lambda: append(df)))
+        cases[BASELINE].append(timed(lambda: append(df)))
+        fresh("dramatiq.messages, dramatiq.idempotency_keys")
+        cases[FLOOR].append(timed(lambda i=i: copy_floor(df, conninfo, f"floor-{i}")))
+        assert execute(url, "SELECT count(*) FROM dramatiq.messages") == rows
         fresh("dramatiq.messages, dramatiq.idempotency_keys")
         cases['format("dramatiq")'].append(timed(lambda i=i: source(df, f"source-{i}")))
         assert execute(url, "SELECT count(*) FROM dramatiq.messages") == rows
@@ -305,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, Any] = {"master": args.master, "cores": spark.sparkContext.defaultParallelism}
     try:
         figures["batch"] = batch(spark, args.url, args.rows, args.partitions, args.runs)
+        print(batch_table({args.master: figures}, args.rows), flush=True)
         seconds = args.stream_seconds
         figures["stream_throughput"] = stream(spark, args.url, args.rows_per_batch, seconds, watch=False)
         figures["stream_latency"] = stream(spark, args.url, LATENCY_RATE, seconds, watch=True)

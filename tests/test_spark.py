@@ -529,6 +529,147 @@ def test_a_key_twice_in_one_partition_becomes_one_message(
     assert count(db) == 3
 
 
+def test_a_partition_of_new_keys_is_copied_straight_into_the_table_as_through_the_stage(
+    actor: Any, broker: PostgresBroker, db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: a partition that fits in memory and whose keys are all new is written without
+    the staging table (_write_direct), the same rows as through it."""
+    import dataclasses
+
+    import pyarrow as pa
+
+    from dramatiq_pg_outbox.spark import write as spark_write
+    from dramatiq_pg_outbox.spark import write_arrow_partition
+
+    plan = dataclasses.replace(customer_id_plan(broker, "direct"), priority=3)
+    batches = [pa.RecordBatch.from_pydict({"customer_id": pa.array(range(i, i + 100), pa.int64())})
+               for i in (0, 100, 200)]  # fmt: skip
+    columns = (
+        "queue_name, actor_name, message_id, idempotency_key, priority, slot, state, attempts, "
+        "next_attempt_at = enqueued_at, convert_from(payload, 'UTF8')::jsonb - 'message_timestamp'"
+    )
+
+    def stored() -> list[Any]:
+        return db.execute(f"SELECT {columns} FROM dramatiq.messages ORDER BY id").fetchall()
+
+    staged: list[bool] = []
+    write_stage = spark_write._write_stage
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        staged.append(True)
+        return write_stage(*args, **kwargs)
+
+    monkeypatch.setattr(spark_write, "_write_stage", spy)
+    assert write_arrow_partition(plan, batches) == (300, 300, 0)
+    assert not staged  # written directly
+    direct = stored()
+    assert count(db, "SELECT count(*) FROM dramatiq.idempotency_keys") == 300
+    db.execute("TRUNCATE dramatiq.messages, dramatiq.idempotency_keys")
+    monkeypatch.setattr(spark_write, "DIRECT_BYTES", 0)
+    assert write_arrow_partition(plan, batches) == (300, 300, 0)
+    assert staged == [True]
+    assert stored() == direct and len(direct) == 300
+    assert direct[0][:8] == ("notifications", "notify_customer", message_id_for("direct", 0), "direct:0",
+                             3, -1, "pending", 0)  # fmt: skip
+
+
+def test_the_direct_write_skips_keys_known_by_any_means_and_counts_repeats(
+    actor: Any, broker: PostgresBroker, db: Any
+) -> None:
+    """Every conflict of the direct write (a key waiting, archived, stored by an older version
+    without its row in idempotency_keys, repeated in the partition) rolls it back, and the
+    staging table then skips or counts those keys."""
+    import pyarrow as pa
+
+    from dramatiq_pg_outbox.spark import write_arrow_partition
+
+    def batch(*ids: int) -> Any:
+        return pa.RecordBatch.from_pydict({"customer_id": pa.array(ids, pa.int64())})
+
+    plan = customer_id_plan(broker, "known")
+    assert write_arrow_partition(plan, [batch(0, 1, 2)]) == (3, 3, 0)
+    assert write_arrow_partition(plan, [batch(2, 3), batch(4, 3)]) == (4, 2, 1)  # 2 waits, 3 repeats
+    # An older version's message (no row in idempotency_keys), waiting, and one in history
+    db.execute(
+        "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, payload, idempotency_key, slot) "
+        "VALUES ('notifications', 'notify_customer', 'm5', '\\x00', 'known:5', -1)"
+    )
+    db.execute(
+        "INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts, enqueued_at, "
+        "started_at, finished_at, payload, idempotency_key) VALUES (-6, 'notifications', 'notify_customer', "
+        "'m6', 'completed', 1, now(), now(), now(), '\\x00', 'known:6')"
+    )
+    assert write_arrow_partition(plan, [batch(5, 7)]) == (2, 1, 0)
+    assert write_arrow_partition(plan, [batch(6, 8)]) == (2, 1, 0)
+    assert count(db, "SELECT count(*) FROM dramatiq.messages WHERE idempotency_key LIKE 'known:%'") == 8
+    assert write_arrow_partition(plan, [batch(*range(9))]) == (9, 0, 0)
+
+
+def test_concurrent_duplicate_tasks_write_each_message_once_directly_or_not(
+    actor: Any, broker: PostgresBroker, db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative execution on the Arrow writer: twins claim the same keys by COPY (the
+    direct write) or through the staging table (a partition too large to hold)."""
+    import threading
+
+    import pyarrow as pa
+
+    from dramatiq_pg_outbox.spark import write as spark_write
+    from dramatiq_pg_outbox.spark import write_arrow_partition
+
+    batches = [pa.RecordBatch.from_pydict({"customer_id": pa.array(range(i, i + 1000), pa.int64())})
+               for i in range(0, 5000, 1000)]  # fmt: skip
+    for limit, batch_id in ((spark_write.DIRECT_BYTES, "held"), (0, "streamed")):
+        monkeypatch.setattr(spark_write, "DIRECT_BYTES", limit)
+        plan = customer_id_plan(broker, batch_id, notify=True)
+        results: list[tuple[int, int, int]] = []
+
+        def task(plan: Plan = plan, results: list[tuple[int, int, int]] = results) -> None:
+            results.append(write_arrow_partition(plan, batches))
+
+        threads = [threading.Thread(target=task) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert sorted(enqueued for _, enqueued, _ in results) == [0, 0, 5_000], batch_id
+    assert count(db) == 10_000
+
+
+def test_a_partition_over_the_direct_limit_or_delayed_streams_through_the_stage(
+    actor: Any, broker: PostgresBroker, db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    import pyarrow as pa
+
+    from dramatiq_pg_outbox.spark import write as spark_write
+    from dramatiq_pg_outbox.spark import write_arrow_partition
+
+    staged: list[bool] = []
+    write_stage = spark_write._write_stage
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        staged.append(True)
+        return write_stage(*args, **kwargs)
+
+    monkeypatch.setattr(spark_write, "_write_stage", spy)
+    batches = [pa.RecordBatch.from_pydict({"customer_id": pa.array(range(i, i + 100), pa.int64())})
+               for i in range(0, 1000, 100)]  # fmt: skip
+    # Over the limit after 3 batches: the 3 held and the 7 still coming go through the stage
+    monkeypatch.setattr(spark_write, "DIRECT_BYTES", batches[0].nbytes * 2)
+    taken = iter(batches)
+    assert write_arrow_partition(customer_id_plan(broker, "large"), taken) == (1000, 1000, 0)
+    assert staged == [True] and next(taken, None) is None
+    monkeypatch.setattr(spark_write, "DIRECT_BYTES", 64 << 20)
+    delayed = dataclasses.replace(customer_id_plan(broker, "later"), delay_ms=60_000)
+    assert write_arrow_partition(delayed, batches[:1]) == (100, 100, 0)
+    assert staged == [True, True]
+    assert count(
+        db, "SELECT count(*) FROM dramatiq.messages WHERE next_attempt_at > now() + interval '50 s'"
+    ) == (100)
+
+
 def test_a_repeated_key_is_counted_or_with_on_duplicate_key_error_fails_before_any_write(
     spark: Any, actor: Any, broker: PostgresBroker, db: Any, database_url: str
 ) -> None:

@@ -23,7 +23,14 @@ the rows of keys already known dropped from it, one ``INSERT ... SELECT`` of
 the rest into the messages table (``ON CONFLICT DO NOTHING`` only if a twin
 task wrote some of those keys meanwhile), then at most one ``NOTIFY``
 (delivered at commit).  Rows stream into
-``COPY`` batch by batch, so a partition is never held in memory.
+``COPY`` batch by batch, so a large partition is never held in memory.
+A partition whose columns take at most 64 MiB (``write.DIRECT_BYTES``; without
+a delay) is held, and written first without the temporary table: a ``COPY``
+of its keys into ``idempotency_keys``, which refuses a key taken already or
+repeated, then a ``COPY`` of its messages straight into the table; a refused
+key rolls that attempt back and the task writes through the temporary table
+as above, with the same result (issue 34; the time against a bare ``COPY`` of
+the messages: benchmarks/README.md, section 17, "The floor row").
 
 Each task runs the writer of ``df.write.format("dramatiq")``
 (:func:`~dramatiq_pg_outbox.spark.write.write_arrow_partition`): one code path

@@ -265,12 +265,7 @@ def encode_batch(plan: Plan, batch: Any, now_ms: int) -> Any:
     import pyarrow.compute as pc
 
     dumps = _json_dumps()
-    key = batch.column(plan.key)
-    if key.null_count:
-        raise _null_key(plan)
-    ikey = pc.binary_join_element_wise(
-        pa.scalar(f"{plan.batch_id}:"), pc.cast(key, pa.string()), pa.scalar("")
-    )
+    ikey = batch_keys(plan, batch)
     prefix = hashlib.sha1(NAMESPACE.bytes, usedforsecurity=False)
     message_id = pa.array([_uuid5(prefix, k) for k in ikey.to_pylist()], pa.string())
     head, options = _json_frame(plan, dumps)
@@ -296,6 +291,66 @@ def encode_batch(plan: Plan, batch: Any, now_ms: int) -> Any:
     return pa.RecordBatch.from_arrays(
         [message_id, ikey, payload], ["message_id", "idempotency_key", "payload"]
     )
+
+
+def batch_keys(plan: Plan, batch: Any) -> Any:
+    """The idempotency keys of an Arrow batch of rows (``plan.columns``), an Arrow string array.
+
+    Raises:
+      EnqueueError: A null key, naming the key column and the batch.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    key = batch.column(plan.key)
+    if key.null_count:
+        raise _null_key(plan)
+    return pc.binary_join_element_wise(
+        pa.scalar(f"{plan.batch_id}:"), pc.cast(key, pa.string()), pa.scalar("")
+    )
+
+
+#: What opens a binary ``COPY`` (its signature, flags 0, no header extension) and what ends it.
+COPY_BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)
+COPY_BINARY_TRAILER = b"\xff\xff"
+
+
+def copy_binary_rows(fields: Sequence[Any]) -> bytes:
+    """Rows in ``COPY ... (FORMAT BINARY)``'s format, without its header and trailer.
+
+    Each field is either a constant, the same in every row (``bytes``: the value's binary
+    form, such as the UTF-8 of a text or the big-endian bytes of a smallint), or an Arrow
+    string or binary array without nulls (a text or a bytea column: its bytes).  Arrow joins
+    each row's field count and each field's int32 length and bytes in one
+    ``binary_join_element_wise``: no Python per row.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    rows = next((len(f) for f in fields if not isinstance(f, bytes)), None)
+    if rows is None:
+        raise ValueError("copy_binary_rows needs at least one column")
+    pieces: list[Any] = [len(fields).to_bytes(2, "big")]
+    for value in fields:
+        if isinstance(value, bytes):
+            pieces.append(len(value).to_bytes(4, "big") + value)
+            continue
+        lengths = pc.binary_length(value).to_numpy(zero_copy_only=False).astype(">i4")
+        framed = pa.Array.from_buffers(pa.binary(4), rows, [None, pa.py_buffer(lengths.tobytes())])
+        pieces += [pc.cast(framed, pa.binary()), pc.cast(value, pa.binary())]
+    merged: list[Any] = []  # neighbouring constants as one
+    for piece in pieces:
+        if isinstance(piece, bytes) and merged and isinstance(merged[-1], bytes):
+            merged[-1] += piece
+        else:
+            merged.append(piece)
+    joined = pc.binary_join_element_wise(
+        *(pa.scalar(p, pa.binary()) if isinstance(p, bytes) else p for p in merged),
+        pa.scalar(b"", pa.binary()),
+    )
+    offsets = np.frombuffer(joined.buffers()[1], np.int32, count=rows + 1, offset=joined.offset * 4)
+    return bytes(joined.buffers()[2].slice(int(offsets[0]), int(offsets[-1] - offsets[0])).to_pybytes())
 
 
 def arrow_rows(batches: Iterable[Any]) -> Iterator[tuple[Any, ...]]:

@@ -19,7 +19,8 @@ Usage (PySpark 4's Python Data Source API; ``pip install 'dramatiq-pg-outbox[spa
 Each partition is written by its executor's Python worker, by the code that
 :func:`~dramatiq_pg_outbox.spark.enqueue_dataframe` runs too
 (:func:`~dramatiq_pg_outbox.spark.write.write_arrow_partition`: one transaction, a ``COPY``
-into a temporary table, one ``INSERT`` of the keys not yet known, one ``NOTIFY``), with
+of the messages straight into the table when every key is new, else into a temporary table
+and one ``INSERT`` of the keys not yet known; one ``NOTIFY``), with
 the same idempotency key ``"<batch>:<key>"``, the same uuid5 message id and the same
 errors: a re-run with the same ``batch`` adds only what is missing.
 

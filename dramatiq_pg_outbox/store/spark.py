@@ -70,6 +70,33 @@ class SparkStore(SchemaStore):
         """``COPY`` into ``dpo_stage`` in binary: (message_id, idempotency_key, payload) rows."""
         return cur.copy(self.queries["spark_copy_binary"])
 
+    def copy_claims(self, cur: psycopg.Cursor[Any]) -> AbstractContextManager[psycopg.Copy]:
+        """``COPY`` in binary into ``idempotency_keys``: (idempotency_key) rows, each claimed.
+
+        Raises:
+          psycopg.errors.UniqueViolation: (at the end of the copy) A key is taken already
+            or comes twice.
+        """
+        return cur.copy(self.queries["spark_copy_claims"])
+
+    def copy_stage_keys(self, cur: psycopg.Cursor[Any]) -> AbstractContextManager[psycopg.Copy]:
+        """``COPY`` in binary into ``dpo_stage``: (idempotency_key) rows, the other columns null."""
+        return cur.copy(self.queries["spark_copy_stage_keys"])
+
+    def drop_in_history(self, cur: psycopg.Cursor[Any]) -> int:
+        """Delete the staged rows whose idempotency key history holds; how many."""
+        cur.execute(self.queries["spark_drop_in_history"])
+        return cur.rowcount
+
+    def copy_messages(self, cur: psycopg.Cursor[Any]) -> AbstractContextManager[psycopg.Copy]:
+        """``COPY`` in binary straight into the messages, slot -1: (queue_name, actor_name,
+        message_id, idempotency_key, payload, priority, slot) rows.
+
+        Raises:
+          psycopg.errors.UniqueViolation: (at the end of the copy) A key is in the table already.
+        """
+        return cur.copy(self.queries["spark_copy_messages"])
+
     def stage_repeats(self, cur: psycopg.Cursor[Any]) -> tuple[int, str | None]:
         """(staged rows whose key an earlier staged row has, the first such key or None)."""
         cur.execute(self.queries["spark_stage_repeats"])
