@@ -978,13 +978,16 @@ def check(url: str, record: Record, drained: bool) -> tuple[Counter[str], dict[s
             bad("lost", f"spark key {key}: written, never ran")
 
     # 5. Concurrency keys: at no instant more deliveries of a key running than its limit, but
-    # inside the documented window (a cut or a restart after which the rescuer may have taken
-    # the claims of a process that was still running their actors; a kill -9 leaves no run).
+    # inside the documented window: a delivery whose claim was taken while it ran (its row no
+    # longer carried its lease when it ended: max_lease, here 1.5 s from the claim, buffer time
+    # included, or the rescuer after a missed heartbeat), or a cut or a restart after which the
+    # rescuer may have taken the claims of a process still running their actors; a kill -9
+    # leaves no run.
     limited = {s.message_id: s for s in record.sent if s.concurrency_key is not None}
     spans: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
     for r in runs:
         sent = limited.get(r[2])
-        if sent is not None and sent.concurrency_key is not None:
+        if sent is not None and sent.concurrency_key is not None and r[9] is not None:
             spans[sent.concurrency_key].append((float(r[6]), float(r[7]), int(r[5])))
     limits = {s.concurrency_key: s.concurrency_limit for s in limited.values()}
     for key, intervals in spans.items():
