@@ -13,8 +13,6 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Callable, Mapping
 
-from sqlalchemy.engine import make_url
-
 from .urls import safe_url
 
 #: The JDBC driver class.
@@ -156,6 +154,8 @@ def jdbc_options(url: str) -> dict[str, str]:
     Returns:
       dict[str, str]: Options for ``spark.read.format("jdbc").options(**...)``.
     """
+    from sqlalchemy.engine import make_url
+
     parsed = make_url(url)
     if parsed.get_backend_name() not in ("postgresql", "postgres"):
         raise ValueError(f"Not a PostgreSQL URL: {safe_url(parsed)}")

@@ -9,10 +9,15 @@ user-info part *and* in ``password``/``sslpassword`` query parameters
 from __future__ import annotations
 
 import urllib.parse
+from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from sqlalchemy.engine import URL, make_url
+
+if TYPE_CHECKING:
+    # SQLAlchemy is imported by the functions that parse a URL: a Spark task's Python
+    # worker imports this module (masking a URL) without needing it.
+    from sqlalchemy.engine import URL
 
 #: libpq parameters whose values are secrets (``sslpassword`` unlocks the client key).
 SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
@@ -93,7 +98,7 @@ def jdbc_url_error(url: str) -> str | None:
 
 def safe_url(url: str | URL) -> str:
     """The URL as text with every secret masked (see :func:`mask_password`)."""
-    text = url.render_as_string(hide_password=False) if isinstance(url, URL) else url
+    text = url if isinstance(url, str) else url.render_as_string(hide_password=False)
     return mask_password(text)
 
 
@@ -105,6 +110,8 @@ def normalize_sqlalchemy_url(url: str | URL) -> URL:
     Raises:
       ValueError: If the URL is not a PostgreSQL URL.
     """
+    from sqlalchemy.engine import make_url
+
     parsed = make_url(url) if isinstance(url, str) else url
     backend = parsed.get_backend_name()
     if backend not in ("postgresql", "postgres"):
@@ -129,6 +136,8 @@ def libpq_url(url: str | URL) -> str:
       ValueError: If the URL is not a PostgreSQL URL, or is a JDBC URL (the message says how
         to write it, see :func:`jdbc_url_error`; it masks the password).
     """
+    from sqlalchemy.engine import make_url
+
     if isinstance(url, str) and (jdbc := jdbc_url_error(url)) is not None:
         raise ValueError(jdbc)
     parsed = make_url(url) if isinstance(url, str) else url

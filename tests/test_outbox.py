@@ -590,3 +590,33 @@ def test_a_session_with_binds_and_no_default_bind_is_a_clear_error_and_loses_not
         assert stored(db) == ["welcome"]
     finally:
         orders.drop(engine)
+
+
+def test_the_package_imports_its_names_on_first_use_and_outbox_stays_the_function() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    # Given a fresh interpreter that imports the package, then the outbox subpackage (as
+    # dramatiq_pg_outbox.django does) before the package's names, or the names first
+    for first in ("import dramatiq_pg_outbox.outbox", "from dramatiq_pg_outbox import PostgresBroker"):
+        code = (
+            "import sys, types\n"
+            "import dramatiq_pg_outbox\n"
+            "assert 'dramatiq_pg_outbox.broker' not in sys.modules, 'the package alone imports the broker'\n"
+            f"{first}\n"
+            "from dramatiq_pg_outbox import Outbox, outbox\n"
+            "from dramatiq_pg_outbox.outbox import Outbox as the_class, outbox as the_function\n"
+            "assert outbox is the_function and not isinstance(outbox, types.ModuleType), outbox\n"
+            "assert Outbox is the_class and dramatiq_pg_outbox.outbox is the_function\n"
+            "from dramatiq_pg_outbox import *\n"
+            "assert set(dramatiq_pg_outbox.__all__) <= set(dir(dramatiq_pg_outbox))\n"
+            "print('ok')\n"
+        )
+        # When it runs
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+        # Then the package imported nothing heavy by itself, and its outbox is the function
+        assert done.stdout.strip() == "ok", done.stderr

@@ -304,6 +304,53 @@ def test_max_partitions_caps_connections(spark: Any, actor: Any, db: Any) -> Non
     assert (result.enqueued, result.partitions) == (200, 2)
 
 
+#: What the Python processes of a format("dramatiq") write need not import: each new one
+#: (the planner's, the commit's, every task's worker) paid for them on a session's first write.
+NOT_FOR_A_WRITE = (
+    "sqlalchemy",
+    "alembic",
+    "psycopg_pool",
+    "dramatiq_pg_outbox.broker",
+    "dramatiq_pg_outbox._runtime",
+    "dramatiq_pg_outbox.migrations",
+    "dramatiq_pg_outbox.outbox",
+    "dramatiq_pg_outbox.results",
+)
+
+
+def test_a_write_task_imports_neither_the_broker_nor_sqlalchemy(tmp_path: Any) -> None:
+    import subprocess
+
+    from dramatiq.encoder import JSONEncoder
+    from pyspark.serializers import CloudPickleSerializer
+
+    from dramatiq_pg_outbox.spark.source import DramatiqDataSource, Written, _Writer
+
+    # Given what Spark ships to the Python processes of a write: the data source's class (the
+    # planner's), its writer with the plan (every task's and the commit's), a task's counts
+    plan = Plan.build(
+        key="customer_id", args=["customer_id"], kwargs={}, conninfo="postgresql://app@db/app",
+        schema="dramatiq", channel="dramatiq_pg_outbox.dramatiq", queue_name="default",
+        actor_name="notify", batch_id="b", options={}, delay_ms=0, notify=True, encoder=JSONEncoder(),
+    )  # fmt: skip
+    shipped = tmp_path / "shipped.pickle"
+    shipped.write_bytes(CloudPickleSerializer().dumps((DramatiqDataSource, _Writer(plan), Written(1, 1))))
+    # When a fresh interpreter unpickles it and imports what a task runs
+    code = (
+        "import pickle, sys\n"
+        f"source, writer, written = pickle.loads(open({str(shipped)!r}, 'rb').read())\n"
+        "import dramatiq_pg_outbox.spark.write, dramatiq_pg_outbox._isolation\n"
+        "assert writer.plan.batch_id == 'b' and written.rows == 1\n"
+        f"print(sorted(m for m in {NOT_FOR_A_WRITE!r} if m in sys.modules))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    # Then none of the broker, its runtime, the outbox, the migrations or SQLAlchemy is imported
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_the_json_fast_path_encodes_exactly_like_dramatiq() -> None:
     from dramatiq.encoder import JSONEncoder, PickleEncoder
 

@@ -94,7 +94,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._jdbc import jdbc_options
-from .._runtime.messages import broker_priority
 from ..names import DEFAULT_SCHEMA, channel_for, validate_schema_name
 from ..options import MAX_MESSAGE_BYTES, integer, optional
 from ..urls import libpq_url
@@ -214,6 +213,7 @@ def enqueue_dataframe(
     import dramatiq
     from dramatiq.common import q_name
 
+    from .._runtime.messages import broker_priority
     from ..broker import PostgresBroker
     from ..names import validate_queue_name
 

@@ -96,7 +96,6 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
-from .._runtime.messages import broker_priority
 from ..names import channel_for, validate_queue_name
 from ..options import MAX_MESSAGE_BYTES
 from ..store.spark import SparkStore
@@ -311,6 +310,8 @@ def plan_from_options(options: Mapping[str, str], columns: list[str]) -> Plan:
     """
     import dramatiq
     from dramatiq.common import q_name
+
+    from .._runtime.messages import broker_priority
 
     given, conninfo, schema = given_options(options, "dramatiq", OPTIONS, REQUIRED)
 
