@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 #: Each exported name and the module that defines it.
 _EXPORTS = {
+    "Canceled": ".errors",
     "MessageTooLarge": ".errors",
     "Outbox": ".outbox",
     "OutboxError": ".errors",
@@ -34,6 +35,7 @@ _EXPORTS = {
     "PostgresBroker": ".broker",
     "SchemaNotReady": ".errors",
     "downgrade": ".migrations",
+    "is_canceled": ".broker.consumer",
     "outbox": ".outbox",
     "outside_outbox": ".outbox",
     "upgrade": ".migrations",

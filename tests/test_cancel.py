@@ -235,7 +235,7 @@ def test_a_prefetched_message_canceled_before_it_starts_never_runs_and_the_next_
     job.send("prefetched")
     job.send("after")
     start_worker(broker, worker_threads=1)
-    wait_for(lambda: ran == ["busy"], 10, "the first message to start")
+    wait_for(lambda: ran == ["busy"], 30, "the first message to start")
     second = int(
         db.execute(
             "SELECT min(id) FROM dramatiq.messages WHERE id > (SELECT min(id) FROM dramatiq.messages)"
@@ -246,7 +246,7 @@ def test_a_prefetched_message_canceled_before_it_starts_never_runs_and_the_next_
             db.execute("SELECT state FROM dramatiq.messages WHERE id = %s", (second,)).fetchone()
             == ("processing",)
         ),
-        10,
+        30,
         "the second message to be prefetched",
     )
     assert second not in broker.runtime.running_ids()
@@ -263,6 +263,6 @@ def test_a_prefetched_message_canceled_before_it_starts_never_runs_and_the_next_
     assert asyncio.run(cancel()).outcome == "canceling"
     release.set()
     # Then it never runs, ends canceled, and the next message runs
-    wait_for(lambda: ran == ["busy", "after"], 10, "the third message to run")
-    wait_for(lambda: finished_state(db, second) == "canceled", 5, "the prefetched message to be canceled")
+    wait_for(lambda: ran == ["busy", "after"], 30, "the third message to run")
+    wait_for(lambda: finished_state(db, second) == "canceled", 30, "the prefetched message to be canceled")
     assert db.execute("SELECT count(*) FROM dramatiq.messages").fetchone() == (0,)
