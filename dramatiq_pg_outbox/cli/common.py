@@ -80,21 +80,23 @@ class Parser(argparse.ArgumentParser):
 # -- argument types (argparse ``type=``) --------------------------------------
 
 
-def parse_positive_int(text: str) -> int:
+def whole_number(text: str, what: str = "a whole number") -> int:
+    """``text`` as an int; ``argparse.ArgumentTypeError`` "expected <what>, got ..." if it is none."""
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+def parse_positive_int(text: str) -> int:
+    value = whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
     return value
 
 
 def parse_non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = whole_number(text)
     if not 0 <= value <= 3660:
         raise argparse.ArgumentTypeError(f"must be within 0..3660, got {value}")
     return value

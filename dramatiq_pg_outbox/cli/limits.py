@@ -15,7 +15,15 @@ from typing import Any
 
 from ..formats import format_time
 from ..names import channel_for
-from .common import EXIT_USAGE, CliError, checked_connection, print_json, print_table, record_action
+from .common import (
+    EXIT_USAGE,
+    CliError,
+    checked_connection,
+    print_json,
+    print_table,
+    record_action,
+    whole_number,
+)
 
 #: Longest prefix accepted (a concurrency key has at most 200 characters).
 MAX_PREFIX = 200
@@ -28,10 +36,7 @@ def parse_prefix(text: str) -> str:
 
 
 def parse_limit(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of messages, got {text!r}") from None
+    value = whole_number(text, "a whole number of messages")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (hold every message of the keys) or more, got {value}")
     return value
