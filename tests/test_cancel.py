@@ -261,6 +261,10 @@ def test_a_prefetched_message_canceled_before_it_starts_never_runs_and_the_next_
             await store.close()
 
     assert asyncio.run(cancel()).outcome == "canceling"
+    # (the notification reaches the worker's listener thread; a cancel that reaches it after
+    # the actor started is a running cancel, and one after it returned is too late, as the
+    # guarantees say: the first message ends only once the worker holds the cancel)
+    wait_for(lambda: second in broker.runtime.cancel_before_start, 30, "the worker to hold the cancel")
     release.set()
     # Then it never runs, ends canceled, and the next message runs
     wait_for(lambda: ran == ["busy", "after"], 30, "the third message to run")
