@@ -457,7 +457,8 @@ WHERE pg_try_advisory_xact_lock(%(lock_space)s::integer, hashtext(due.key));
 -- lock until it commits, so the count of processing messages per key is exact
 -- here (an ack committed since can only make it smaller: a slot seen late,
 -- never one too many).  The limit of a key: the run-time one of its longest
--- prefix (concurrency_limits), else the one its first message carries
+-- prefix among the queue's own limits, else among those of every queue
+-- (concurrency_limits, queue_name ''), else the one its first message carries
 -- (%(limits)s, NULL: 1).  Each key gives at most %(per_key)s messages, its
 -- due ones by priority, then oldest first (FIFO within a priority of a key):
 -- the prioritized ones from messages_priority_idx (a probe of an empty range
@@ -477,7 +478,8 @@ WITH keys AS (
     SELECT k.key,
            greatest(coalesce(
                (SELECT l.max_running FROM {schema}.concurrency_limits AS l
-                WHERE starts_with(k.key, l.prefix) ORDER BY length(l.prefix) DESC LIMIT 1),
+                WHERE l.queue_name IN (%(queue_name)s, '') AND starts_with(k.key, l.prefix)
+                ORDER BY l.queue_name = '', length(l.prefix) DESC LIMIT 1),
                k.lim, 1)
              - (SELECT count(*) FROM {schema}.messages AS r
                 WHERE r.concurrency_key = k.key AND r.state = 'processing'), 0) AS free
@@ -1253,72 +1255,96 @@ SELECT queue_name, paused_at FROM {schema}.queue_pauses ORDER BY paused_at, queu
 
 -- name: limit_set --
 -- Sets the run-time limit of the concurrency keys that start with %(prefix)s
--- (migration 0021): the keyed claim takes it before the limit a message carries.
--- Wakes the workers of every queue with keyed messages waiting (a raised limit
--- frees slots at once; unless %(notify)s is false).  Returns the previous limit
--- (NULL: none) and the queues woken.
+-- in queue %(queue_name)s ('': every queue; migrations 0021, 0023): the keyed
+-- claim takes a queue's own limit, then one of every queue, before the limit
+-- a message carries.  Wakes the workers of the queues concerned with keyed
+-- messages waiting (a raised limit frees slots at once; unless %(notify)s is
+-- false).  Returns the previous limit (NULL: none) and the queues woken.
 WITH previous AS (
-    SELECT max_running FROM {schema}.concurrency_limits WHERE prefix = %(prefix)s
+    SELECT max_running FROM {schema}.concurrency_limits
+    WHERE queue_name = %(queue_name)s AND prefix = %(prefix)s
 ),
 set AS (
-    INSERT INTO {schema}.concurrency_limits AS l (prefix, max_running)
-    VALUES (%(prefix)s, %(max_running)s)
-    ON CONFLICT (prefix) DO UPDATE SET max_running = excluded.max_running, updated_at = now()
+    INSERT INTO {schema}.concurrency_limits AS l (queue_name, prefix, max_running)
+    VALUES (%(queue_name)s, %(prefix)s, %(max_running)s)
+    ON CONFLICT (queue_name, prefix) DO UPDATE SET max_running = excluded.max_running, updated_at = now()
     RETURNING prefix
 ),
 woken AS (
     SELECT q.queue_name, CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, q.queue_name) END
     FROM (SELECT DISTINCT queue_name FROM {schema}.messages
-          WHERE state = 'pending' AND concurrency_key IS NOT NULL) AS q
+          WHERE state = 'pending' AND concurrency_key IS NOT NULL
+            AND (%(queue_name)s = '' OR queue_name = %(queue_name)s)) AS q
     WHERE (SELECT count(*) FROM set) > 0
 )
 SELECT (SELECT max_running FROM previous), array(SELECT queue_name FROM woken ORDER BY 1);
 
 -- name: limit_unset --
--- Removes the run-time limit of %(prefix)s; the keys fall back to a shorter
--- prefix's or to the limits their messages carry.  Wakes the workers as
--- limit_set does.  Returns the limit removed (no row: there was none).
+-- Removes the run-time limit of %(prefix)s in queue %(queue_name)s ('': the
+-- one of every queue); the keys fall back to another limit or to the ones
+-- their messages carry.  Wakes the workers as limit_set does.  Returns the
+-- limit removed (no row: there was none).
 WITH gone AS (
-    DELETE FROM {schema}.concurrency_limits WHERE prefix = %(prefix)s RETURNING max_running
+    DELETE FROM {schema}.concurrency_limits
+    WHERE queue_name = %(queue_name)s AND prefix = %(prefix)s
+    RETURNING max_running
 ),
 woken AS (
     SELECT CASE WHEN %(notify)s::boolean THEN pg_notify(%(channel)s, q.queue_name) END
     FROM (SELECT DISTINCT queue_name FROM {schema}.messages
-          WHERE state = 'pending' AND concurrency_key IS NOT NULL) AS q
+          WHERE state = 'pending' AND concurrency_key IS NOT NULL
+            AND (%(queue_name)s = '' OR queue_name = %(queue_name)s)) AS q
     WHERE (SELECT count(*) FROM gone) > 0
 )
 SELECT max_running FROM gone WHERE (SELECT count(*) FROM woken) >= 0;
 
 -- name: limits --
--- The run-time limits, with the messages of their keys processing and waiting now.
-SELECT l.prefix, l.max_running, l.updated_at,
+-- The run-time limits (of queue %(queue_name)s and of every queue; NULL: all),
+-- with the messages of their keys processing and waiting now (in their queue,
+-- for a queue's own limit).  queue_name '' is a limit of every queue.
+SELECT nullif(l.queue_name, '') AS queue_name, l.prefix, l.max_running, l.updated_at,
        (SELECT count(*) FROM {schema}.messages AS m
-        WHERE m.state = 'processing' AND starts_with(m.concurrency_key, l.prefix)) AS processing,
+        WHERE m.state = 'processing' AND starts_with(m.concurrency_key, l.prefix)
+          AND (l.queue_name = '' OR m.queue_name = l.queue_name)) AS processing,
        (SELECT count(*) FROM {schema}.messages AS m
-        WHERE m.state = 'pending' AND starts_with(m.concurrency_key, l.prefix)) AS waiting
+        WHERE m.state = 'pending' AND starts_with(m.concurrency_key, l.prefix)
+          AND (l.queue_name = '' OR m.queue_name = l.queue_name)) AS waiting
 FROM {schema}.concurrency_limits AS l
-ORDER BY l.prefix;
+WHERE %(queue_name)s::text IS NULL OR l.queue_name IN (%(queue_name)s::text, '')
+ORDER BY l.queue_name, l.prefix;
 
 -- name: busiest_keys --
--- The concurrency keys with messages now (that start with %(prefix)s, NULL:
--- any), the most waiting first, at most %(limit)s: messages processing and
--- waiting, and the limit the claim applies (the run-time one of the longest
--- prefix, else the one the oldest waiting message carries, else 1).
-SELECT k.key, k.processing, k.waiting,
-       coalesce((SELECT l.max_running FROM {schema}.concurrency_limits AS l
-                 WHERE starts_with(k.key, l.prefix) ORDER BY length(l.prefix) DESC LIMIT 1),
-                k.carried, 1) AS max_running,
-       (SELECT l.prefix FROM {schema}.concurrency_limits AS l
-        WHERE starts_with(k.key, l.prefix) ORDER BY length(l.prefix) DESC LIMIT 1) AS limited_by
+-- The concurrency keys with messages now, per queue (keys that start with
+-- %(prefix)s, NULL: any; of queue %(queue_name)s, NULL: any), the most waiting
+-- first, at most %(limit)s: messages processing and waiting in the queue, and
+-- the limit its claim applies (as claim_keyed: the queue's own run-time limit
+-- of the longest prefix, else one of every queue, else the one the oldest
+-- waiting message carries, else 1) and where it comes from.  The claim counts
+-- a key's processing messages in every queue: see processing_everywhere.
+SELECT k.queue_name, k.key, k.processing, k.waiting, lim.max_running, lim.limited_by, lim.limit_queue,
+       (SELECT count(*) FROM {schema}.messages AS r
+        WHERE r.concurrency_key = k.key AND r.state = 'processing') AS processing_everywhere
 FROM (
-    SELECT concurrency_key AS key,
+    SELECT queue_name, concurrency_key AS key,
            count(*) FILTER (WHERE state = 'processing') AS processing,
            count(*) FILTER (WHERE state = 'pending') AS waiting,
            (array_agg(concurrency_limit ORDER BY next_attempt_at, id) FILTER (WHERE state = 'pending'))[1] AS carried
     FROM {schema}.messages
     WHERE concurrency_key IS NOT NULL
       AND (%(prefix)s::text IS NULL OR starts_with(concurrency_key, %(prefix)s::text))
-    GROUP BY concurrency_key
+      AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s::text)
+    GROUP BY queue_name, concurrency_key
 ) AS k
-ORDER BY k.waiting DESC, k.processing DESC, k.key
+LEFT JOIN LATERAL (
+    SELECT l.max_running AS run_time, l.prefix, nullif(l.queue_name, '') AS queue_name
+    FROM {schema}.concurrency_limits AS l
+    WHERE l.queue_name IN (k.queue_name, '') AND starts_with(k.key, l.prefix)
+    ORDER BY l.queue_name = '', length(l.prefix) DESC
+    LIMIT 1
+) AS rt ON true
+CROSS JOIN LATERAL (
+    SELECT coalesce(rt.run_time, k.carried, 1) AS max_running, rt.prefix AS limited_by,
+           rt.queue_name AS limit_queue
+) AS lim
+ORDER BY k.waiting DESC, k.processing DESC, k.queue_name, k.key
 LIMIT %(limit)s;

@@ -185,9 +185,9 @@ def test_the_limits_command_lists_sets_and_unsets(
     assert main(["limits", "--url", database_url]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "no run-time limit (keys take the limits their messages carry; default 1)"
-    assert lines[2].split() == ["key", "processing", "waiting", "limit", "from"]
-    assert lines[3].split() == ["customer:1", "0", "3", "2", "(message)"]
-    assert lines[4].split() == ["customer:2", "0", "1", "1", "(message)"]
+    assert lines[2].split() == ["queue", "key", "processing", "waiting", "limit", "from"]
+    assert lines[3].split() == ["default", "customer:1", "0", "3", "2", "(message)"]
+    assert lines[4].split() == ["default", "customer:2", "0", "1", "1", "(message)"]
     assert main(["limits", "set", "customer:", "5", "--dry-run", "--url", database_url]) == 0
     assert "would set the limit of keys 'customer:'* to 5 (now: none)" in capsys.readouterr().out
     assert main(["limits", "set", "customer:", "5", "--url", database_url]) == 0
@@ -196,14 +196,95 @@ def test_the_limits_command_lists_sets_and_unsets(
     )
     assert main(["limits", "--json", "--url", database_url]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert [(r["prefix"], r["max_running"], r["waiting"]) for r in listed["limits"]] == [("customer:", 5, 4)]
-    assert [(k["key"], k["max_running"], k["limited_by"]) for k in listed["keys"]] == [
-        ("customer:1", 5, "customer:"), ("customer:2", 5, "customer:")
+    assert [(r["queue_name"], r["prefix"], r["max_running"], r["waiting"]) for r in listed["limits"]] == [
+        (None, "customer:", 5, 4)
+    ]
+    assert [(k["key"], k["max_running"], k["limited_by"], k["limit_queue"]) for k in listed["keys"]] == [
+        ("customer:1", 5, "customer:", None), ("customer:2", 5, "customer:", None)
     ]  # fmt: skip
+    # A limit of one queue: listed beside the one of every queue, and it wins for that queue's keys
+    assert main(["limits", "set", "customer:1", "1", "--queue", "elsewhere", "--url", database_url]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "set the limit of keys 'customer:1'* of queue 'elsewhere' to 1 (was: none); "
+        "woke the workers of 0 queue(s)"
+    )
+    assert main(["limits", "set", "customer:", "2", "--queue", "default", "--url", database_url]) == 0
+    assert "woke the workers of 1 queue(s)" in capsys.readouterr().out
+    assert main(["limits", "--url", database_url, "--keys", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in lines[:5]] == [
+        ["queue", "prefix", "limit"], ["(every", "queue)", "customer:"], ["default", "customer:", "2"],
+        ["elsewhere", "customer:1", "1"], [],
+    ]  # fmt: skip
+    assert lines[-1].split() == ["default", "customer:1", "0", "3", "2", "customer:*", "of", "default"]
+    assert main(["limits", "--queue", "elsewhere", "--json", "--url", database_url]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(r["queue_name"], r["prefix"]) for r in listed["limits"]] == [
+        (None, "customer:"), ("elsewhere", "customer:1")
+    ]  # fmt: skip
+    assert listed["keys"] == []  # (no message in that queue)
+    assert main(["limits", "unset", "customer:", "--queue", "default", "--url", database_url]) == 0
+    assert "removed the limit 2 of keys 'customer:'* of queue 'default'" in capsys.readouterr().out
+    assert main(["limits", "unset", "customer:1", "--queue", "elsewhere", "--url", database_url]) == 0
     assert main(["limits", "unset", "customer:", "--url", database_url]) == 0
     assert "removed the limit 5" in capsys.readouterr().out
     assert main(["limits", "unset", "customer:", "--url", database_url]) == 1
-    assert "no run-time limit for prefix 'customer:'" in capsys.readouterr().err
+    assert "no run-time limit for keys 'customer:'*" in capsys.readouterr().err
+    assert main(["limits", "unset", "customer:", "--queue", "default", "--url", database_url]) == 1
+    assert "no run-time limit for keys 'customer:'* of queue 'default'" in capsys.readouterr().err
+    # The audit trail names the queue of a queue's limit
+    audit = (
+        "SELECT action, target FROM dramatiq.audit WHERE target LIKE 'customer:%%' ORDER BY id DESC LIMIT 2"
+    )
+    assert spans.execute(audit).fetchall() == [
+        ("limit-unset", "customer:"), ("limit-unset", "customer:1 in queue elsewhere")
+    ]  # fmt: skip
+
+
+def test_a_queues_own_limit_wins_over_the_limit_of_every_queue_and_leaves_other_queues(
+    broker: PostgresBroker, start_worker: Any, spans: Any, database_url: str
+) -> None:
+    import threading
+    import uuid
+
+    from dramatiq_pg_outbox.cli import main
+
+    # Given a limit of 3 for "tenant:" keys in every queue, and one of 1 in queue A only
+    queue_a, queue_b = f"limits_a_{uuid.uuid4().hex[:8]}", f"limits_b_{uuid.uuid4().hex[:8]}"
+    assert main(["limits", "set", "tenant:", "3", "--url", database_url]) == 0
+    assert main(["limits", "set", "tenant:", "1", "--queue", queue_a, "--url", database_url]) == 0
+    release = threading.Event()
+    running: dict[str, int] = {queue_a: 0, queue_b: 0}
+    lock = threading.Lock()
+
+    def run(queue: str) -> None:
+        with lock:
+            running[queue] += 1
+        release.wait(30)
+
+    @dramatiq.actor(broker=broker, queue_name=queue_a, concurrency_key="tenant:a")
+    def in_a(i: int) -> None:
+        run(queue_a)
+
+    @dramatiq.actor(broker=broker, queue_name=queue_b, concurrency_key="tenant:b")
+    def in_b(i: int) -> None:
+        run(queue_b)
+
+    for i in range(4):
+        in_a.send(i)
+        in_b.send(i)
+    start_worker(broker, worker_threads=8)
+    # Then queue A's key runs one at a time, queue B's three (the limit of every queue)
+    wait_for(lambda: running[queue_b] == 3 and running[queue_a] == 1, 30, "A's 1 and B's 3 to start")
+    time.sleep(1)
+    assert running == {queue_a: 1, queue_b: 3}
+    # When A's own limit is removed, A's key takes the limit of every queue: two more start at once
+    assert main(["limits", "unset", "tenant:", "--queue", queue_a, "--url", database_url]) == 0
+    wait_for(lambda: running[queue_a] == 3, 30, "A's key to take the limit of every queue")
+    time.sleep(1)
+    assert running == {queue_a: 3, queue_b: 3}
+    release.set()
+    wait_for(lambda: running == {queue_a: 4, queue_b: 4}, 30, "every message to run")
 
 
 def test_a_key_with_limit_zero_is_held_and_resumes_when_raised(

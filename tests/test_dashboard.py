@@ -1216,8 +1216,8 @@ def test_the_limits_page_lists_keys_and_sets_and_removes_a_run_time_limit(
             page = browser.get("/limits").text
             # Then the page lists the keys with the limit each takes from its messages
             assert 'id="no-limits"' in page
-            keys = re.findall(r'<tr data-key="([^"]+)">', page)
-            assert keys == ["customer:1", "customer:2"]
+            keys = re.findall(r'<tr data-key="([^"]+)" data-queue="([^"]+)">', page)
+            assert keys == [("customer:1", "shipping"), ("customer:2", "shipping")]
             # When an operator sets a run-time limit for the prefix
             token = csrf_token(page)
             done = browser.post(
@@ -1225,10 +1225,30 @@ def test_the_limits_page_lists_keys_and_sets_and_removes_a_run_time_limit(
             )
             shown = browser.get(done.headers["location"]).text
             assert "Keys customer:* may now have 5 message(s) processing at a time (was: none)" in shown
-            assert '<tr data-prefix="customer:">' in shown
+            assert '<tr data-prefix="customer:" data-queue="">' in shown
             assert db.execute("SELECT prefix, max_running FROM dramatiq.concurrency_limits").fetchall() == [
                 ("customer:", 5)
             ]
+            # And a limit of one queue: it is listed with its queue, and the keys of that queue take it
+            done = browser.post(
+                "/limits",
+                data={"csrf_token": token, "prefix": "customer:1", "queue": "shipping", "max_running": "1"},
+            )
+            shown = browser.get(done.headers["location"]).text
+            assert "Keys customer:1* of queue shipping may now have 1 message(s) processing" in shown
+            assert '<tr data-prefix="customer:1" data-queue="shipping">' in shown
+            assert re.search(r'data-key="customer:1".*?<code>customer:1</code>\* of shipping', shown, re.S)
+            assert browser.post(
+                "/limits", data={"csrf_token": token, "prefix": "x:", "queue": "no such!", "max_running": "1"}
+            ).status_code == 400  # fmt: skip
+            done = browser.post(
+                "/limits",
+                data={"csrf_token": token, "prefix": "customer:1", "queue": "shipping", "max_running": ""},
+            )
+            assert (
+                "Removed the limit 1 of keys customer:1* of queue shipping"
+                in browser.get(done.headers["location"]).text
+            )
             # And a bad limit is refused, changing nothing
             assert (
                 browser.post(

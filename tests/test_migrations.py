@@ -352,3 +352,33 @@ def test_the_upgrade_to_0022_makes_canceled_a_state_of_its_own_and_the_downgrade
             }
     finally:
         drop_schema(database_url, schema)
+
+
+def test_the_upgrade_to_0023_keeps_limits_for_every_queue_and_the_downgrade_drops_a_queues_own(
+    database_url: str,
+) -> None:
+    # Given a schema at revision 0022 with a run-time limit
+    schema = "queue_limits_0023"
+    drop_schema(database_url, schema)
+    upgrade(database_url, schema=schema, revision="0022")
+    try:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f"INSERT INTO {schema}.concurrency_limits (prefix, max_running) VALUES ('c:', 2)")
+        # When it is upgraded to 0023
+        upgrade(database_url, schema=schema, revision="0023")
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            # Then the limit applies to every queue, and a queue may have its own of the same prefix
+            insert = f"INSERT INTO {schema}.concurrency_limits (queue_name, prefix, max_running) VALUES"
+            conn.execute(insert + " ('q', 'c:', 1)")
+            rows = f"SELECT queue_name, prefix, max_running FROM {schema}.concurrency_limits ORDER BY 1"
+            assert conn.execute(rows).fetchall() == [("", "c:", 2), ("q", "c:", 1)]
+            with pytest.raises(psycopg.errors.UniqueViolation):
+                conn.execute(insert + " ('q', 'c:', 3)")
+        # And the downgrade keeps the limit of every queue and drops the queue's own
+        downgrade(database_url, schema=schema, revision="0022")
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            assert conn.execute(
+                f"SELECT prefix, max_running FROM {schema}.concurrency_limits"
+            ).fetchall() == [("c:", 2)]
+    finally:
+        drop_schema(database_url, schema)

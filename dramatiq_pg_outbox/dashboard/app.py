@@ -68,6 +68,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from ..formats import error_parts, format_age, format_time
+from ..names import validate_queue_name
+from ..store.admin import limit_target
 from ..urls import mask_password
 from . import charts
 from .security import (
@@ -407,39 +409,51 @@ class Dashboard:
     async def limits(self, request: Request) -> Response:
         """The run-time limits of concurrency keys and the busiest keys (docs/guides/concurrency.md)."""
         prefix = request.query_params.get("prefix") or None
+        queue = request.query_params.get("queue") or None
         return self.render(
             request, "limits.html", page="limits", limits=await self.store.limits(),
-            keys=await self.store.busiest_keys(prefix, KEYS_SHOWN), prefix=prefix or "",
-            keys_shown=KEYS_SHOWN, refresh=self.refresh(request),
+            keys=await self.store.busiest_keys(prefix, KEYS_SHOWN, queue), prefix=prefix or "",
+            queue=queue or "", keys_shown=KEYS_SHOWN, refresh=self.refresh(request),
         )  # fmt: skip
 
     async def set_limit(self, request: Request) -> Response:
-        """Set (``max_running`` given) or remove (empty) the run-time limit of a key prefix."""
+        """Set (``max_running`` given) or remove (empty) the run-time limit of a key prefix, in
+        one queue (``queue`` given) or in every queue."""
         form = await action_form(request)
         prefix = form.get("prefix")
         if not isinstance(prefix, str) or not prefix.strip() or len(prefix) > 200:
             raise HTTPException(400, "Which keys? Give a key prefix of 1 to 200 characters, e.g. customer:")
+        raw_queue = form.get("queue")
+        queue = raw_queue.strip() if isinstance(raw_queue, str) and raw_queue.strip() else None
+        if queue is not None:
+            try:
+                validate_queue_name(queue)
+            except ValueError as e:
+                raise HTTPException(400, str(e)) from None
+        where = f"keys {prefix}*" + (f" of queue {queue}" if queue else "")
+        target = limit_target(prefix, queue)
         raw = form.get("max_running")
         text = raw.strip() if isinstance(raw, str) else ""
         if not text:
-            removed = await self.store.unset_limit(prefix)
-            await self.record(request, "limit-unset", prefix, removed or 0)
+            removed = await self.store.unset_limit(prefix, queue)
+            await self.record(request, "limit-unset", target, removed or 0)
             flash(
                 request,
-                f"Removed the limit {removed} of keys {prefix}*: they take the limits their messages carry."
+                f"Removed the limit {removed} of {where}: they take another limit or the ones their "
+                "messages carry."
                 if removed is not None
-                else f"There was no run-time limit for keys {prefix}*.",
+                else f"There was no run-time limit for {where}.",
             )
             return RedirectResponse(request.url_for("limits"), status_code=303)
         if not text.isdigit():
             raise HTTPException(400, f"The limit is a whole number of messages, 0 or more, not {text!r}.")
-        previous = await self.store.set_limit(prefix, int(text))
+        previous = await self.store.set_limit(prefix, int(text), queue)
         await self.record(
-            request, "limit-set", prefix, int(text), f"previous: {'none' if previous is None else previous}"
+            request, "limit-set", target, int(text), f"previous: {'none' if previous is None else previous}"
         )
         flash(
             request,
-            f"Keys {prefix}* may now have {int(text)} message(s) processing at a time "
+            f"{where[0].upper()}{where[1:]} may now have {int(text)} message(s) processing at a time "
             f"(was: {'none' if previous is None else previous}); the workers were woken.",
         )
         return RedirectResponse(request.url_for("limits"), status_code=303)

@@ -27,7 +27,7 @@ from .._isolation import read_committed_async
 from .._queries import CHANGED_ROWS_ROUNDS, DASHBOARD_SQL, file_queries
 from .._queries import queries_for_schema as all_queries_for_schema
 from ..options import HEARTBEAT_TIMEOUT_MS
-from ..store.admin import AuditRow, KeyRow, LimitRow, audit_params
+from ..store.admin import AuditRow, KeyRow, LimitRow, audit_params, limit_params
 from ..urls import libpq_url
 
 #: The oldest schema revision the dashboard reads: the analytics views of migration 0003.
@@ -889,35 +889,39 @@ class Store:
         except (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedTable):
             return None
 
-    # -- concurrency limits (migration 0021; the CLI's statements) ---------------
+    # -- concurrency limits (migrations 0021, 0023; the CLI's statements) --------
     async def limits(self) -> list[LimitRow]:
         """The run-time limits of concurrency keys, with their keys' messages processing and waiting."""
         async with self.pool.connection() as conn:
             async with conn.cursor(row_factory=class_row(LimitRow)) as cur:
-                await cur.execute(all_queries_for_schema(self.schema)["limits"])
+                await cur.execute(all_queries_for_schema(self.schema)["limits"], {"queue_name": None})
                 return await cur.fetchall()
 
-    async def busiest_keys(self, prefix: str | None, limit: int) -> list[KeyRow]:
-        """The concurrency keys with messages, the most waiting first (at most ``limit``)."""
+    async def busiest_keys(self, prefix: str | None, limit: int, queue: str | None = None) -> list[KeyRow]:
+        """The concurrency keys with messages, per queue (of ``queue``; None: any), the most
+        waiting first (at most ``limit``)."""
+        params = {"prefix": prefix, "limit": limit, "queue_name": queue}
         async with self.pool.connection() as conn:
             async with conn.cursor(row_factory=class_row(KeyRow)) as cur:
-                await cur.execute(
-                    all_queries_for_schema(self.schema)["busiest_keys"], {"prefix": prefix, "limit": limit}
-                )
+                await cur.execute(all_queries_for_schema(self.schema)["busiest_keys"], params)
                 return await cur.fetchall()
 
-    async def set_limit(self, prefix: str, max_running: int) -> int | None:
-        """Set the run-time limit of the keys starting with ``prefix``, waking the workers of the
-        queues with keyed messages waiting; the previous limit (None: there was none)."""
-        params = {"prefix": prefix, "max_running": max_running, "channel": self.channel, "notify": True}
+    async def set_limit(self, prefix: str, max_running: int, queue: str | None = None) -> int | None:
+        """Set the run-time limit of the keys starting with ``prefix`` in ``queue`` (None: every
+        queue), waking the workers of the queues concerned with keyed messages waiting; the
+        previous limit (None: there was none)."""
+        params = limit_params(prefix=prefix, queue=queue, channel=self.channel, notify=True)
         async with self.pool.connection() as conn:
-            cur = await conn.execute(all_queries_for_schema(self.schema)["limit_set"], params)
+            cur = await conn.execute(
+                all_queries_for_schema(self.schema)["limit_set"], {**params, "max_running": max_running}
+            )
             row = await cur.fetchone()
         return None if row is None or row[0] is None else int(row[0])
 
-    async def unset_limit(self, prefix: str) -> int | None:
-        """Remove the run-time limit of ``prefix``; the limit removed (None: there was none)."""
-        params = {"prefix": prefix, "channel": self.channel, "notify": True}
+    async def unset_limit(self, prefix: str, queue: str | None = None) -> int | None:
+        """Remove the run-time limit of ``prefix`` in ``queue`` (None: the one of every queue);
+        the limit removed (None: there was none)."""
+        params = limit_params(prefix=prefix, queue=queue, channel=self.channel, notify=True)
         async with self.pool.connection() as conn:
             cur = await conn.execute(all_queries_for_schema(self.schema)["limit_unset"], params)
             row = await cur.fetchone()

@@ -144,8 +144,10 @@ class AuditRow:
 
 @dataclass(frozen=True)
 class LimitRow:
-    """A run-time limit of concurrency keys (``concurrency_limits``, migration 0021)."""
+    """A run-time limit of concurrency keys (``concurrency_limits``, migrations 0021 and 0023)."""
 
+    #: The queue it applies to (None: every queue).
+    queue_name: str | None
     prefix: str
     max_running: int
     updated_at: dt.datetime
@@ -156,15 +158,21 @@ class LimitRow:
 
 @dataclass(frozen=True)
 class KeyRow:
-    """A concurrency key with messages now."""
+    """A concurrency key with messages in a queue now."""
 
+    queue_name: str
     key: str
+    #: Its messages of this queue processing and waiting.
     processing: int
     waiting: int
-    #: The limit the claim applies to it now.
+    #: The limit the claim of this queue applies to it now.
     max_running: int
     #: The run-time limit's prefix it takes that limit from (None: the messages' own).
     limited_by: str | None
+    #: The queue of that run-time limit (None: a limit of every queue, or none).
+    limit_queue: str | None
+    #: Its messages processing in every queue: what the claim compares with the limit.
+    processing_everywhere: int
 
 
 _LIMIT_ROWS = class_row(LimitRow)
@@ -186,6 +194,17 @@ AUDIT_ACTIONS = (
     "limit-set",
     "limit-unset",
 )
+
+
+def limit_params(*, prefix: str, queue: str | None, channel: str, notify: bool) -> dict[str, Any]:
+    """The parameters of ``limit_set`` and ``limit_unset`` (shared by the sync and the dashboard's
+    async store): ``queue`` None is stored as ``''``, a limit of every queue (migration 0023)."""
+    return {"prefix": prefix, "queue_name": queue or "", "channel": channel, "notify": notify}
+
+
+def limit_target(prefix: str, queue: str | None) -> str:
+    """The audit trail's target of a change of the limit of ``prefix`` in ``queue`` (None: every queue)."""
+    return prefix if queue is None else f"{prefix} in queue {queue}"
 
 
 def audit_params(
@@ -274,7 +293,7 @@ class AdminStore(SchemaStore):
         params = {"queue_names": list(queue_names), "channel": channel}
         return [str(row[0]) for row in conn.execute(self.queries["resume_queues"], params).fetchall()]
 
-    # -- concurrency limits (migration 0021) ------------------------------------
+    # -- concurrency limits (migrations 0021, 0023) ----------------------------
     def set_limit(
         self,
         conn: psycopg.Connection[Any],
@@ -282,32 +301,45 @@ class AdminStore(SchemaStore):
         prefix: str,
         max_running: int,
         channel: str,
+        queue: str | None = None,
         notify: bool = True,
     ) -> tuple[int | None, list[str]]:
-        """Set the run-time limit of the keys starting with ``prefix``: (the previous one, or
-        None; the queues whose workers were woken)."""
-        params = {"prefix": prefix, "max_running": max_running, "channel": channel, "notify": notify}
-        row = conn.execute(self.queries["limit_set"], params).fetchone()
+        """Set the run-time limit of the keys starting with ``prefix`` in ``queue`` (None: in
+        every queue): (the previous one, or None; the queues whose workers were woken)."""
+        params = limit_params(prefix=prefix, queue=queue, channel=channel, notify=notify)
+        row = conn.execute(self.queries["limit_set"], {**params, "max_running": max_running}).fetchone()
         assert row is not None
         return (None if row[0] is None else int(row[0])), [str(q) for q in row[1]]
 
     def unset_limit(
-        self, conn: psycopg.Connection[Any], *, prefix: str, channel: str, notify: bool = True
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        prefix: str,
+        channel: str,
+        queue: str | None = None,
+        notify: bool = True,
     ) -> int | None:
-        """Remove the run-time limit of ``prefix``: the limit removed, None if there was none."""
-        params = {"prefix": prefix, "channel": channel, "notify": notify}
+        """Remove the run-time limit of ``prefix`` in ``queue`` (None: the one of every queue):
+        the limit removed, None if there was none."""
+        params = limit_params(prefix=prefix, queue=queue, channel=channel, notify=notify)
         row = conn.execute(self.queries["limit_unset"], params).fetchone()
         return None if row is None else int(row[0])
 
-    def limits(self, conn: psycopg.Connection[Any]) -> list[LimitRow]:
-        """The run-time limits, with their keys' messages processing and waiting."""
+    def limits(self, conn: psycopg.Connection[Any], *, queue: str | None = None) -> list[LimitRow]:
+        """The run-time limits (those that apply to ``queue``; None: all), with their keys'
+        messages processing and waiting."""
         with conn.cursor(row_factory=_LIMIT_ROWS) as cur:
-            return cur.execute(self.queries["limits"]).fetchall()
+            return cur.execute(self.queries["limits"], {"queue_name": queue}).fetchall()
 
-    def busiest_keys(self, conn: psycopg.Connection[Any], *, prefix: str | None, limit: int) -> list[KeyRow]:
-        """The concurrency keys with messages, the most waiting first (at most ``limit``)."""
+    def busiest_keys(
+        self, conn: psycopg.Connection[Any], *, prefix: str | None, limit: int, queue: str | None = None
+    ) -> list[KeyRow]:
+        """The concurrency keys with messages, per queue (of ``queue``; None: any), the most
+        waiting first (at most ``limit``)."""
+        params = {"prefix": prefix, "limit": limit, "queue_name": queue}
         with conn.cursor(row_factory=_KEY_ROWS) as cur:
-            return cur.execute(self.queries["busiest_keys"], {"prefix": prefix, "limit": limit}).fetchall()
+            return cur.execute(self.queries["busiest_keys"], params).fetchall()
 
     # -- dead letters -------------------------------------------------------
     def failed_list(
