@@ -27,7 +27,10 @@ Dramatiq's ``Worker`` in spawned processes of 8 threads and an actor whose body 
    (FIFO: the small keys' messages are behind the backlog); ``after, limit 8``: every key at
    ``concurrency_limit`` 8; ``after, big key limit 1``: the big key at 1, the small keys at 8
    (capped at ``BENCH_FAIR_LIMIT1_CAP`` seconds, default 120: the big key then drains at one
-   message at a time).  Reported: time from "go" until every small key's message finished
+   message at a time); ``after, limit 10,000``: every key at a limit no key reaches here
+   (the keyed claim's rotation over the keys without a limit that binds: what fairness
+   alone costs).  ``BENCH_FAIR_CASES`` (default ``before,after8,big1,wide``) selects them.
+   Reported: time from "go" until every small key's message finished
    (and the median small message), total drain time and rate, in 1 x 8 and, with
    ``BENCH_FAIR_CONFIGS=1x8,2x8``, 2 x 8.
 
@@ -66,6 +69,8 @@ SMALL_KEYS = 100
 SMALL_EACH = 20
 #: Limit of every key in the fairness case "after" (and of the small keys with the big one at 1).
 FAIR_LIMIT = 8
+#: The limit of the fairness case where no limit binds (``wide``).
+WIDE_LIMIT = 10_000
 
 
 def _env_float(name: str, default: float) -> float:
@@ -538,10 +543,12 @@ def part1(ctx: Context) -> dict[str, Any]:
 # -- part 2: fairness ---------------------------------------------------------------------------
 
 
-def fair_items(big: int, big_limit: int) -> list[tuple[str | None, int | None]]:
+def fair_items(
+    big: int, big_limit: int, small_limit: int = FAIR_LIMIT
+) -> list[tuple[str | None, int | None]]:
     items: list[tuple[str | None, int | None]] = [("big", big_limit)] * big
     for k in range(SMALL_KEYS):
-        items += [(f"small{k:03d}", FAIR_LIMIT)] * SMALL_EACH
+        items += [(f"small{k:03d}", small_limit)] * SMALL_EACH
     return items
 
 
@@ -549,7 +556,10 @@ def fair_case(
     ctx: Context, case: str, big: int, processes: int, sleep_s: float, cap_s: float
 ) -> dict[str, Any]:
     url = fresh(ctx, "fair")
-    items = fair_items(big, 1 if case == "big1" else FAIR_LIMIT)
+    if case == "wide":
+        items = fair_items(big, WIDE_LIMIT, WIDE_LIMIT)
+    else:
+        items = fair_items(big, 1 if case == "big1" else FAIR_LIMIT)
     n = len(items)
     fill(url, items, keyed=case != "before")
     reset_statements(url)
@@ -608,7 +618,10 @@ def part2(ctx: Context) -> dict[str, Any]:
         "before": "before: no keys (FIFO)",
         "after8": f"after: keys, every limit {FAIR_LIMIT}",
         "big1": f"after: big key limit 1, small keys {FAIR_LIMIT}",
+        "wide": f"after: keys, every limit {WIDE_LIMIT:,} (rotation only)",
     }
+    wanted = os.environ.get("BENCH_FAIR_CASES", ",".join(cases)).split(",")
+    cases = {case: label for case, label in cases.items() if case in wanted}
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for run_no in range(ctx.runs):
         for processes in configs:
