@@ -198,3 +198,14 @@ def connect(conninfo: str, **kwargs: Any) -> psycopg.Connection[Any]:
       psycopg.OperationalError: If the server cannot be reached or refuses the connection.
     """
     return read_committed(psycopg.connect(conninfo, **kwargs))
+
+
+def behind_pooler(conn: psycopg.Connection[Any]) -> bool:
+    """Whether :func:`read_committed` found an autocommit ``conn`` behind a pooler.
+
+    True when the backend's pid was not the one announced at connect (PgBouncer, in any
+    pool mode, announces a key of its own), so that the session's default was not set;
+    False on a direct connection, and for a connection :func:`read_committed` has not seen.
+    """
+    factory = conn.cursor_factory
+    return isinstance(factory, type) and issubclass(factory, ReadCommittedCursor)

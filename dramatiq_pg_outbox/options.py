@@ -285,8 +285,10 @@ class BrokerOptions:
     listen: bool = _option(
         LISTEN,
         FLAG,
-        "whether consumers LISTEN for wake-ups; polling alone still delivers everything "
-        "(turn it off behind PgBouncer in transaction pooling: [Behind PgBouncer](pgbouncer.md))",
+        "whether consumers LISTEN for wake-ups; polling alone still delivers everything. "
+        "Behind a pooler that shares server connections (PgBouncer in transaction pooling) "
+        "the listener finds it at start, warns once and polls; `False` skips that probe "
+        "([Behind PgBouncer](pgbouncer.md))",
     )
     check_schema: bool = _option(CHECK_SCHEMA, FLAG, "check the schema revision on first use")
     prepare_threshold: int | None = _option(

@@ -262,6 +262,10 @@ COMMIT;
 -- Subscribes a connection to a broker's or results' channel ({channel}: names.channel_for).
 LISTEN {channel};
 
+-- name: unlisten --
+-- Ends the LISTEN of the listener's pooling probe (_runtime/listener.py, probe_listen).
+UNLISTEN {channel};
+
 -- name: generic_plans --
 -- Set on each connection of a broker's pool (unless prepare_threshold is None):
 -- its prepared statements run one generic plan, never a custom plan per

@@ -1,4 +1,4 @@
-"""A real PgBouncer in transaction pooling mode, started by the tests (``PgBouncer``).
+"""A real PgBouncer, in transaction pooling mode unless told otherwise, started by the tests (``PgBouncer``).
 
 Debian's ``pgbouncer`` package (1.18 on Debian 12); the tests that need it skip with
 ``PGBOUNCER_MISSING`` where the binary is absent.  Each instance writes its own
@@ -48,6 +48,8 @@ class PgBouncer:
       databases(dict[str, int]): Database alias -> most server connections for it (``pool_size``);
         every alias points at the database of ``upstream_url``.
       settings(dict[str, str|int]): More ``[pgbouncer]`` settings (they win over the defaults).
+      pool_modes(dict[str, str]): Database alias -> its own ``pool_mode`` (``session``,
+        ``transaction``, ``statement``); the other aliases use the ``[pgbouncer]`` one.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class PgBouncer:
         upstream_url: str,
         databases: dict[str, int],
         settings: dict[str, str | int] | None = None,
+        pool_modes: dict[str, str] | None = None,
     ) -> None:
         binary = pgbouncer_binary()
         if binary is None:
@@ -63,6 +66,7 @@ class PgBouncer:
         self.upstream = conninfo_to_dict(upstream_url)
         self.databases = databases
         self.settings = settings or {}
+        self.pool_modes = pool_modes or {}
         self.port = 0
         self.dir: Path | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -130,7 +134,8 @@ class PgBouncer:
         dbname = self.upstream.get("dbname") or self.user
         lines = ["[databases]"]
         for alias, size in self.databases.items():
-            lines.append(f"{alias} = {server} dbname={dbname} pool_size={size}")
+            mode = f" pool_mode={self.pool_modes[alias]}" if alias in self.pool_modes else ""
+            lines.append(f"{alias} = {server} dbname={dbname} pool_size={size}{mode}")
         settings: dict[str, str | int] = {
             "listen_addr": "127.0.0.1",
             "listen_port": self.port,

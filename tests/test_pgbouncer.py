@@ -5,12 +5,15 @@ on a free port for the session (``tests/pgbouncer.py``); without the binary thes
 with the install command.  Two database aliases point at the test database: ``dpo_pooled``
 (4 server connections) and ``dpo_single`` (one server connection: every client's transactions
 take turns on it, so anything that leaves state in a server session, such as a prepared
-statement, meets the next client deterministically).  The guide docs/guides/pgbouncer.md
-names these tests.
+statement, meets the next client deterministically).  Two more, for the listener's probe
+(``_runtime.listener.probe_listen``): ``dpo_session`` in ``pool_mode = session`` and
+``dpo_statement`` in ``pool_mode = statement``.  The guide docs/guides/pgbouncer.md names
+these tests.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -28,6 +31,8 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session
 
 from dramatiq_pg_outbox import PostgresBroker, outbox, upgrade
+from dramatiq_pg_outbox._isolation import connect
+from dramatiq_pg_outbox._runtime.listener import listen_probe, probe_listen, subscribe
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
 from dramatiq_pg_outbox.relay import Relay
 
@@ -46,7 +51,9 @@ def pgbouncer(database_url: str) -> Iterator[PgBouncer]:
     """PgBouncer in transaction pooling mode in front of the test database, for the session."""
     if pgbouncer_binary() is None:
         pytest.skip(PGBOUNCER_MISSING)
-    with PgBouncer(database_url, {"dpo_pooled": 4, "dpo_single": 1}) as bouncer:
+    databases = {"dpo_pooled": 4, "dpo_single": 1, "dpo_session": 20, "dpo_statement": 2}
+    modes = {"dpo_session": "session", "dpo_statement": "statement"}
+    with PgBouncer(database_url, databases, pool_modes=modes) as bouncer:
         yield bouncer
 
 
@@ -58,6 +65,36 @@ def pooled_url(pgbouncer: PgBouncer) -> str:
 @pytest.fixture
 def single_url(pgbouncer: PgBouncer) -> str:
     return pgbouncer.url("dpo_single")
+
+
+@pytest.fixture
+def session_url(pgbouncer: PgBouncer) -> str:
+    return pgbouncer.url("dpo_session")
+
+
+@pytest.fixture
+def servers_closed_after(pgbouncer: PgBouncer) -> Iterator[None]:
+    """Closes PgBouncer's server connections after the test (requested before ``make_broker``).
+
+    PgBouncer keeps each client's ``application_name`` on the server connection it last
+    ran (``dramatiq-pg-outbox:<pid>:listen``, ``...:probe``): left idle there, other tests
+    of the database that count the package's LISTEN connections would see them.
+    """
+    yield
+    with psycopg.connect(pgbouncer.admin_url(), autocommit=True) as admin:
+        for alias in pgbouncer.databases:
+            admin.execute(f"KILL {alias}")
+            admin.execute(f"RESUME {alias}")
+        wait_for(
+            lambda: not admin.execute("SHOW SERVERS").fetchall(),
+            10,
+            "PgBouncer's server connections to close",
+        )
+
+
+def own(url: str) -> str:
+    """``url`` with an application_name of its own: a process keeps one probe verdict per URL."""
+    return f"{url}?application_name=pgb_probe_{uuid.uuid4().hex[:8]}"
 
 
 def engine_behind_pgbouncer(url: str) -> Engine:
@@ -138,6 +175,201 @@ def test_a_listen_through_transaction_pooling_hears_nothing_its_notification_rea
     # Then the other client got the notification and the listener nothing
     assert stray == ["wake up"]
     assert heard == []
+
+
+# -- the listener's probe: LISTEN through a pooler that shares server connections ---------------
+
+#: What identifies the listener's warning (``_runtime.listener.SHARED_WARNING``).
+SHARED = "LISTEN cannot work through"
+
+
+def shared_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(SHARED)]
+
+
+def test_a_listen_hears_its_own_notify_through_transaction_pooling_by_chance(
+    servers_closed_after: None, single_url: str
+) -> None:
+    # Given a client through transaction pooling with one server connection, listening
+    channel = f"pgb_chance_{uuid.uuid4().hex[:8]}"
+    with (
+        psycopg.connect(single_url, autocommit=True, prepare_threshold=None) as listener,
+        psycopg.connect(single_url, autocommit=True, prepare_threshold=None) as other,
+    ):
+        listener.execute(f"LISTEN {channel}")
+        # When it NOTIFYs its own channel, its transaction runs on the server connection of the LISTEN
+        listener.execute(f"NOTIFY {channel}, 'self'")
+        # Then it hears it (a probe that notified itself would pass)
+        assert [n.payload for n in listener.notifies(timeout=5, stop_after=1)] == ["self"]
+        # While another client's NOTIFY, sent while the listener is idle, does not reach it
+        other.execute(f"NOTIFY {channel}, 'other'")
+        assert [n.payload for n in listener.notifies(timeout=0.5)] == []
+        listener.execute(f"UNLISTEN {channel}")
+
+
+@pytest.mark.parametrize(
+    ("alias", "found"),
+    [
+        (None, "direct"),
+        ("dpo_session", "session"),
+        ("dpo_single", "shared"),
+        ("dpo_pooled", "shared"),
+        ("dpo_statement", "shared"),
+    ],
+)
+def test_the_listen_probe_tells_a_direct_server_session_pooling_and_shared_server_connections_apart(
+    servers_closed_after: None, alias: str | None, found: str, pgbouncer: PgBouncer, database_url: str
+) -> None:
+    url = database_url if alias is None else pgbouncer.url(alias)
+    # Given a connection made as the listener makes it, through PgBouncer in each pool mode or direct
+    for _ in range(3):
+        with connect(url, autocommit=True, prepare_threshold=None) as conn:
+            # When it probes, three times (with one server connection or a quiet pool, the second
+            # connection's NOTIFY runs on the server connection of the probe's LISTEN)
+            # Then it finds what the pool mode says
+            assert probe_listen(conn, url) == found
+            # And its probe channel is not listened to on the connection it runs on now
+            assert conn.execute("SELECT count(*) FROM pg_listening_channels()").fetchone() == (0,)
+
+
+def test_the_listen_probe_finds_transaction_pooling_when_its_notification_reaches_an_idle_server_connection(
+    database_url: str,
+) -> None:
+    if pgbouncer_binary() is None:
+        pytest.skip(PGBOUNCER_MISSING)
+    # Given transaction pooling that hands out the idle server connection used least recently
+    # (server_round_robin), with 4 server connections open: the probe's NOTIFY runs on another
+    # server connection than its LISTEN, which idles in the pool meanwhile
+    with PgBouncer(database_url, {"dpo_rr": 4}, {"server_round_robin": 1}) as bouncer:
+        url = bouncer.url("dpo_rr")
+        clients = [psycopg.connect(url, autocommit=True) for _ in range(4)]
+        try:
+            for client in clients:
+                client.execute("BEGIN")
+                client.execute("SELECT 1")
+            for client in clients:
+                client.execute("COMMIT")
+        finally:
+            for client in clients:
+                client.close()
+        # When the listener's probe runs
+        with connect(url, autocommit=True, prepare_threshold=None) as conn:
+            found = probe_listen(conn, url)
+        # Then it finds transaction pooling: nobody heard the notification, PgBouncer dropped it
+        assert found == "shared"
+        assert "got packet 'A' from server when not linked" in bouncer.log()
+
+
+@pytest.mark.parametrize("alias", ["dpo_single", "dpo_pooled"])
+def test_a_worker_behind_transaction_pooling_warns_once_listens_to_nothing_and_polls(
+    servers_closed_after: None,
+    alias: str,
+    pgbouncer: PgBouncer,
+    database_url: str,
+    make_broker: Any,
+    start_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING)
+    url = own(pgbouncer.url(alias))
+    # Given a worker through transaction pooling with listen left on (the default)
+    consumer = make_broker(url, prepare_threshold=None)
+    queue = f"pgb_probe_{uuid.uuid4().hex[:8]}"
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    def run(i: int) -> None:
+        with lock:
+            ran.append(i)
+
+    dramatiq.actor(run, broker=consumer, actor_name="pgb_probe", queue_name=queue)
+    start_worker(consumer)
+    # When its listener starts (and probes)
+    wait_for(lambda: consumer.runtime.listener is not None, 10, "the worker to subscribe")
+    subscription = consumer.runtime.listener
+    wait_for(subscription.settled.is_set, 10, "the listener's probe")
+    # Then it found server connections shared, listens to nothing, and said so in one warning line
+    assert listen_probe(consumer.conninfo) == "shared"
+    assert subscription.listener.shared and not subscription.connected.is_set()
+    # naming the setting
+    [warning] = shared_warnings(caplog)
+    assert "listen=False" in warning and "\n" not in warning
+    # And a second subscriber of the process (a result waiter, the relay) gets no second warning
+    again = subscribe(consumer.conninfo, f"{queue}_results", lambda _: None, lambda: None)
+    assert again.settled.is_set() and not again.connected.is_set()
+    again.close()
+    assert len(shared_warnings(caplog)) == 1
+    # And no server connection was left listening to the broker's channel: a client in a
+    # transaction on it (the only one, with dpo_single) gets no notification of the broker's,
+    # committed meanwhile (directly: the one server connection is the bystander's)
+    stray: list[str] = []
+    with psycopg.connect(url, autocommit=True, prepare_threshold=None) as bystander:
+        bystander.add_notify_handler(lambda n: stray.append(n.payload))
+        with bystander.transaction():
+            bystander.execute("SELECT 1")
+            with psycopg.connect(database_url, autocommit=True) as direct:
+                direct.execute("SELECT pg_notify(%s, %s)", (consumer.channel, queue))
+        bystander.execute("SELECT 1")
+    assert stray == []
+    # And the messages sent meanwhile all run, by polling
+    producer = make_broker(url, prepare_threshold=None, listen=False)
+    dramatiq.actor(run, broker=producer, actor_name="pgb_probe", queue_name=queue)
+    for i in range(10):
+        producer.get_actor("pgb_probe").send(i)
+    wait_for(lambda: len(ran) == 10, 30, "the 10 messages to run")
+    assert sorted(ran) == list(range(10))
+    assert len(shared_warnings(caplog)) == 1
+
+
+def test_a_worker_behind_session_pooling_keeps_listening_and_is_woken_by_notifications(
+    servers_closed_after: None,
+    session_url: str,
+    make_broker: Any,
+    start_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING)
+    url = own(session_url)
+    # Given a worker through session pooling that polls only once a minute
+    consumer = make_broker(url, prepare_threshold=None, max_fetch_interval=60_000)
+    queue = f"pgb_session_{uuid.uuid4().hex[:8]}"
+    ran = threading.Event()
+    dramatiq.actor(lambda: ran.set(), broker=consumer, actor_name="pgb_session", queue_name=queue)
+    start_worker(consumer)
+    wait_for(lambda: consumer.runtime.listener is not None, 10, "the worker to subscribe")
+    subscription = consumer.runtime.listener
+    # When its listener has probed
+    wait_for(subscription.connected.is_set, 10, "the worker's LISTEN")
+    # Then it found its server connection its own, and listens, with no warning
+    assert listen_probe(consumer.conninfo) == "session"
+    assert not subscription.listener.shared
+    assert shared_warnings(caplog) == []
+    # And a message sent then is claimed on its notification, not at the next poll
+    producer = make_broker(url, prepare_threshold=None, listen=False)
+    dramatiq.actor(lambda: None, broker=producer, actor_name="pgb_session", queue_name=queue)
+    producer.get_actor("pgb_session").send()
+    wait_for(lambda: subscription.received >= 1, 30, "the notification")
+    assert ran.wait(30)
+
+
+def test_listen_false_behind_transaction_pooling_neither_probes_nor_warns(
+    single_url: str, make_broker: Any, start_worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    url = own(single_url)
+    # Given a worker through transaction pooling with listen=False
+    consumer = make_broker(url, **BEHIND_PGBOUNCER)
+    queue = f"pgb_nolisten_{uuid.uuid4().hex[:8]}"
+    ran = threading.Event()
+    dramatiq.actor(lambda: ran.set(), broker=consumer, actor_name="pgb_nolisten", queue_name=queue)
+    start_worker(consumer)
+    # When a message is sent and runs (by polling)
+    consumer.get_actor("pgb_nolisten").send()
+    assert ran.wait(30)
+    # Then no listener was started, nothing probed, nothing said
+    assert consumer.runtime.listener is None
+    assert listen_probe(consumer.conninfo) is None
+    assert shared_warnings(caplog) == []
 
 
 # -- everything through PgBouncer with listen=False, prepare_threshold=None ----------------------
@@ -239,6 +471,8 @@ def test_producers_through_pgbouncer_wake_a_worker_that_listens_on_a_direct_conn
         # Then the worker's LISTEN connection heard it, and the message ran
         wait_for(lambda: listening.received >= 1, 30, "the notification")
         assert ran.wait(30)
+        # (and its listener's probe found a direct connection: nothing to fall back from)
+        assert listen_probe(consumer.conninfo) == "direct"
     finally:
         engine.dispose()
 

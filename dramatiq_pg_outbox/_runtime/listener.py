@@ -12,6 +12,16 @@ that it waits on beside the connection), and :func:`subscribe` returns once its
 LISTEN is in force, not at the listener's next tick: a notification sent after
 ``subscribe()`` returned is heard (a barrier's second party, sent a few
 milliseconds after the first party subscribed, was heard up to 0.5 s late).
+
+Behind a pooler that shares server connections between clients (PgBouncer in
+transaction or statement pooling), a LISTEN runs on some server connection that
+then goes back to the pool: the listener hears nothing, each notification goes to
+whichever client holds that server connection (psycopg keeps it in that
+connection's backlog, unbounded) or is dropped by PgBouncer, and nothing reports an
+error.  So the first connection of each listener runs :func:`probe_listen` before
+it LISTENs to anything; when it finds such a pooler it logs one warning per process
+and database, closes the connection and listens no more (every subscriber polls, as
+with ``listen=False``); the verdict is kept for the process's later listeners.
 """
 
 from __future__ import annotations
@@ -20,11 +30,15 @@ import os
 import select
 import socket
 import threading
+import time
+import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from .._isolation import connect
-from ..store.messages import listen
+from psycopg.conninfo import conninfo_to_dict
+
+from .._isolation import behind_pooler, connect
+from ..store.messages import listen, notify_channel, unlisten
 from .service import Service
 
 if TYPE_CHECKING:
@@ -36,6 +50,24 @@ LISTEN_TICK_S = 0.5
 RECONNECT_MAX_S = LISTEN_TICK_S
 #: Longest time :func:`subscribe` waits for its LISTEN while the listener connects, in seconds.
 SUBSCRIBE_WAIT_S = 2.0
+#: Longest time :func:`probe_listen` waits for its second connection's NOTIFY to commit, in seconds.
+PROBE_NOTIFY_WAIT_S = 0.5
+#: Longest time :func:`probe_listen` waits, once that NOTIFY committed, to hear it, in seconds.
+PROBE_HEAR_WAIT_S = 0.5
+
+#: What :func:`probe_listen` found: ``direct`` (no pooler: the backend's pid is the one
+#: announced at connect), ``session`` (a pooler, and the probe's notification came back:
+#: LISTEN works), ``shared`` (a pooler that shares server connections between clients:
+#: LISTEN is useless), ``unknown`` (the probe's NOTIFY did not commit in time or failed).
+ListenProbe = Literal["direct", "session", "shared", "unknown"]
+
+#: The warning logged once per process and database when the probe finds ``shared``.
+SHARED_WARNING = (
+    "LISTEN cannot work through %s: it shares server connections between clients "
+    "(PgBouncer in transaction or statement pooling; the listener's probe notification "
+    "reached another client or none), so this process polls instead of listening; "
+    "pass PostgresBroker(listen=False) to skip the probe and this warning"
+)
 
 
 class Subscription:
@@ -59,6 +91,8 @@ class Subscription:
         self.on_notify = on_notify
         self.on_connect = on_connect
         self.connected = threading.Event()
+        #: Set once its LISTEN is in force, or once the listener gave up (see probe_listen).
+        self.settled = threading.Event()
         self.received = 0
 
     def close(self) -> None:
@@ -81,6 +115,10 @@ class _Listener(Service):
         #: The LISTEN connection while it is open (its statements run at READ COMMITTED, as every
         #: connection of the package: ``_isolation``).
         self.connection: psycopg.Connection[Any] | None = None
+        #: What :func:`probe_listen` found on the first connection (None: not probed yet).
+        self.probe: ListenProbe | None = None
+        #: Set when the probe found a pooler that shares server connections: never listens.
+        self.shared = False
         self._lock = threading.Lock()
         # Written to by nudge(), waited on beside the connection: a new subscription or a
         # stop ends the wait at once instead of at the next tick.
@@ -101,12 +139,26 @@ class _Listener(Service):
         )
 
     def run_once(self) -> int:
-        """Connect, LISTEN, deliver until stopped or disconnected; the notifications delivered."""
+        """Connect, probe once, LISTEN, deliver until stopped or disconnected; the notifications delivered."""
+        known = _verdicts.get((self.pid, self.conninfo))
+        if known == "shared":
+            self._give_up()
+            return 0
         conn = self.connection = connect(
             self.conninfo, autocommit=True, application_name=f"dramatiq-pg-outbox:{os.getpid()}:listen"
         )
         delivered = 0
         try:
+            if known is None:
+                # Once per process and database (again after an unknown, at the next connection).
+                self.probe = probe_listen(conn, self.conninfo)
+                if self.probe == "shared":
+                    self._found_shared()
+                    return 0
+                if self.probe != "unknown":
+                    _verdicts[(self.pid, self.conninfo)] = self.probe
+            else:
+                self.probe = known
             while not self.stopping:
                 self._listen_new(conn)
                 # The backlog first: notifications that came in with a LISTEN's reply.
@@ -125,6 +177,25 @@ class _Listener(Service):
             conn.close()
         return delivered
 
+    def _found_shared(self) -> None:
+        """Log the probe's finding once per process and database, then give up."""
+        key = (self.pid, self.conninfo)
+        with _registry_lock:
+            first = _verdicts.get(key) != "shared"
+            _verdicts[key] = "shared"
+        if first:
+            self.logger.warning(SHARED_WARNING, _where(self.conninfo))
+        self._give_up()
+
+    def _give_up(self) -> None:
+        """Listen no more: every subscription stays disconnected (its subscriber polls)."""
+        with self._lock:
+            self.shared = True
+            subs = list(self.subscriptions)
+        self._stopping.set()
+        for sub in subs:
+            sub.settled.set()
+
     def _listen_new(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
         """LISTEN to the channels of new subscriptions, mark them in force, then call their ``on_connect``."""
         fresh = []
@@ -138,6 +209,7 @@ class _Listener(Service):
         for sub in self.snapshot():
             if not sub.connected.is_set():
                 sub.connected.set()
+                sub.settled.set()
                 fresh.append(sub)
         for sub in fresh:
             # Anything sent before this LISTEN was not heard: look now.
@@ -184,7 +256,116 @@ class _Listener(Service):
 
 #: (pid, conninfo) -> the listener of this process for that database.
 _listeners: dict[tuple[int, str], _Listener] = {}
+#: (pid, conninfo) -> what the probe of this process found there (not ``unknown``).
+_verdicts: dict[tuple[int, str], ListenProbe] = {}
 _registry_lock = threading.Lock()
+
+
+def _where(conninfo: str) -> str:
+    """Host, port and database of ``conninfo`` for a log line (no user, no password)."""
+    try:
+        params = conninfo_to_dict(conninfo)
+    except Exception:
+        return "this database"
+    return f"{params.get('host') or 'localhost'}:{params.get('port') or 5432}/{params.get('dbname') or ''}"
+
+
+def listen_probe(conninfo: str) -> ListenProbe | None:
+    """What the listener's probe found for ``conninfo`` in this process (None: not probed, or unknown).
+
+    Parameters:
+      conninfo(str): libpq connection string of the database (``broker.conninfo``).
+    """
+    return _verdicts.get((os.getpid(), conninfo))
+
+
+def probe_listen(
+    conn: psycopg.Connection[Any],
+    conninfo: str,
+    *,
+    notify_wait: float = PROBE_NOTIFY_WAIT_S,
+    hear_wait: float = PROBE_HEAR_WAIT_S,
+) -> ListenProbe:
+    """Whether a LISTEN on ``conn`` is heard: ``direct``, ``session``, ``shared`` or ``unknown``.
+
+    On a direct connection (the backend's pid is the one announced at connect,
+    ``_isolation.behind_pooler``) nothing more is done: ``direct``.  Behind a pooler
+    (PgBouncer announces a key of its own in every pool mode), ``conn`` LISTENs on a
+    fresh channel and a second connection to ``conninfo`` NOTIFYs it:
+
+    - ``conn`` hears it: its server connection is its own (session pooling): ``session``;
+    - the second connection hears it itself: it ran on the server connection of the
+      LISTEN, which ``conn`` had handed back: ``shared`` at once.  This is what a
+      transaction pool with one server connection (``default_pool_size = 1``) or a quiet
+      pool (PgBouncer hands out the server connection released last) does;
+    - nobody hears it within ``hear_wait`` seconds of its commit: the server connection
+      of the LISTEN was idle in the pool (PgBouncer logs "got packet 'A' from server when
+      not linked" and drops it) or another client's: ``shared``;
+    - the NOTIFY did not commit within ``notify_wait`` seconds (no free server
+      connection) or failed: ``unknown``.
+
+    A NOTIFY from ``conn`` itself would prove nothing: in transaction pooling it often
+    runs on the very server connection of the LISTEN, and comes back.  Neither would
+    comparing ``pg_backend_pid()`` across two transactions (with one server connection
+    it never changes) nor a session setting read back (the same).  Costs one round trip
+    when direct; behind a pooler one connection and a few milliseconds, at most
+    ``notify_wait + hear_wait`` seconds.  The probe's LISTEN is ended with ``UNLISTEN``
+    (on whichever server connection that runs, behind transaction pooling).
+
+    Parameters:
+      conn(psycopg.Connection): An autocommit connection made by ``_isolation.connect``,
+        listening to nothing yet.
+      conninfo(str): libpq connection string of the second connection (``conn``'s).
+      notify_wait(float): Seconds.  Default :data:`PROBE_NOTIFY_WAIT_S`.
+      hear_wait(float): Seconds.  Default :data:`PROBE_HEAR_WAIT_S`.
+
+    Returns:
+      ListenProbe: What it found.
+
+    Raises:
+      psycopg.Error: If a statement on ``conn`` fails (its connection is then unusable).
+    """
+    if not behind_pooler(conn):
+        return "direct"
+    channel = f"dramatiq_pg_outbox_probe_{uuid.uuid4().hex}"
+    listen(conn, channel=channel)
+    committed = threading.Event()
+    echoed = threading.Event()
+    sent_at: list[float] = []
+
+    def send() -> None:
+        try:
+            with connect(
+                conninfo, autocommit=True, application_name=f"dramatiq-pg-outbox:{os.getpid()}:probe"
+            ) as other:
+                other.add_notify_handler(lambda note: echoed.set() if note.channel == channel else None)
+                notify_channel(other, channel=channel, payloads=["probe"])
+                sent_at.append(time.monotonic())
+                committed.set()
+        except Exception:
+            pass  # unknown, unless committed already
+
+    # A thread: the NOTIFY may wait in the pooler's queue for a server connection.
+    threading.Thread(target=send, name="dramatiq-pg-outbox-listen-probe", daemon=True).start()
+    start = time.monotonic()
+    heard = False
+    try:
+        while not heard and not echoed.is_set():
+            now = time.monotonic()
+            if committed.is_set():
+                if now >= sent_at[0] + hear_wait:
+                    break
+            elif now >= start + notify_wait:
+                break
+            for note in conn.notifies(timeout=0.02, stop_after=1):
+                heard = heard or note.channel == channel
+    finally:
+        unlisten(conn, channel=channel)
+    if heard:
+        return "session"
+    if echoed.is_set() or committed.is_set():
+        return "shared"
+    return "unknown"
 
 
 def subscribe(
@@ -212,7 +393,7 @@ def subscribe(
     key = (os.getpid(), conninfo)
     with _registry_lock:
         listener = _listeners.get(key)
-        if listener is None or listener.stopping:
+        if listener is None or (listener.stopping and not listener.shared):
             listener = _listeners[key] = _Listener(conninfo)
         sub = Subscription(listener, channel, on_notify, on_connect)
         with listener._lock:
@@ -221,14 +402,18 @@ def subscribe(
             ready = channel in listener.listening
             if ready:
                 sub.connected.set()
-        listener.start()
-        if not ready:
-            listener.nudge()
+            if ready or listener.shared:
+                sub.settled.set()
+        if not listener.shared:
+            listener.start()
+            if not ready:
+                listener.nudge()
     if ready:
         on_connect()
     elif listener.failures == 0 and threading.current_thread() is not listener._thread:
-        # The listener LISTENs at once; while its connection is down it is not waited for.
-        sub.connected.wait(SUBSCRIBE_WAIT_S)
+        # The listener LISTENs at once (after its probe); while its connection is down it is
+        # not waited for, nor once it gave up (a pooler that shares server connections).
+        sub.settled.wait(SUBSCRIBE_WAIT_S)
     return sub
 
 

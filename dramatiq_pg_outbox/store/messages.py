@@ -199,6 +199,16 @@ def listen(conn: psycopg.Connection[Any], *, channel: str) -> None:
     conn.execute(with_identifiers(raw_queries()["listen"], channel=channel))
 
 
+def unlisten(conn: psycopg.Connection[Any], *, channel: str) -> None:
+    """``UNLISTEN`` ``channel`` on ``conn`` (the name quoted as an identifier)."""
+    conn.execute(with_identifiers(raw_queries()["unlisten"], channel=channel))
+
+
+def notify_channel(conn: psycopg.Connection[Any], *, channel: str, payloads: Sequence[str]) -> None:
+    """Send each of ``payloads`` on ``channel`` (the ``notify`` statement, no schema needed)."""
+    conn.execute(raw_queries()["notify"], {"channel": channel, "queue_names": list(payloads)})
+
+
 class MessageStore(SchemaStore):
     """The ``queries.sql`` statements of the runtime, the broker and the outboxes (:class:`SchemaStore`)."""
 
