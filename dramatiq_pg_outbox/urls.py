@@ -137,25 +137,27 @@ def parse_url(url: str | URL) -> URL:
     allowed.  Every other URL is parsed by ``make_url`` as it is.
 
     Parameters:
-      url(str|URL): A PostgreSQL URL; a SQLAlchemy ``URL`` is returned as it is.
+      url(str|URL): A PostgreSQL URL; a SQLAlchemy ``URL`` is only checked.
 
     Returns:
       URL: The parsed URL.
 
     Raises:
       URLError: (a ``ValueError``) If the URL is a JDBC URL (see :func:`jdbc_url_error`),
-        if an entry of its host list has no host or a port that is not a number, or if it
-        names its hosts both in the list and in ``?host=``/``?port=``; the message shows the
-        URL with its password masked.
+        if an entry of its host list has no host or a port that is not a number, if it
+        names its hosts both in the list and in ``?host=``/``?port=``, or gives repeated
+        ``?host=HOST:PORT`` beside a ``?port=`` (which SQLAlchemy's psycopg dialect refuses
+        too); the message shows the URL with its password masked.
       ValueError: ``make_url``'s errors for other malformed URLs.
     """
     from sqlalchemy.engine import make_url
 
-    if not isinstance(url, str):
-        return url
-    if (jdbc := jdbc_url_error(url)) is not None:
-        raise URLError(jdbc)
-    return make_url(_host_list_in_query(url))
+    if isinstance(url, str):
+        if (jdbc := jdbc_url_error(url)) is not None:
+            raise URLError(jdbc)
+        url = make_url(_host_list_in_query(url))
+    _query_host_list({key: _values(value) for key, value in url.query.items()}, url)  # refuses a bad one
+    return url
 
 
 def _host_list_in_query(url: str) -> str:

@@ -368,6 +368,8 @@ def open_connection(db: Database) -> psycopg.Connection[Any]:
         raise _connection_error(e, db) from e
 
 
+#: libpq's refusal of a server that is not what ``target_session_attrs`` asks for.
+_WRONG_KIND = re.compile(r"session is (?:not )?read-only|server is (?:not )?in hot standby mode")
 #: libpq's refusal of a connection parameter's value (``invalid sslmode value: "bogus"``).
 _INVALID_PARAMETER = re.compile(r'invalid (\w+) value: ("[^"]*")')
 
@@ -388,6 +390,15 @@ def _connection_error(e: psycopg.OperationalError, db: Database) -> CliError:
             f"the database URL ({db.shown}) has an invalid {invalid.group(1)} value: {invalid.group(2)}. "
             f"Fix it (expected {URL_SHAPE}, with the parameters libpq documents)",
             EXIT_USAGE,
+        )
+    wrong_kind = _WRONG_KIND.search(text)
+    if wrong_kind is not None:
+        # Checked before "Connection refused": with several hosts, the text lists every attempt.
+        wanted = db.params.get("target_session_attrs")
+        return CliError(
+            f"cannot connect to {where}: none of its servers is what target_session_attrs={wanted} "
+            f"asks for (libpq: {wrong_kind.group(0)}). Check which server is the primary now, "
+            "and the hosts and target_session_attrs of the URL"
         )
     if "Connection refused" in text or "No such file or directory" in text:
         return CliError(
