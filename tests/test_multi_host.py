@@ -11,7 +11,9 @@ the metrics exporter and the dashboard's store reach the test server.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,10 +27,11 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
-from dramatiq_pg_outbox import PostgresBroker, outbox
+from dramatiq_pg_outbox import PostgresBroker, outbox, upgrade
 from dramatiq_pg_outbox._jdbc import jdbc_options
 from dramatiq_pg_outbox.dashboard.store import Store
 from dramatiq_pg_outbox.metrics import DatabaseCollector
+from dramatiq_pg_outbox.spark.options import given_options
 from dramatiq_pg_outbox.testing import ThrowawayPostgres
 from dramatiq_pg_outbox.testing.binaries import free_port
 from dramatiq_pg_outbox.urls import URLError, libpq_url, mask_password, normalize_sqlalchemy_url, safe_url
@@ -125,6 +128,18 @@ def test_an_ipv6_host_list_becomes_bracketed_jdbc_servers() -> None:
     assert options["url"].startswith("jdbc:postgresql://[::1]:5433,[fe80::2]:5434/db?")
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_the_spark_sources_url_option_takes_either_form(form: str) -> None:
+    url = multi_host_url(form, [("10.0.0.1", 5433), ("10.0.0.2", 5434)], "app", "db", PASSWORD)
+    _, conninfo, _ = given_options({"url": url}, "dramatiq", ["url"], ["url"])
+    params = conninfo_to_dict(conninfo)
+    assert (params["host"], params["port"], params["target_session_attrs"]) == (
+        "10.0.0.1,10.0.0.2",
+        "5433,5434",
+        "read-write",
+    )
+
+
 # -- bad input: one line, what is wrong, no password ------------------------------------------
 
 MALFORMED = [
@@ -145,6 +160,13 @@ def test_a_malformed_host_list_is_refused_in_one_line_without_the_password(url: 
         message = str(raised.value)
         assert says in message and "\n" not in message
         assert PASSWORD not in message and "app:***@" in message
+
+
+def test_the_spark_sources_name_the_url_option_of_a_malformed_host_list() -> None:
+    url, says = MALFORMED[1]
+    with pytest.raises(ValueError, match=r"^option 'url': cannot read the hosts") as raised:
+        given_options({"url": url}, "dramatiq", ["url"], ["url"])
+    assert says in str(raised.value) and PASSWORD not in str(raised.value)
 
 
 @pytest.mark.parametrize(("url", "says"), MALFORMED[:2])
@@ -351,3 +373,37 @@ def test_the_cli_says_when_no_server_is_what_target_session_attrs_asks_for(serve
     (line,) = result.stderr.splitlines()
     assert "none of its servers is what target_session_attrs=standby asks for" in line, line
     assert "server is not in hot standby mode" in line and "connection refused" not in line, line
+
+
+def test_migrations_and_the_scheduler_command_through_a_multi_host_url(
+    servers: dict[str, Any], db: Any
+) -> None:
+    # Given a fresh schema migrated through libpq's form
+    schema = f"multi_{secrets.token_hex(5)}"
+    upgrade(url_of(servers, "libpq"), schema=schema)
+    # When the scheduler command runs an app whose broker has libpq's form, with --url in SQLAlchemy's
+    # (the same servers: the command accepts it as the broker's database)
+    env = {**os.environ, "DPO_TEST_URL": url_of(servers, "libpq"), "DPO_SCHEMA": schema}
+    scheduler = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "dramatiq_pg_outbox.cli", "scheduler", "--app", "tests.periodic_app"),
+            *("--url", url_of(servers, "sqlalchemy"), "--schema", schema),
+        ],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        # Then its 1 s schedule enqueues on the test server
+        ticks = f"SELECT count(*) FROM {schema}.messages"
+        wait_for(lambda: scheduler.poll() is not None or count(db, ticks) >= 1, 60, "the first tick")
+        assert scheduler.poll() is None, scheduler.communicate()[1]
+        scheduler.send_signal(signal.SIGTERM)
+        assert scheduler.wait(30) == 0
+    finally:
+        if scheduler.poll() is None:
+            os.killpg(scheduler.pid, signal.SIGKILL)
+            scheduler.wait(30)
+        db.execute(f'DROP SCHEMA "{schema}" CASCADE')
