@@ -27,7 +27,7 @@ from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, login_name, reject
 from ..migrations import check_schema
 from ..names import DEFAULT_SCHEMA, validate_queue_name, validate_schema_name
 from ..store.admin import AdminStore
-from ..urls import SECRET_PARAMETERS, libpq_url, mask_password
+from ..urls import SECRET_PARAMETERS, URLError, libpq_url, mask_password, parse_url
 
 #: Name of the program in messages.
 PROG = _launch.PROG
@@ -290,8 +290,14 @@ class Database:
 
     @property
     def server(self) -> str:
-        host = self.params.get("host") or self.params.get("hostaddr") or "the local socket"
-        return f"{host}:{self.params.get('port') or 5432}"
+        """``host:port``, or for several hosts ``host1:port1, host2:port2`` (libpq's lists)."""
+        hosts = str(self.params.get("host") or self.params.get("hostaddr") or "the local socket").split(",")
+        ports = str(self.params.get("port") or "").split(",")
+        if len(ports) == 1:
+            ports = ports * len(hosts)
+        return ", ".join(
+            f"{host or 'the local socket'}:{port or 5432}" for host, port in zip(hosts, ports, strict=False)
+        )
 
 
 def database_from(args: argparse.Namespace) -> Database:
@@ -300,7 +306,6 @@ def database_from(args: argparse.Namespace) -> Database:
     Raises:
       CliError: (usage) If there is none, or it is not a PostgreSQL URL psycopg accepts.
     """
-    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
     url: str | None = args.url
@@ -319,7 +324,9 @@ def database_from(args: argparse.Namespace) -> Database:
             EXIT_USAGE,
         )
     try:
-        parsed = make_url(url)
+        parsed = parse_url(url)
+    except URLError as e:  # it says what is wrong (a host list, a JDBC URL); make_url's errors do not
+        raise CliError(f"{source}: {one_line(e)}", EXIT_USAGE) from None
     except (ArgumentError, ValueError):
         raise CliError(
             f"cannot parse the database URL of {source} ({shown}): expected {URL_SHAPE}", EXIT_USAGE
@@ -329,7 +336,10 @@ def database_from(args: argparse.Namespace) -> Database:
             f"the database URL of {source} is not a PostgreSQL URL ({shown}): expected {URL_SHAPE}",
             EXIT_USAGE,
         )
-    conninfo = libpq_url(parsed)
+    try:
+        conninfo = libpq_url(parsed)
+    except URLError as e:
+        raise CliError(f"{source}: {one_line(e)}", EXIT_USAGE) from None
     try:
         params = conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as e:
@@ -358,6 +368,8 @@ def open_connection(db: Database) -> psycopg.Connection[Any]:
         raise _connection_error(e, db) from e
 
 
+#: libpq's refusal of a server that is not what ``target_session_attrs`` asks for.
+_WRONG_KIND = re.compile(r"session is (?:not )?read-only|server is (?:not )?in hot standby mode")
 #: libpq's refusal of a connection parameter's value (``invalid sslmode value: "bogus"``).
 _INVALID_PARAMETER = re.compile(r'invalid (\w+) value: ("[^"]*")')
 
@@ -378,6 +390,15 @@ def _connection_error(e: psycopg.OperationalError, db: Database) -> CliError:
             f"the database URL ({db.shown}) has an invalid {invalid.group(1)} value: {invalid.group(2)}. "
             f"Fix it (expected {URL_SHAPE}, with the parameters libpq documents)",
             EXIT_USAGE,
+        )
+    wrong_kind = _WRONG_KIND.search(text)
+    if wrong_kind is not None:
+        # Checked before "Connection refused": with several hosts, the text lists every attempt.
+        wanted = db.params.get("target_session_attrs")
+        return CliError(
+            f"cannot connect to {where}: none of its servers is what target_session_attrs={wanted} "
+            f"asks for (libpq: {wrong_kind.group(0)}). Check which server is the primary now, "
+            "and the hosts and target_session_attrs of the URL"
         )
     if "Connection refused" in text or "No such file or directory" in text:
         return CliError(

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..names import DEFAULT_SCHEMA, validate_schema_name
-from ..urls import jdbc_url_error, libpq_url, mask_password
+from ..urls import URLError, jdbc_url_error, libpq_url, mask_password
 
 #: Options Spark passes to a data source on its own account (lower case).
 SPARK_OWN = frozenset({"path", "checkpointlocation"})
@@ -42,6 +42,8 @@ def given_options(
         raise ValueError(f"option 'url': {jdbc}")
     try:
         conninfo = libpq_url(given["url"])
+    except URLError as e:  # a malformed host list: the message says what is wrong, without a password
+        raise ValueError(f"option 'url': {e}") from None
     except Exception as e:  # sqlalchemy's ArgumentError for what is no URL at all
         raise ValueError(f"option 'url' is not a PostgreSQL URL ({type(e).__name__})") from None
     schema = given.get("schema", DEFAULT_SCHEMA)
