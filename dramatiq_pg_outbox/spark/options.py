@@ -37,19 +37,28 @@ def given_options(
         raise ValueError(
             f"format({source!r}) needs the option(s) {missing}, e.g. .option({missing[0]!r}, ...)"
         )
-    jdbc = jdbc_url_error(given["url"])
-    if jdbc is not None:
-        raise ValueError(f"option 'url': {jdbc}")
-    try:
-        conninfo = libpq_url(given["url"])
-    except Exception as e:  # sqlalchemy's ArgumentError for what is no URL at all
-        raise ValueError(f"option 'url' is not a PostgreSQL URL ({type(e).__name__})") from None
+    conninfo = url_option(given, "url")
     schema = given.get("schema", DEFAULT_SCHEMA)
     try:
         validate_schema_name(schema)
     except ValueError as e:
         raise ValueError(f"option 'schema': {e}") from None
     return given, conninfo, schema
+
+
+def url_option(given: Mapping[str, str], name: str) -> str:
+    """The libpq URL of the URL option ``name`` (``url``, ``read_url``) of ``given``.
+
+    Raises:
+      ValueError: Naming the option: a JDBC URL (how to write it), or not a PostgreSQL URL.
+    """
+    jdbc = jdbc_url_error(given[name])
+    if jdbc is not None:
+        raise ValueError(f"option {name!r}: {jdbc}")
+    try:
+        return libpq_url(given[name])
+    except Exception as e:  # sqlalchemy's ArgumentError for what is no URL at all
+        raise ValueError(f"option {name!r} is not a PostgreSQL URL ({type(e).__name__})") from None
 
 
 def connect(conninfo: str, **kwargs: Any) -> Any:

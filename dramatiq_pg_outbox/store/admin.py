@@ -480,19 +480,19 @@ class ReadLag:
     def describe(self) -> str:
         """One line for people: ``reads from a standby, 12.5 s behind the primary (4,096 bytes of WAL)``."""
         if not self.standby:
-            return "reads from the read URL's server, which is not a standby (not in recovery): no lag"
+            return "Reads from the read URL's server, which is not a standby (not in recovery): no lag"
         paused = "; replay is paused" if self.paused else ""
         if self.behind_bytes is None:
             age = "unknown" if self.seconds is None else f"{self.seconds:,.1f} s ago"
             return (
-                f"reads from a standby; the primary was not reached ({self.primary_error or 'no URL'}): "
+                f"Reads from a standby; the primary was not reached ({self.primary_error or 'no URL'}): "
                 f"its last replayed commit was {age} (an idle primary looks the same){paused}"
             )
         if self.behind_bytes == 0:
-            return f"reads from a standby, caught up with the primary{paused}"
+            return f"Reads from a standby, caught up with the primary{paused}"
         seconds = "an unknown time" if self.seconds is None else f"{self.seconds:,.1f} s"
         return (
-            f"reads from a standby, {seconds} behind the primary "
+            f"Reads from a standby, {seconds} behind the primary "
             f"({self.behind_bytes:,.0f} bytes of WAL not replayed){paused}"
         )
 
