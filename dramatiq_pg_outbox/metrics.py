@@ -240,9 +240,10 @@ class DatabaseCollector:
         """The read server's lag; a primary that fails is closed (opened again next time)."""
         try:
             primary: psycopg.Connection[Any] | None = self._primary()
-        except psycopg.Error:
-            primary = None
-        lag = read_lag(reads, primary)
+            error = ""
+        except psycopg.Error as e:
+            primary, error = None, " ".join(str(e).split()) or type(e).__name__
+        lag = read_lag(reads, primary, error)
         if lag.primary_error is not None and self._conn is not None:
             self._conn.close()
             self._conn = None

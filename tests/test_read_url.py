@@ -191,3 +191,24 @@ def _dashboard_session(
         token = csrf_token(browser.get(f"/queues/{queue}").text)
         done = browser.post(f"/queues/{queue}/pause", data={"csrf_token": token})
         assert done.status_code in (200, 303)
+
+
+def test_the_exporter_serves_the_standby_s_gauges_while_the_primary_is_not_reached(
+    standby: ThrowawayPostgres,
+) -> None:
+    # Given a primary URL that nothing answers and a standby that does
+    nowhere = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    collector = DatabaseCollector(nowhere, cache_seconds=0, read_url=standby.url)
+    try:
+        snap = collector.read()
+        families = {m.name: [s.value for s in m.samples] for m in collector.collect()}
+    finally:
+        collector.close()
+    # Then the gauges are up, the bytes behind unknown, the lag the age of the last replayed commit
+    assert snap.up and snap.read_lag is not None
+    assert snap.read_lag.behind_bytes is None and snap.read_lag.primary_error
+    assert snap.read_lag.seconds is not None and snap.read_lag.seconds > 0
+    assert "the primary was not reached" in snap.read_lag.describe()
+    assert families["dramatiq_pg_outbox_read_lag_bytes"] == []
+    (seconds,) = families["dramatiq_pg_outbox_read_lag_seconds"]  # (a new reading: cache_seconds=0)
+    assert seconds >= snap.read_lag.seconds

@@ -221,14 +221,12 @@ class _PushingReader(HistoryReader):
 
 def _log_lag(reads: Any, primary: str) -> None:
     """Log how far the ``read_url``'s server is behind ``url``'s (one line, on the driver)."""
-    import dataclasses
-
     import psycopg
 
     try:
         primary_conn = connect(primary, autocommit=True, connect_timeout=5)
     except psycopg.Error as e:
-        lag = dataclasses.replace(read_lag(reads, None), primary_error=" ".join(str(e).split()))
+        lag = read_lag(reads, None, " ".join(str(e).split()) or type(e).__name__)
     else:
         with primary_conn:
             lag = read_lag(reads, primary_conn)

@@ -509,8 +509,13 @@ class ReadLag:
         }
 
 
-def read_lag(read_conn: psycopg.Connection[Any], primary_conn: psycopg.Connection[Any] | None) -> ReadLag:
-    """The :class:`ReadLag` of ``read_conn``'s server behind ``primary_conn``'s (None: not reached).
+def read_lag(
+    read_conn: psycopg.Connection[Any],
+    primary_conn: psycopg.Connection[Any] | None,
+    primary_error: str = "not connected",
+) -> ReadLag:
+    """The :class:`ReadLag` of ``read_conn``'s server behind ``primary_conn``'s (None: not reached,
+    for the reason ``primary_error``).
 
     Reads the read server's position first, then the primary's, so the bytes behind are never
     understated.  A primary that answers with an error (a server in recovery itself) counts as
@@ -524,7 +529,7 @@ def read_lag(read_conn: psycopg.Connection[Any], primary_conn: psycopg.Connectio
     if not position.in_recovery:
         return ReadLag.of(position, 0.0)
     if primary_conn is None:
-        return ReadLag.of(position, None, "not connected")
+        return ReadLag.of(position, None, primary_error)
     try:
         _, behind = store.wal_position(primary_conn, replay_lsn=position.replay_lsn)
     except psycopg.Error as e:
