@@ -71,9 +71,8 @@ from pyspark.sql.datasource import (
     LessThanOrEqual,
 )
 
-from ..store.admin import read_lag
 from ..store.spark import SparkStore
-from .options import connect, given_options, url_option
+from .options import connect, given_options, log_read_lag, url_option
 
 SCHEMA = (
     "id long, queue_name string, actor_name string, message_id string, state string, attempts int, "
@@ -147,7 +146,7 @@ class HistoryReader(DataSourceReader):
         with connect(self.scan.conninfo) as conn:
             days = SparkStore(self.scan.schema).history_days(conn)
             if self.scan.primary is not None:
-                _log_lag(conn, self.scan.primary)
+                log_read_lag(conn, self.scan.primary, "dramatiq_history", logger)
         epoch = datetime.date(1970, 1, 1)
         parts = []
         for day in days:
@@ -217,21 +216,6 @@ class _PushingReader(HistoryReader):
             self.scan.values[column] = wanted if allowed is None else allowed & wanted
             return True
         return False
-
-
-def _log_lag(reads: Any, primary: str) -> None:
-    """Log how far the ``read_url``'s server is behind ``url``'s (one line, on the driver)."""
-    import psycopg
-
-    try:
-        primary_conn = connect(primary, autocommit=True, connect_timeout=5)
-    except psycopg.Error as e:
-        lag = read_lag(reads, None, " ".join(str(e).split()) or type(e).__name__)
-    else:
-        with primary_conn:
-            lag = read_lag(reads, primary_conn)
-    level = logging.INFO if not lag.standby or lag.behind_bytes == 0 else logging.WARNING
-    logger.log(level, "format('dramatiq_history'): %s", lag.describe())
 
 
 def _epoch_ms(option: str, text: str) -> int:

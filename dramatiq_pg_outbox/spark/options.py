@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,6 +74,29 @@ def connect(conninfo: str, **kwargs: Any) -> Any:
     from .._isolation import connect as connect_read_committed
 
     return connect_read_committed(conninfo, application_name="dramatiq-pg-outbox-spark", **kwargs)
+
+
+def log_read_lag(reads: Any, primary: str, source: str, logger: logging.Logger) -> None:
+    """Log how far the ``read_url``'s server (``reads``, a connection) is behind ``primary``'s
+    (a libpq URL): one line, INFO when caught up or not a standby, else WARNING (with the
+    primary's error when it was not reached; see :class:`~dramatiq_pg_outbox.store.admin.ReadLag`).
+
+    Raises:
+      psycopg.Error: From ``reads``.
+    """
+    import psycopg
+
+    from ..store.admin import read_lag
+
+    try:
+        primary_conn = connect(primary, autocommit=True, connect_timeout=5)
+    except psycopg.Error as e:
+        lag = read_lag(reads, None, " ".join(str(e).split()) or type(e).__name__)
+    else:
+        with primary_conn:
+            lag = read_lag(reads, primary_conn)
+    level = logging.INFO if not lag.standby or lag.behind_bytes == 0 else logging.WARNING
+    logger.log(level, "format(%r): %s", source, lag.describe())
 
 
 #: Seconds the driver's check waits for the server, unless the URL sets ``connect_timeout``.
