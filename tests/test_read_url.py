@@ -212,3 +212,32 @@ def test_the_exporter_serves_the_standby_s_gauges_while_the_primary_is_not_reach
     assert families["dramatiq_pg_outbox_read_lag_bytes"] == []
     (seconds,) = families["dramatiq_pg_outbox_read_lag_seconds"]  # (a new reading: cache_seconds=0)
     assert seconds >= snap.read_lag.seconds
+
+
+def test_the_metrics_command_serves_the_standby_s_lag(
+    primary: ThrowawayPostgres, standby: ThrowawayPostgres
+) -> None:
+    pytest.importorskip("prometheus_client")
+    from tests.test_metrics import MetricsServer
+
+    exporter = MetricsServer(primary.url, "--read-url", standby.url, "--cache-seconds", "0")
+    try:
+        scraped = exporter.scrape()
+    finally:
+        exporter.stop()
+    assert scraped[("dramatiq_pg_outbox_database_up", ())] == 1.0
+    assert ("dramatiq_pg_outbox_read_lag_seconds", ()) in scraped
+    assert ("dramatiq_pg_outbox_read_lag_bytes", ()) in scraped
+    out = exporter.proc.stdout.read() if exporter.proc.stdout else ""
+    assert f"read from {standby.url}" in out
+
+
+def test_the_dashboard_command_names_an_unreachable_read_url_in_one_line(
+    capsys: pytest.CaptureFixture[str], primary: ThrowawayPostgres
+) -> None:
+    pytest.importorskip("uvicorn")
+    nowhere = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    assert main(["dashboard", "--url", primary.url, "--read-url", nowhere, "--port", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dramatiq-pg-outbox dashboard: error: the read URL")
+    assert "connection refused" in err
