@@ -321,8 +321,9 @@ class ThrowawayPostgres:
             ``synchronous_standby_names`` is set to the standby's name and its
             ``synchronous_commit`` to ``synchronous_commit``, then reloaded; returns once
             ``pg_stat_replication`` says ``sync``.  A commit on this server then waits for the
-            standby (and blocks while no synchronous standby answers).  Default False:
-            asynchronous replication.
+            standby (and blocks while no synchronous standby answers: after the standby is
+            stopped, killed or promoted, this server's commits wait for ever, so stop this
+            server first or write no more).  Default False: asynchronous replication.
           synchronous_commit(str): ``on`` (default: a commit waits until the standby has
             flushed its WAL), ``remote_apply`` (until it has replayed it: visible there) or
             ``remote_write``.  Used only with ``synchronous``.
