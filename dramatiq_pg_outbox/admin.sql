@@ -173,3 +173,39 @@ SELECT id, at, operator, source, action, target, count, detail
   FROM {schema}.audit
  ORDER BY id DESC
  LIMIT %(limit)s;
+
+-- Streaming replication: the test servers' standbys (testing/throwaway.py) and the readers
+-- of a read_url (the dashboard, status, the metrics exporter, the Spark history reader).
+
+-- name: wal_position --
+-- On a primary: its current WAL write position, and how many bytes of WAL lie between
+-- it and a standby's replay position (NULL when none is given).  Raises
+-- ObjectNotInPrerequisiteState on a server in recovery.
+SELECT pg_current_wal_lsn()::text AS lsn,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), %(replay_lsn)s::pg_lsn)::float8 AS behind_bytes;
+
+-- name: replica_position --
+-- Where a server's data stands: in recovery (a standby) or not, the WAL position replayed
+-- and the commit time of the last transaction replayed (both NULL on a primary, and the
+-- time NULL on a standby that has replayed no commit yet), whether replay is paused, and
+-- the server's clock.
+SELECT pg_is_in_recovery() AS in_recovery,
+       pg_last_wal_replay_lsn()::text AS replay_lsn,
+       pg_last_xact_replay_timestamp() AS replayed_at,
+       CASE WHEN pg_is_in_recovery() THEN pg_is_wal_replay_paused() ELSE false END AS paused,
+       now() AS now;
+
+-- name: replayed_up_to --
+-- On a standby: whether it has replayed the WAL up to a position of its primary.
+SELECT coalesce(pg_last_wal_replay_lsn() >= %(lsn)s::pg_lsn, false);
+
+-- name: sync_state --
+-- On a primary: how a standby (by its application_name) replicates: sync, async, potential,
+-- quorum; no row while it is not connected.
+SELECT sync_state FROM pg_stat_replication WHERE application_name = %(name)s;
+
+-- name: pause_replay --
+SELECT pg_wal_replay_pause();
+
+-- name: resume_replay --
+SELECT pg_wal_replay_resume();

@@ -57,6 +57,20 @@ labels ``queue_name``, ``actor_name``, ``state``)            outcome: ``complete
                                                              0018); ``prune`` does not lower it
 ==========================================================  ==========================================
 
+With a ``read_url`` (a hot standby), the gauges are read there, and two more say how far
+behind the primary they are (no label; see :class:`~dramatiq_pg_outbox.store.admin.ReadLag`):
+
+==========================================================  ==========================================
+``dramatiq_pg_outbox_read_lag_seconds``                      seconds the standby's data is behind: 0
+                                                             when it has replayed all the primary's
+                                                             WAL (caught up, even if idle), else the
+                                                             age of its last replayed commit; absent
+                                                             while unknown (no commit replayed yet)
+``dramatiq_pg_outbox_read_lag_bytes``                        bytes of WAL written on the primary and
+                                                             not replayed yet; absent while the
+                                                             primary is not reached
+==========================================================  ==========================================
+
 A queue the collector has seen keeps its series when it empties: they read 0, not absent.
 Delay queues (``X.DQ``) are folded into their queue ``X``, as on the dashboard.
 
@@ -86,7 +100,7 @@ from dramatiq.middleware import Middleware
 
 from ._isolation import connect
 from .options import HEARTBEAT_TIMEOUT_MS
-from .store.admin import AdminStore
+from .store.admin import AdminStore, ReadLag, read_lag
 from .urls import libpq_url
 
 if TYPE_CHECKING:
@@ -122,6 +136,8 @@ class Snapshot:
         its next tick is overdue (0 when not), enabled schedules only.
       finished(dict[tuple[str, str, str], float]): ``(queue_name, actor_name, state) ->
         messages finished so far`` (a counter; state completed, retried or failed).
+      read_lag(ReadLag|None): How far the ``read_url``'s server is behind the primary, read
+        after the gauges; None without a ``read_url``.
 
     Delay queues (``X.DQ``, a name Dramatiq gives them) are folded into their queue, as
     on the dashboard: counts add up, ages take the larger.
@@ -139,6 +155,7 @@ class Snapshot:
     queue_workers: dict[str, float] = field(default_factory=dict)
     schedule_lateness: dict[tuple[str, str], float] = field(default_factory=dict)
     finished: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    read_lag: ReadLag | None = None
 
 
 #: The outcomes of ``messages_finished_total`` (``finished_counts.state``, migration 0018).
@@ -156,6 +173,11 @@ class DatabaseCollector:
       heartbeat_timeout(int): Milliseconds after which a silent worker is not counted live: pass
         the workers' ``heartbeat_timeout`` (default
         :data:`~dramatiq_pg_outbox.options.HEARTBEAT_TIMEOUT_MS`, the broker's default, 20,000).
+      read_url(str|None): URL (or conninfo) of a hot standby of ``url``'s server: the gauge
+        statement runs there, and ``url`` is asked only how far the standby is behind
+        (``read_lag_seconds``, ``read_lag_bytes``).  ``database_up`` is then the standby's: a
+        primary that does not answer leaves the gauges served, the lag measured without it.
+        Default None: everything on ``url``.
 
     A failing statement is logged by the caller of :meth:`read` and reported as
     ``dramatiq_pg_outbox_database_up 0``; the connection is opened again at the next read.
@@ -169,10 +191,12 @@ class DatabaseCollector:
         *,
         cache_seconds: float = DEFAULT_CACHE_SECONDS,
         heartbeat_timeout: int = HEARTBEAT_TIMEOUT_MS,
+        read_url: str | None = None,
     ) -> None:
         if cache_seconds < 0:
             raise ValueError(f"cache_seconds must be >= 0, not {cache_seconds!r}")
         self.url = libpq_url(url) if "://" in url else url
+        self.read_url = None if read_url is None else libpq_url(read_url) if "://" in read_url else read_url
         self.schema = schema
         self.cache_seconds = cache_seconds
         self.heartbeat_timeout = heartbeat_timeout
@@ -183,6 +207,8 @@ class DatabaseCollector:
         self._store = AdminStore(schema)
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
+        #: The read server's connection (``read_url``); None without one, or until opened.
+        self._read_conn: psycopg.Connection[Any] | None = None
         self._snapshot: Snapshot | None = None
         #: Every queue seen by this collector: a queue that empties reads 0 instead of vanishing.
         self._seen: set[str] = set()
@@ -198,17 +224,45 @@ class DatabaseCollector:
             self._snapshot = snap = self._query()
             return snap
 
+    def _primary(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.url, autocommit=True, connect_timeout=10)
+        return self._conn
+
+    def _reads(self) -> psycopg.Connection[Any]:
+        if self.read_url is None:
+            return self._primary()
+        if self._read_conn is None or self._read_conn.closed:
+            self._read_conn = connect(self.read_url, autocommit=True, connect_timeout=10)
+        return self._read_conn
+
+    def _lag(self, reads: psycopg.Connection[Any]) -> ReadLag:
+        """The read server's lag; a primary that fails is closed (opened again next time)."""
+        try:
+            primary: psycopg.Connection[Any] | None = self._primary()
+            error = ""
+        except psycopg.Error as e:
+            primary, error = None, " ".join(str(e).split()) or type(e).__name__
+        lag = read_lag(reads, primary, error)
+        if lag.primary_error is not None and self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        return lag
+
     def _query(self) -> Snapshot:
         self.statements += 1
+        lag = None
         try:
-            if self._conn is None or self._conn.closed:
-                self._conn = connect(self.url, autocommit=True, connect_timeout=10)
-            gauges = self._store.metrics_gauges(self._conn, heartbeat_timeout_ms=self.heartbeat_timeout)
+            reads = self._reads()
+            gauges = self._store.metrics_gauges(reads, heartbeat_timeout_ms=self.heartbeat_timeout)
+            if self.read_url is not None:
+                lag = self._lag(reads)
         except psycopg.Error as e:
             self.last_error = " ".join(str(e).split())
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            for conn in (self._conn, self._read_conn):
+                if conn is not None:
+                    conn.close()
+            self._conn = self._read_conn = None
             return Snapshot({}, {}, {}, 0.0, False, time.monotonic())
         self.last_error = None
         messages: dict[tuple[str, str], float] = {}
@@ -266,6 +320,7 @@ class DatabaseCollector:
             queue_workers,
             late,
             finished,
+            lag,
         )
 
     def collect(self) -> Iterator[Metric]:
@@ -354,6 +409,21 @@ class DatabaseCollector:
         for (schedule, queue_name), seconds in sorted(snap.schedule_lateness.items()):
             late.add_metric([schedule, queue_name], seconds)
         yield late
+        if snap.read_lag is not None:
+            lag_seconds = GaugeMetricFamily(
+                f"{PREFIX}_read_lag_seconds",
+                "Seconds the read_url's standby is behind the primary (0 when it replayed all its WAL)",
+            )
+            if snap.read_lag.seconds is not None:
+                lag_seconds.add_metric([], snap.read_lag.seconds)
+            yield lag_seconds
+            lag_bytes = GaugeMetricFamily(
+                f"{PREFIX}_read_lag_bytes",
+                "Bytes of the primary's WAL the read_url's standby has not replayed yet",
+            )
+            if snap.read_lag.behind_bytes is not None:
+                lag_bytes.add_metric([], snap.read_lag.behind_bytes)
+            yield lag_bytes
         finished = CounterMetricFamily(
             f"{PREFIX}_messages_finished",
             "Messages moved to history so far by queue, actor and outcome (completed, retried, failed); "
@@ -370,15 +440,17 @@ class DatabaseCollector:
 
     @property
     def connection(self) -> psycopg.Connection[Any] | None:
-        """The collector's autocommit connection: None before the first read, or after a failed one."""
+        """The collector's autocommit connection to ``url``: None before the first read, or after a
+        failed one."""
         return self._conn
 
     def close(self) -> None:
-        """Close the connection (a later read opens a new one)."""
+        """Close the connections (a later read opens new ones)."""
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            for conn in (self._conn, self._read_conn):
+                if conn is not None:
+                    conn.close()
+            self._conn = self._read_conn = None
 
 
 class _Instruments:

@@ -114,6 +114,45 @@ def database_url(admin_url: str) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="session")
+def standby_pair() -> Iterator[tuple[Any, Any]]:
+    """(primary, hot standby): two throwaway servers of this run, streaming replication between
+    them, the broker's schema migrated on the primary and replayed on the standby.
+
+    Tests that pause the standby's replay use the ``standby`` fixture, which resumes it.
+    """
+    from dramatiq_pg_outbox.testing import ThrowawayPostgres
+
+    try:
+        primary = ThrowawayPostgres()
+    except RuntimeError as e:
+        pytest.skip(f"no PostgreSQL binaries for a throwaway primary and standby: {e}")
+    with primary:
+        upgrade(primary.url, schema=SCHEMA)
+        with primary.start_standby() as standby:
+            standby.wait_replayed()
+            yield primary, standby
+
+
+@pytest.fixture
+def standby(standby_pair: tuple[Any, Any]) -> Iterator[Any]:
+    """The standby of ``standby_pair``, caught up with its primary; its replay resumed afterwards.
+
+    A transaction is committed on the primary first, so the standby has replayed a commit
+    (``pg_last_xact_replay_timestamp()`` is NULL on a standby that replayed none since it started).
+    """
+    primary, server = standby_pair
+    server.resume_replay()
+    with psycopg.connect(primary.url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS replayed (at timestamptz NOT NULL DEFAULT now())")
+        conn.execute("INSERT INTO replayed DEFAULT VALUES")
+    server.wait_replayed()
+    try:
+        yield server
+    finally:
+        server.resume_replay()
+
+
 @pytest.fixture
 def db(database_url: str) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection to the test database, with the broker's tables emptied."""

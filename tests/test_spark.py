@@ -1595,3 +1595,39 @@ def test_a_loaded_backlog_dataframe_queried_again_reads_the_messages_enqueued_si
     add(1001, 50)
     assert backlog.count() == 150
     assert backlog.filter("id > 1000").count() == 50
+
+
+def test_history_and_backlog_with_a_read_url_read_the_standby(spark: Any, standby: Any) -> None:
+    from dramatiq_pg_outbox.spark import register
+
+    primary = standby.primary
+    queue = f"hq_{uuid.uuid4().hex[:8]}"
+
+    def rows(source: str = "dramatiq_history") -> int:
+        read = spark.read.format(source).option("url", primary.url).option("read_url", standby.url).load()
+        return int(read.filter(f"queue_name = '{queue}'").count())
+
+    register(spark)
+    # Given the standby's replay paused, then history rows finished on the primary
+    standby.pause_replay()
+    with psycopg.connect(primary.url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO dramatiq.history (id, queue_name, actor_name, message_id, state, attempts, "
+            "enqueued_at, started_at, finished_at, payload) "
+            "SELECT 1e9 + k, %s, 'a', %s || k, 'completed', 1, now(), now(), now(), '\\x'::bytea "
+            "FROM generate_series(1, 3) AS k",
+            (queue, queue),
+        )
+    sender = PostgresBroker(url=primary.url)
+    try:
+        dramatiq.actor(lambda: None, broker=sender, queue_name=queue, actor_name=queue).send()
+        # Then a read from the standby does not see them, and sees them once it has replayed
+        assert rows() == 0 and rows("dramatiq_backlog") == 0
+        standby.resume_replay()
+        standby.wait_replayed()
+        assert rows() == 3 and rows("dramatiq_backlog") == 1
+    finally:
+        sender.close()
+        with psycopg.connect(primary.url, autocommit=True) as conn:
+            conn.execute("DELETE FROM dramatiq.history WHERE queue_name = %s", (queue,))
+            conn.execute("DELETE FROM dramatiq.messages WHERE queue_name = %s", (queue,))

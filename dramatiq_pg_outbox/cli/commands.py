@@ -4,6 +4,7 @@ prune, maintain, metrics, relay."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -19,7 +20,7 @@ from dramatiq.common import dq_name, q_name
 from ..formats import exception_line, format_age, format_time
 from ..migrations import VERSION_TABLE, script_location, upgrade, upgrade_sql
 from ..names import channel_for
-from ..store.admin import AdminStore
+from ..store.admin import AdminStore, read_lag
 from ..urls import mask_password
 from .common import (
     EXIT_ATTENTION,
@@ -33,8 +34,10 @@ from .common import (
     database_from,
     format_queue_list,
     open_connection,
+    open_read_connection,
     print_json,
     print_table,
+    read_database_from,
     record_action,
     selection_text,
     server_down,
@@ -176,13 +179,23 @@ def attention(conn: psycopg.Connection[Any], store: AdminStore, heartbeat_timeou
 
 
 def status_command(args: argparse.Namespace) -> int:
-    with checked_connection(args) as (conn, store, _):
-        messages = store.status_messages(conn)
-        failed = store.status_failed(conn)
-        workers = store.status_workers(conn)
-        paused = [p for p in store.paused_queues(conn) if p.queue_name == q_name(p.queue_name)]
-        needs = attention(conn, store, args.heartbeat_timeout) if args.check else []
+    """``status``: every figure read on ``--read-url``'s server when given (then its lag is shown
+    first, and in the JSON as ``read_lag``), else on ``--url``'s."""
+    read_db = read_database_from(args)
+    with checked_connection(args) as (conn, store, db), contextlib.ExitStack() as stack:
+        reads = conn
+        if read_db is not None:
+            reads = stack.enter_context(open_read_connection(read_db, args.schema, db))
+        messages = store.status_messages(reads)
+        failed = store.status_failed(reads)
+        workers = store.status_workers(reads)
+        paused = [p for p in store.paused_queues(reads) if p.queue_name == q_name(p.queue_name)]
+        needs = attention(reads, store, args.heartbeat_timeout) if args.check else []
+        # After the reads: the lag is never understated for what they showed.
+        lag = read_lag(reads, conn) if read_db is not None else None
     if args.check and not args.json:
+        if lag is not None:
+            print(lag.describe())
         for line in needs:
             print(line)
         if not needs:
@@ -192,6 +205,7 @@ def status_command(args: argparse.Namespace) -> int:
         print_json(
             {
                 "schema": args.schema,
+                **({"read_lag": lag.as_json()} if lag is not None else {}),
                 **({"attention": needs} if args.check else {}),
                 "messages": [
                     {
@@ -216,6 +230,9 @@ def status_command(args: argparse.Namespace) -> int:
             }
         )
         return EXIT_ATTENTION if needs else 0
+    if lag is not None:
+        print(lag.describe())
+        print()
     if messages:
         print_table(
             [(m.queue_name, m.state, m.messages, m.delayed, format_age(m.oldest_s)) for m in messages],
@@ -352,6 +369,7 @@ def metrics_command(args: argparse.Namespace) -> int:
     from ..metrics import PREFIX, DatabaseCollector
 
     db = database_from(args)
+    read_db = read_database_from(args)
     try:
         with checked_connection(args):
             pass  # the server, the credentials and the schema are fine: serve
@@ -359,16 +377,25 @@ def metrics_command(args: argparse.Namespace) -> int:
         if not server_down(e.__cause__):
             raise  # a rejection or a schema to migrate: waiting cannot fix it
         # Down at start, as a database can be at any scrape: serve database_up 0 until it answers.
-        print(
-            f"{PROG} metrics: warning: {e.message}; serving {PREFIX}_database_up 0 until it answers",
-            file=sys.stderr,
-            flush=True,
-        )
+        down = "the lag is measured without it" if read_db else f"serving {PREFIX}_database_up 0"
+        print(f"{PROG} metrics: warning: {e.message}; {down} until it answers", file=sys.stderr, flush=True)
+    if read_db is not None:
+        try:
+            open_read_connection(read_db, args.schema, db).close()
+        except CliError as e:
+            if not server_down(e.__cause__):
+                raise
+            print(
+                f"{PROG} metrics: warning: {e.message}; serving {PREFIX}_database_up 0 until it answers",
+                file=sys.stderr,
+                flush=True,
+            )
     collector = DatabaseCollector(
         db.conninfo,
         args.schema,
         cache_seconds=args.cache_seconds,
         heartbeat_timeout=args.heartbeat_timeout,
+        read_url=None if read_db is None else read_db.conninfo,
     )
     registry = CollectorRegistry()
     registry.register(collector)
@@ -380,8 +407,9 @@ def metrics_command(args: argparse.Namespace) -> int:
         ) from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    reads = "" if read_db is None else f", read from {read_db.shown}"
     print(
-        f"metrics of {db.shown} schema {args.schema!r} on http://{args.host}:{args.port}/metrics "
+        f"metrics of {db.shown} schema {args.schema!r}{reads} on http://{args.host}:{args.port}/metrics "
         f"(cached {args.cache_seconds:g} s)",
         flush=True,
     )

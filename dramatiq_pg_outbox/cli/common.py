@@ -35,6 +35,8 @@ PROG = _launch.PROG
 DEBUG_ENV_VAR = "DRAMATIQ_PG_OUTBOX_DEBUG"
 #: Environment variable read when ``--url`` is not given.
 URL_ENV_VAR = "DATABASE_URL"
+#: Environment variable read when ``--read-url`` is not given (status, dashboard, metrics).
+READ_URL_ENV_VAR = "DATABASE_READ_URL"
 #: Seconds to wait for the server to answer, unless the URL sets ``connect_timeout``.
 CONNECT_TIMEOUT = 10
 #: Exit code of a runtime failure.
@@ -224,14 +226,16 @@ def one_line(e: BaseException) -> str:
 # -- passwords --------------------------------------------------------------------
 
 
-def secrets_in(argv: Sequence[str], env_url: str | None) -> list[str]:
-    """Every password of the URLs in ``argv`` and ``$DATABASE_URL``, to scrub them from any output."""
-    urls = [env_url] if env_url else []
+def secrets_in(argv: Sequence[str], *env_urls: str | None) -> list[str]:
+    """Every password of the URLs in ``argv`` (``--url``, ``--read-url``) and ``env_urls``
+    (``$DATABASE_URL``, ``$DATABASE_READ_URL``), to scrub them from any output."""
+    urls = [url for url in env_urls if url]
     for i, arg in enumerate(argv):
-        if arg == "--url" and i + 1 < len(argv):
-            urls.append(argv[i + 1])
-        elif arg.startswith("--url="):
-            urls.append(arg.removeprefix("--url="))
+        for option in ("--url", "--read-url"):
+            if arg == option and i + 1 < len(argv):
+                urls.append(argv[i + 1])
+            elif arg.startswith(f"{option}="):
+                urls.append(arg.removeprefix(f"{option}="))
     found: set[str] = set()
     for url in urls:
         try:
@@ -306,15 +310,46 @@ def database_from(args: argparse.Namespace) -> Database:
     Raises:
       CliError: (usage) If there is none, or it is not a PostgreSQL URL psycopg accepts.
     """
-    from sqlalchemy.exc import ArgumentError
-
     url: str | None = args.url
     from_env = url is None
     if url is None:
         url = os.environ.get(URL_ENV_VAR)
     if not url:
         raise CliError(f"no database URL: pass --url {URL_SHAPE} or set {URL_ENV_VAR}", EXIT_USAGE)
-    source = f"${URL_ENV_VAR}" if from_env else "--url"
+    return _database(url, from_env, "--url", URL_ENV_VAR)
+
+
+def read_database_from(args: argparse.Namespace) -> Database | None:
+    """The validated URL of ``--read-url`` or ``$DATABASE_READ_URL`` (a hot standby); None if neither.
+
+    Raises:
+      CliError: (usage) If it is not a PostgreSQL URL psycopg accepts (naming ``--read-url``).
+    """
+    url: str | None = getattr(args, "read_url", None)
+    from_env = url is None
+    if url is None:
+        url = os.environ.get(READ_URL_ENV_VAR) or None
+    if url is None:
+        return None
+    if not url:
+        raise CliError(f"--read-url is empty: pass a URL, {URL_SHAPE}, or leave it out", EXIT_USAGE)
+    return _database(url, from_env, "--read-url", READ_URL_ENV_VAR)
+
+
+def add_read_url(parser: argparse.ArgumentParser, reads: str) -> None:
+    """``--read-url URL`` (default ``$DATABASE_READ_URL``): where ``reads`` come from (a hot standby)."""
+    parser.add_argument(
+        "--read-url",
+        metavar="URL",
+        help=f"PostgreSQL URL of a hot standby of --url's server to read {reads} from, showing its lag; "
+        f"writes stay on --url (default: ${READ_URL_ENV_VAR}; see docs/guides/configuration.md)",
+    )
+
+
+def _database(url: str, from_env: bool, option: str, env_var: str) -> Database:
+    from sqlalchemy.exc import ArgumentError
+
+    source = f"${env_var}" if from_env else option
     shown = _shown(url)
     netloc = urllib.parse.urlsplit(url).netloc if "://" in url and "[" not in url else ""
     if netloc.count("@") > 1:
@@ -348,9 +383,9 @@ def database_from(args: argparse.Namespace) -> Database:
             EXIT_USAGE,
         ) from None
     if from_env:
-        fix_url: str | None = f'"${URL_ENV_VAR}"'
+        fix_url: str | None = f'"${env_var}"'
     else:
-        fix_url = None if secrets_in(["--url", url], None) or parsed.password else shlex.quote(shown)
+        fix_url = None if secrets_in(["--url", url]) or parsed.password else shlex.quote(shown)
     return Database(conninfo, shown, fix_url, params)
 
 
@@ -366,6 +401,26 @@ def open_connection(db: Database) -> psycopg.Connection[Any]:
         return connect(db.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT)
     except psycopg.OperationalError as e:
         raise _connection_error(e, db) from e
+
+
+def open_read_connection(read_db: Database, schema: str, primary: Database) -> psycopg.Connection[Any]:
+    """An autocommit connection to the server of ``--read-url``, its schema checked.
+
+    Raises:
+      CliError: As :func:`open_connection`, the line starting with ``the read URL (...)``; or
+        the schema is missing or older there (the fix names ``primary``'s URL: migrations run
+        on the primary and reach a standby by replication).
+    """
+    try:
+        conn = open_connection(read_db)
+    except CliError as e:
+        raise CliError(f"the read URL ({read_db.shown}): {e.message}", e.exit_code) from e.__cause__
+    try:
+        check_schema(conn, schema, url=read_db.shown, fix_url=primary.fix_url)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 #: libpq's refusal of a server that is not what ``target_session_attrs`` asks for.

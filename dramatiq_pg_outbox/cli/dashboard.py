@@ -14,7 +14,15 @@ from typing import Any
 
 from ..dashboard import BASIC_AUTH_ENV, TOKEN_ENV, USERS_FILE_ENV
 from ..migrations import check_schema
-from .common import EXIT_USAGE, CliError, database_from, open_connection
+from .common import (
+    EXIT_USAGE,
+    CliError,
+    add_read_url,
+    database_from,
+    open_connection,
+    open_read_connection,
+    read_database_from,
+)
 
 _INSTALL_HINT = "pip install 'dramatiq-pg-outbox[dashboard]'"
 
@@ -52,6 +60,7 @@ def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ())
             "--url", default=os.environ.get("DATABASE_URL"), help="PostgreSQL URL ($DATABASE_URL)"
         )
         parser.add_argument("--schema", default="dramatiq", help="schema of the tables (default: dramatiq)")
+    add_read_url(parser, "the pages")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument(
         "--port", type=_port, default=8080, help="port to bind (default: 8080; 0: any free port, printed)"
@@ -130,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError("basic auth must be USER:PASSWORD, both non-empty", EXIT_USAGE)
         basic_auth = (user, password)
     db = database_from(args)
+    read_db = read_database_from(args)
     try:
         import uvicorn
 
@@ -153,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             allowed_hosts=allowed_hosts,
             refresh=args.refresh,
             results_namespace=args.results_namespace,
+            read_url=None if read_db is None else read_db.conninfo,
         )
     except ValueError as e:
         raise CliError(str(e).rstrip("."), EXIT_USAGE) from None
@@ -165,6 +176,16 @@ def run(args: argparse.Namespace) -> int:
             minimum=MIN_SCHEMA_REVISION,
             reader="the dashboard",
         )
+    if read_db is not None:
+        with open_read_connection(read_db, settings.schema, db) as conn:
+            check_schema(
+                conn,
+                settings.schema,
+                url=read_db.shown,
+                fix_url=db.fix_url,
+                minimum=MIN_SCHEMA_REVISION,
+                reader="the dashboard",
+            )
     sock = _listen(args.host, args.port)
     port = sock.getsockname()[1]
     if settings.auth == "none" and not _is_loopback(args.host):
@@ -177,8 +198,9 @@ def run(args: argparse.Namespace) -> int:
     if users:
         operators = sum(user.may_act for user in users)
         mode += f"; {len(users)} user(s), {operators} operator(s)"
+    reads = "" if read_db is None else f", read from {read_db.shown}"
     print(
-        f"dashboard of {db.shown} schema {settings.schema!r} ({mode}, auth: {settings.auth}) "
+        f"dashboard of {db.shown} schema {settings.schema!r}{reads} ({mode}, auth: {settings.auth}) "
         f"on http://{args.host}:{port}/",
         flush=True,
     )

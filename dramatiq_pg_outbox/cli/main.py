@@ -71,9 +71,11 @@ from .common import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     PROG,
+    READ_URL_ENV_VAR,
     URL_ENV_VAR,
     CliError,
     Parser,
+    add_read_url,
     common_options,
     explain,
     package_version,
@@ -120,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", parents=[common], help="messages, dead letters and workers")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_read_url(status, "every figure")
     status.add_argument(
         "--check",
         action="store_true",
@@ -217,6 +220,7 @@ def _parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds a reading is reused by later scrapes (default: 5; 0: read at every scrape)",
     )
+    add_read_url(metrics, "the gauges")
     _heartbeat_timeout(metrics)
     metrics.set_defaults(run=metrics_command)
     relay = sub.add_parser(
@@ -283,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       int: The exit code: 0, 1 (runtime failure), 2 (usage error) or 130 (interrupted).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    secrets = secrets_in(argv, os.environ.get(URL_ENV_VAR))
+    secrets = secrets_in(argv, os.environ.get(URL_ENV_VAR), os.environ.get(READ_URL_ENV_VAR))
     debug = os.environ.get(DEBUG_ENV_VAR, "") not in ("", "0") or "--debug" in argv
     prog = PROG
     try:
@@ -294,13 +298,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = run(args)
         # After the command's own output (an error stays one line): the warning of a password
         # on the command line, which every user of the machine sees in ps while it runs.
-        if getattr(args, "url", None) is not None and secrets_in(["--url", args.url], None):
-            report_error(
-                prog,
-                "warning: a password given with --url can be read by every user of this machine "
-                f"(ps); set ${URL_ENV_VAR} instead, or keep the password in ~/.pgpass or $PGPASSWORD",
-                secrets,
-            )
+        for option, env_var in (("url", URL_ENV_VAR), ("read_url", READ_URL_ENV_VAR)):
+            given = getattr(args, option, None)
+            if given is not None and secrets_in(["--url", given]):
+                report_error(
+                    prog,
+                    f"warning: a password given with --{option.replace('_', '-')} can be read by every "
+                    f"user of this machine (ps); set ${env_var} instead, or keep the password in "
+                    "~/.pgpass or $PGPASSWORD",
+                    secrets,
+                )
         return code
     except KeyboardInterrupt:
         report_error(prog, "interrupted", secrets)

@@ -279,6 +279,15 @@ class Dashboard:
             request, name, base_context(request, self.settings, **context), status_code=status_code
         )
 
+    async def page(self, request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
+        """:meth:`render` a page of what the database holds, with the read server's lag above it.
+
+        With a ``read_url``, every such page says where its rows come from and how far
+        behind the primary that standby is (``Store.read_lag``), inside the live region, so
+        an auto-refreshed page keeps it current.
+        """
+        return self.render(request, name, status_code, read_lag=await self.store.read_lag(), **context)
+
     async def healthz(self, request: Request) -> Response:
         await self.store.ping()
         return PlainTextResponse("ok")
@@ -291,7 +300,7 @@ class Dashboard:
             minutes.setdefault(row.queue_name, {})[row.minute] = row.n
         sparks = {q.queue_name: charts.sparkline(minutes.get(q.queue_name, {}), now) for q in queues}
         paused = await self.store.paused_queues()
-        return self.render(
+        return await self.page(
             request, "queues.html", page="queues", queues=queues, sparks=sparks, now=now, paused=paused,
             refresh=self.refresh(request),
         )  # fmt: skip
@@ -310,7 +319,7 @@ class Dashboard:
         by_worker = await self.store.running()
         running = None if by_worker is None else {i for ids in by_worker.values() for i in ids}
         filters = {"status": status, "actor": actor}
-        return self.render(
+        return await self.page(
             request, "queue.html", page="queues", queue_name=name, messages=rows[:QUEUE_MESSAGES],
             summary=summary, limit=QUEUE_MESSAGES, paused_at=paused.get(name), running=running,
             statuses=QUEUE_STATUSES, status=status, actor=actor, actors=await self.store.queue_actors(name),
@@ -337,7 +346,7 @@ class Dashboard:
         is_json, payload = decode_payload(message.payload or b"", message.payload_bytes)
         since = message_timestamp(message.payload, message.payload_tail)
         whole = message.payload or b""
-        return self.render(
+        return await self.page(
             request, "message.html", page="queues", message=message, payload=payload, is_json=is_json,
             deliveries=await self.store.deliveries(message.message_id, since), since=since,
             follow_ups=follow_ups(whole) if message.payload_bytes == len(whole) else {},
@@ -357,7 +366,7 @@ class Dashboard:
         result = await self.store.message_result(
             letter.queue_name, letter.actor_name, letter.message_id, self.settings.results_namespace
         )
-        return self.render(
+        return await self.page(
             request, "finished.html", page=page, letter=letter, payload=payload, is_json=is_json,
             deliveries=await self.store.deliveries(letter.message_id, since), since=since,
             follow_ups=follow_ups(letter.payload) if complete else {},
@@ -394,14 +403,14 @@ class Dashboard:
         )
 
     async def workers(self, request: Request) -> Response:
-        return self.render(
+        return await self.page(
             request, "workers.html", page="workers", workers=await self.store.workers(),
             running=await self.store.running(), refresh=self.refresh(request),
             heartbeat_timeout_s=self.store.heartbeat_timeout / 1000,
         )  # fmt: skip
 
     async def schedules(self, request: Request) -> Response:
-        return self.render(
+        return await self.page(
             request, "schedules.html", page="schedules", schedules=await self.store.schedules(),
             refresh=self.refresh(request),
         )  # fmt: skip
@@ -410,7 +419,7 @@ class Dashboard:
         """The run-time limits of concurrency keys and the busiest keys (docs/guides/concurrency.md)."""
         prefix = request.query_params.get("prefix") or None
         queue = request.query_params.get("queue") or None
-        return self.render(
+        return await self.page(
             request, "limits.html", page="limits", limits=await self.store.limits(),
             keys=await self.store.busiest_keys(prefix, KEYS_SHOWN, queue), prefix=prefix or "",
             queue=queue or "", keys_shown=KEYS_SHOWN, refresh=self.refresh(request),
@@ -464,7 +473,7 @@ class Dashboard:
         rows = await self.store.failed(where, PAGE_SIZE, (page - 1) * PAGE_SIZE)
         total = rows[0].total if rows else 0
         errors = await self.store.error_types()
-        return self.render(
+        return await self.page(
             request,
             "failed.html",
             page="failed",
@@ -501,7 +510,7 @@ class Dashboard:
                 )
         more = len(rows) > HISTORY_PAGE
         rows = rows[:HISTORY_PAGE]
-        return self.render(
+        return await self.page(
             request, "history.html", page="history", rows=rows, where=where, problem=problem,
             next_query=merge_query(params, before=rows[-1].cursor) if more and rows else None,
             first_query=merge_query(params, before=None) if where.before else None,
@@ -515,7 +524,7 @@ class Dashboard:
         window, bucket, bucket_label = WINDOWS[window_name]
         now = await self.store.now()
         stats = await self.store.message_stats(bucket, now - window)
-        return self.render(
+        return await self.page(
             request,
             "charts.html",
             page="charts",
@@ -530,7 +539,8 @@ class Dashboard:
     # -- actions ----------------------------------------------------------------
     async def audit(self, request: Request) -> Response:
         """The audit trail: the newest operator actions, from here and from the command line."""
-        return self.render(request, "audit.html", page="audit", entries=await self.store.audit(AUDIT_ROWS))
+        entries = await self.store.audit(AUDIT_ROWS)
+        return await self.page(request, "audit.html", page="audit", entries=entries)
 
     async def record(self, request: Request, action: str, target: str, count: int, detail: str = "") -> None:
         """The audit row of an action, logged too.
@@ -769,7 +779,8 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
       settings(Settings): Database, schema, auth, read-only mode, the workers' heartbeat_timeout.
       store(Store|None): The database layer; by default a pool of 4 connections
         opened and closed with the application (its lifespan), judging workers by
-        ``settings.heartbeat_timeout`` (a store given here judges by its own).
+        ``settings.heartbeat_timeout`` (a store given here judges by its own), and a
+        second pool of 4 on ``settings.read_url`` for the reads when it is given.
 
     Returns:
       Starlette: The application.
@@ -779,6 +790,7 @@ def create_app(settings: Settings, store: Store | None = None) -> Starlette:
         settings.schema,
         broker_channel(settings.url, settings.schema),
         heartbeat_timeout=settings.heartbeat_timeout,
+        read_url=settings.read_url,
     )
     dashboard = Dashboard(settings, store)
 

@@ -188,6 +188,9 @@ class Settings:
       results_namespace(str): The ``namespace`` of the results backend whose stored result a
         finished message's page shows (Dramatiq's ``ResultBackend``).  Default
         ``dramatiq-results``, Dramatiq's.
+      read_url(str|None): PostgreSQL URL of a hot standby of ``url``'s server: the pages read
+        there and show how far behind the primary it is; every action writes on ``url``.
+        Default None: everything on ``url``.
 
     Raises:
       ValueError: If more than one of ``token``, ``basic_auth`` and ``users`` is given, one is
@@ -207,6 +210,7 @@ class Settings:
     refresh: int = 5
     heartbeat_timeout: int = HEARTBEAT_TIMEOUT_MS
     results_namespace: str = "dramatiq-results"
+    read_url: str | None = None
 
     def __post_init__(self) -> None:
         if not self.allowed_hosts:
@@ -514,6 +518,7 @@ def base_context(request: Request, settings: Settings, **extra: Any) -> dict[str
         "schema": settings.schema,
         "csrf_token": _csrf_token(request),
         "refresh": 0,
+        "read_lag": None,
         "flash": None if live else request.session.pop("flash", None),
         **extra,
     }

@@ -3,7 +3,9 @@
 Rows come back as frozen dataclasses (psycopg's ``class_row``).  Connections
 come from a small ``psycopg_pool.AsyncConnectionPool`` in autocommit mode:
 every read is one statement (one snapshot), every action one statement (one
-transaction).
+transaction).  With a ``read_url`` (a hot standby), the reads take their
+connections from a second pool on that server and the actions stay on the
+first one, the primary's (docs/guides/configuration.md, "Reading from a standby").
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from typing import Any, TypeVar
 import psycopg
 from dramatiq.common import dq_name, q_name
 from psycopg.rows import class_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .._isolation import read_committed_async
 from .._queries import CHANGED_ROWS_ROUNDS, DASHBOARD_SQL, file_queries
 from .._queries import queries_for_schema as all_queries_for_schema
 from ..options import HEARTBEAT_TIMEOUT_MS
-from ..store.admin import AuditRow, KeyRow, LimitRow, audit_params, limit_params
+from ..store.admin import AuditRow, KeyRow, LimitRow, ReadLag, ReplicaPosition, audit_params, limit_params
 from ..urls import libpq_url
 
 #: The oldest schema revision the dashboard reads: the analytics views of migration 0003.
@@ -74,7 +76,9 @@ def without_concurrency(query: str) -> str:
 
 
 #: Statements of the package's namespace (``admin.sql``) that the dashboard runs too.
-SHARED_QUERIES = ("audit_record", "audit_list")
+SHARED_QUERIES = ("audit_record", "audit_list", "replica_position", "wal_position")
+#: Seconds the lag's question to the primary waits for a connection (then: primary not reached).
+LAG_PRIMARY_TIMEOUT = 2.0
 
 
 def queries_for_schema(schema: str) -> dict[str, str]:
@@ -574,6 +578,11 @@ class Store:
       heartbeat_timeout(int): The workers' ``heartbeat_timeout``, in milliseconds: a worker
         silent for longer counts as dead.  Default
         :data:`~dramatiq_pg_outbox.options.HEARTBEAT_TIMEOUT_MS`, the broker's default.
+      read_url(str|None): A URL of a hot standby of ``url``'s server: every read (the lists,
+        the pages, the charts) runs there, over a pool of its own (``max_size`` connections
+        too); every action (retry, discard, cancel, purge, pause, resume, run now, limits,
+        schedules, the audit trail's rows) stays on ``url``.  A server that is not in
+        recovery is accepted too (:meth:`read_lag` says so).  Default None: everything on ``url``.
     """
 
     def __init__(
@@ -585,6 +594,7 @@ class Store:
         timeout: float = 10,
         *,
         heartbeat_timeout: int = HEARTBEAT_TIMEOUT_MS,
+        read_url: str | None = None,
     ) -> None:
         self.schema = schema
         self.channel = channel
@@ -604,22 +614,73 @@ class Store:
             configure=read_committed_async,
             timeout=timeout,
         )
+        #: The pool of the reads: the standby's of ``read_url``, else the one of ``url`` (``pool``).
+        self.read_pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = self.pool
+        if read_url is not None:
+            self.read_pool = AsyncConnectionPool(
+                libpq_url(read_url),
+                min_size=1,
+                max_size=max_size,
+                open=False,
+                kwargs={"autocommit": True, "application_name": "dramatiq-pg-outbox dashboard reads"},
+                check=AsyncConnectionPool.check_connection,
+                configure=read_committed_async,
+                timeout=timeout,
+            )
+
+    @property
+    def reads_elsewhere(self) -> bool:
+        """bool: Whether reads come from a ``read_url`` (a pool of their own)."""
+        return self.read_pool is not self.pool
 
     async def open(self) -> None:
         await self.pool.open(wait=False)
+        if self.reads_elsewhere:
+            await self.read_pool.open(wait=False)
 
     async def close(self) -> None:
+        if self.reads_elsewhere:
+            await self.read_pool.close()
         await self.pool.close()
 
+    async def read_lag(self) -> ReadLag | None:
+        """How far the reads' server is behind the primary; None without a ``read_url``.
+
+        Asks the read server where its replay stands, then the primary (waiting
+        :data:`LAG_PRIMARY_TIMEOUT` seconds at most for a connection) how many bytes of WAL it
+        has written past that: :class:`~dramatiq_pg_outbox.store.admin.ReadLag` says what the
+        figures mean (0 s when caught up, whatever the age of the last commit).
+
+        Raises:
+          psycopg.Error, psycopg_pool.PoolTimeout: From the read server.
+        """
+        if not self.reads_elsewhere:
+            return None
+        async with self.read_pool.connection() as conn:
+            async with conn.cursor(row_factory=class_row(ReplicaPosition)) as replica:
+                await replica.execute(self.queries["replica_position"])
+                position = await replica.fetchone()
+        assert position is not None
+        if not position.in_recovery:
+            return ReadLag.of(position, 0.0)
+        try:
+            async with self.pool.connection(timeout=LAG_PRIMARY_TIMEOUT) as conn:
+                cur = await conn.execute(self.queries["wal_position"], {"replay_lsn": position.replay_lsn})
+                row = await cur.fetchone()
+        except (psycopg.Error, PoolTimeout) as e:
+            return ReadLag.of(position, None, " ".join(str(e).split()) or type(e).__name__)
+        assert row is not None
+        return ReadLag.of(position, row[1])
+
     async def _rows(self, cls: type[T], name: str, params: dict[str, Any] | None = None) -> list[T]:
-        async with self.pool.connection() as conn:
+        async with self.read_pool.connection() as conn:
             async with conn.cursor(row_factory=class_row(cls)) as cur:
                 await cur.execute(self.queries[name], params or {})
                 return await cur.fetchall()
 
     async def _rows_any_revision(self, cls: type[T], name: str, params: dict[str, Any]) -> list[T]:
         """:meth:`_rows`, without the ``priority`` column on a schema older than migration 0010."""
-        async with self.pool.connection() as conn:
+        async with self.read_pool.connection() as conn:
             async with conn.cursor(row_factory=class_row(cls)) as cur:
                 try:
                     await cur.execute(self.queries[name], params)
@@ -628,16 +689,23 @@ class Store:
                 return await cur.fetchall()
 
     async def _tuples(self, name: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        """Run an action (on the primary, ``url``); its rows, if it returns any."""
         async with self.pool.connection() as conn:
+            cur = await conn.execute(self.queries[name], params or {})
+            return await cur.fetchall() if cur.description else []
+
+    async def _read_tuples(self, name: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        """Run a read (on ``read_url`` if given); its rows."""
+        async with self.read_pool.connection() as conn:
             cur = await conn.execute(self.queries[name], params or {})
             return await cur.fetchall() if cur.description else []
 
     # -- reads --------------------------------------------------------------
     async def ping(self) -> None:
-        await self._tuples("clock")
+        await self._read_tuples("clock")
 
     async def now(self) -> dt.datetime:
-        rows = await self._tuples("clock")
+        rows = await self._read_tuples("clock")
         value: dt.datetime = rows[0][0]
         return value
 
@@ -667,12 +735,12 @@ class Store:
         return await self._rows_any_revision(MessageRow, "queue_messages", params)
 
     async def queue_actors(self, queue_name: str) -> list[str]:
-        return [str(row[0]) for row in await self._tuples("queue_actors", {"queue_name": queue_name})]
+        return [str(row[0]) for row in await self._read_tuples("queue_actors", {"queue_name": queue_name})]
 
     async def running(self) -> dict[uuid.UUID, list[int]] | None:
         """Row ids each live worker process runs now; None on a schema older than migration 0011."""
         try:
-            rows = await self._tuples("running", {"heartbeat_timeout_ms": self.heartbeat_timeout})
+            rows = await self._read_tuples("running", {"heartbeat_timeout_ms": self.heartbeat_timeout})
         except psycopg.errors.UndefinedColumn:
             return None
         return {worker: list(ids) for worker, ids in rows}
@@ -685,7 +753,7 @@ class Store:
 
     async def message_payload(self, row_id: int) -> bytes | None:
         """The whole payload of a live row (the raw download); None if the row is gone."""
-        rows = await self._tuples("message_payload", {"id": row_id})
+        rows = await self._read_tuples("message_payload", {"id": row_id})
         return bytes(rows[0][0]) if rows else None
 
     async def finished_message(self, row_id: int) -> FinishedMessage | None:
@@ -696,7 +764,7 @@ class Store:
 
     async def finished_payload(self, row_id: int) -> bytes | None:
         """The whole payload of a finished row (the raw download); None if it is not in history."""
-        rows = await self._tuples("finished_payload", {"id": row_id})
+        rows = await self._read_tuples("finished_payload", {"id": row_id})
         return bytes(rows[0][0]) if rows else None
 
     async def deliveries(self, message_id: str, since: dt.datetime | None) -> list[Delivery]:
@@ -711,7 +779,8 @@ class Store:
 
     async def find_message(self, message_id: str, since: dt.datetime | None = None) -> int | None:
         """The id of the newest row, live or finished (from the day before ``since``), of a message id."""
-        rows = await self._tuples("find_message", {"message_id": message_id, "since": _day_before(since)})
+        params = {"message_id": message_id, "since": _day_before(since)}
+        rows = await self._read_tuples("find_message", params)
         return int(rows[0][0]) if rows else None
 
     async def message_result(
@@ -720,7 +789,7 @@ class Store:
         """The result a results backend of ``namespace`` stored for a message; None if none (or expired)."""
         keys = result_keys(queue_name, actor_name, message_id, namespace)
         try:
-            rows = await self._tuples("message_results", {"keys": keys})
+            rows = await self._read_tuples("message_results", {"keys": keys})
         except psycopg.errors.UndefinedTable:  # before migration 0004
             return None
         return bytes(rows[0][1]) if rows else None
@@ -749,7 +818,7 @@ class Store:
         query = self.queries["history"]
         rows: list[HistoryRow] = []
         started = time.monotonic()
-        async with self.pool.connection() as conn, conn.transaction():
+        async with self.read_pool.connection() as conn, conn.transaction():
             now = (await (await conn.execute(self.queries["clock"])).fetchone() or [None])[0]
             # A search for arguments or a message id matches few rows: whole days at a time
             # (a day is a partition, read in one sequential scan); otherwise the last hour first.
@@ -782,7 +851,7 @@ class Store:
         return await self._rows(FailedRow, "failed", {**where.params(), "limit": limit, "offset": offset})
 
     async def failed_queues(self) -> list[str]:
-        return [row[0] for row in await self._tuples("failed_queues")]
+        return [row[0] for row in await self._read_tuples("failed_queues")]
 
     async def error_types(self) -> list[ErrorTypeRow]:
         return await self._rows(ErrorTypeRow, "error_types")
@@ -828,7 +897,7 @@ class Store:
     async def paused_queues(self) -> dict[str, dt.datetime]:
         """The paused queues and since when; empty on a schema older than migration 0009."""
         try:
-            async with self.pool.connection() as conn:
+            async with self.read_pool.connection() as conn:
                 cur = await conn.execute(all_queries_for_schema(self.schema)["paused_queues"])
                 rows = await cur.fetchall()
         except psycopg.errors.UndefinedTable:
@@ -892,7 +961,7 @@ class Store:
     # -- concurrency limits (migrations 0021, 0023; the CLI's statements) --------
     async def limits(self) -> list[LimitRow]:
         """The run-time limits of concurrency keys, with their keys' messages processing and waiting."""
-        async with self.pool.connection() as conn:
+        async with self.read_pool.connection() as conn:
             async with conn.cursor(row_factory=class_row(LimitRow)) as cur:
                 await cur.execute(all_queries_for_schema(self.schema)["limits"], {"queue_name": None})
                 return await cur.fetchall()
@@ -901,7 +970,7 @@ class Store:
         """The concurrency keys with messages, per queue (of ``queue``; None: any), the most
         waiting first (at most ``limit``)."""
         params = {"prefix": prefix, "limit": limit, "queue_name": queue}
-        async with self.pool.connection() as conn:
+        async with self.read_pool.connection() as conn:
             async with conn.cursor(row_factory=class_row(KeyRow)) as cur:
                 await cur.execute(all_queries_for_schema(self.schema)["busiest_keys"], params)
                 return await cur.fetchall()

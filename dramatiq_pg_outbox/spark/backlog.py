@@ -8,6 +8,7 @@ Usage (PySpark 4's Python Data Source API)::
     backlog = (spark.read.format("dramatiq_backlog")
         .option("url", "postgresql://app@db/app")
         .option("partitions", 8)                 # optional, default 4
+        .option("read_url", "postgresql://app@standby/app")  # optional: read on a hot standby
         .load())
     backlog.groupBy("queue_name", "state").count()
 
@@ -25,12 +26,17 @@ not read at one instant; one finished meanwhile may be missing, none is read twi
 it (see :mod:`~dramatiq_pg_outbox.spark.history`): the open last slice makes a later query
 read the messages enqueued since (ids only grow), where a closed one would miss them.
 
+Reading from a standby: with ``read_url`` (a hot standby of ``url``'s server), the id range
+and the messages are read there, and the standby's lag is logged when the read is planned, as
+:mod:`~dramatiq_pg_outbox.spark.history` does (logger ``dramatiq_pg_outbox.spark.backlog``).
+
 Raises: ``ValueError`` naming the option for a missing ``url``, an unknown option or a bad
-``schema`` or ``partitions``.
+``schema``, ``partitions`` or ``read_url``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,17 +44,19 @@ from typing import Any
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from ..store.spark import SparkStore
-from .options import connect, given_options
+from .options import connect, given_options, log_read_lag, url_option
 
 SCHEMA = (
     "id long, queue_name string, actor_name string, message_id string, state string, attempts int, "
     "priority int, enqueued_ms long, next_attempt_ms long, acquired_ms long, idempotency_key string"
 )
-OPTIONS = ("url", "schema", "partitions")
+OPTIONS = ("url", "schema", "partitions", "read_url")
 #: The bounds of a bigint id: the first and the last slice are open (see the module's documentation).
 MIN_ID, MAX_ID = -(2**63), 2**63 - 1
 #: Slices of the id range when the ``partitions`` option is not given.
 DEFAULT_PARTITIONS = 4
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,9 +69,12 @@ class _Slice(InputPartition):
 
 @dataclass
 class _Scan:
+    #: Where the messages are read: ``read_url``'s libpq URL if given, else ``url``'s.
     conninfo: str = field(repr=False)
     schema: str
     partitions: int
+    #: ``url``'s libpq URL when ``read_url`` is given (asked for the standby's lag only), else None.
+    primary: str | None = field(default=None, repr=False)
 
 
 class BacklogDataSource(DataSource):
@@ -87,6 +98,8 @@ class BacklogReader(DataSourceReader):
     def partitions(self) -> list[_Slice]:
         with connect(self.scan.conninfo) as conn:
             ids = SparkStore(self.scan.schema).backlog_id_range(conn)
+            if self.scan.primary is not None:
+                log_read_lag(conn, self.scan.primary, "dramatiq_backlog", logger)
         if ids is None:
             return [_Slice(MIN_ID, MAX_ID)]  # empty now; a later run of this plan reads what came
         found = slices(ids.lo, ids.hi + 1, self.scan.partitions)
@@ -129,7 +142,10 @@ def scan_from_options(options: Mapping[str, str]) -> _Scan:
     text = given.get("partitions", str(DEFAULT_PARTITIONS))
     if not text.strip().isdigit() or int(text) < 1:
         raise ValueError(f"option 'partitions' is a whole number from 1, not {text!r}")
-    return _Scan(conninfo=conninfo, schema=schema, partitions=int(text))
+    scan = _Scan(conninfo=conninfo, schema=schema, partitions=int(text))
+    if given.get("read_url"):
+        scan.conninfo, scan.primary = url_option(given, "read_url"), conninfo
+    return scan
 
 
 def register(spark: Any) -> None:

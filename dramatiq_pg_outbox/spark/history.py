@@ -9,6 +9,7 @@ Usage (PySpark 4's Python Data Source API)::
         .option("url", "postgresql://app@db/app")
         .option("since", "2026-11-01")           # optional, a UTC date or epoch ms
         .option("until", "2026-12-01")           # optional, exclusive
+        .option("read_url", "postgresql://app@standby/app")  # optional: read on a hot standby
         .load())
     history.filter("queue_name = 'emails' AND state = 'failed'").groupBy("error_type").count()
 
@@ -38,8 +39,15 @@ Changing the setting afterwards has no effect until ``register(spark)`` runs aga
 Days: Spark may run the partitions planned for one query of a loaded DataFrame again for its
 later queries, so a day created since may be missing from them; ``load()`` again to see it.
 
+Reading from a standby: with ``read_url`` (a hot standby of ``url``'s server), the days and
+the rows are read there, and ``url`` is only asked, when the read is planned, how far behind
+the standby is: the driver logs one line (logger ``dramatiq_pg_outbox.spark.history``, INFO;
+a WARNING when it is behind or the primary was not reached) with the standby's lag
+(:class:`~dramatiq_pg_outbox.store.admin.ReadLag`: 0 s when it has replayed all the primary's
+WAL).  The rows are those the standby had replayed when each partition was read.
+
 Raises: ``ValueError`` naming the option for a missing ``url``, an unknown option or a bad
-``since``, ``until`` or ``schema``.
+``since``, ``until``, ``schema`` or ``read_url``.
 """
 
 from __future__ import annotations
@@ -64,13 +72,13 @@ from pyspark.sql.datasource import (
 )
 
 from ..store.spark import SparkStore
-from .options import connect, given_options
+from .options import connect, given_options, log_read_lag, url_option
 
 SCHEMA = (
     "id long, queue_name string, actor_name string, message_id string, state string, attempts int, "
     "error_type string, enqueued_ms long, started_ms long, finished_ms long"
 )
-OPTIONS = ("url", "schema", "since", "until")
+OPTIONS = ("url", "schema", "since", "until", "read_url")
 #: Columns whose equality and IN filters are pushed, and the query parameter of each.
 _PUSHED_COLUMNS = {"queue_name": "queues", "actor_name": "actors", "state": "states"}
 _DAY_MS = 86_400_000
@@ -94,8 +102,11 @@ class _Day(InputPartition):
 class _Scan:
     """What one read asks for: the options, then what pushed filters narrowed."""
 
+    #: Where the days and rows are read: ``read_url``'s libpq URL if given, else ``url``'s.
     conninfo: str = field(repr=False)
     schema: str
+    #: ``url``'s libpq URL when ``read_url`` is given (asked for the standby's lag only), else None.
+    primary: str | None = field(default=None, repr=False)
     lo: int = _MIN_MS
     hi: int = _MAX_MS
     values: dict[str, set[str] | None] = field(default_factory=lambda: dict.fromkeys(_PUSHED_COLUMNS))
@@ -134,6 +145,8 @@ class HistoryReader(DataSourceReader):
     def partitions(self) -> list[_Day]:
         with connect(self.scan.conninfo) as conn:
             days = SparkStore(self.scan.schema).history_days(conn)
+            if self.scan.primary is not None:
+                log_read_lag(conn, self.scan.primary, "dramatiq_history", logger)
         epoch = datetime.date(1970, 1, 1)
         parts = []
         for day in days:
@@ -230,6 +243,8 @@ def scan_from_options(options: Mapping[str, str]) -> _Scan:
     """
     given, conninfo, schema = given_options(options, "dramatiq_history", OPTIONS, ("url",))
     scan = _Scan(conninfo=conninfo, schema=schema)
+    if given.get("read_url"):
+        scan.conninfo, scan.primary = url_option(given, "read_url"), conninfo
     if "since" in given:
         scan.lo = _epoch_ms("since", given["since"])
     if "until" in given:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,21 +38,30 @@ def given_options(
         raise ValueError(
             f"format({source!r}) needs the option(s) {missing}, e.g. .option({missing[0]!r}, ...)"
         )
-    jdbc = jdbc_url_error(given["url"])
-    if jdbc is not None:
-        raise ValueError(f"option 'url': {jdbc}")
-    try:
-        conninfo = libpq_url(given["url"])
-    except URLError as e:  # a malformed host list: the message says what is wrong, without a password
-        raise ValueError(f"option 'url': {e}") from None
-    except Exception as e:  # sqlalchemy's ArgumentError for what is no URL at all
-        raise ValueError(f"option 'url' is not a PostgreSQL URL ({type(e).__name__})") from None
+    conninfo = url_option(given, "url")
     schema = given.get("schema", DEFAULT_SCHEMA)
     try:
         validate_schema_name(schema)
     except ValueError as e:
         raise ValueError(f"option 'schema': {e}") from None
     return given, conninfo, schema
+
+
+def url_option(given: Mapping[str, str], name: str) -> str:
+    """The libpq URL of the URL option ``name`` (``url``, ``read_url``) of ``given``.
+
+    Raises:
+      ValueError: Naming the option: a JDBC URL (how to write it), or not a PostgreSQL URL.
+    """
+    jdbc = jdbc_url_error(given[name])
+    if jdbc is not None:
+        raise ValueError(f"option {name!r}: {jdbc}")
+    try:
+        return libpq_url(given[name])
+    except URLError as e:  # a malformed host list: the message says what is wrong, without a password
+        raise ValueError(f"option {name!r}: {e}") from None
+    except Exception as e:  # sqlalchemy's ArgumentError for what is no URL at all
+        raise ValueError(f"option {name!r} is not a PostgreSQL URL ({type(e).__name__})") from None
 
 
 def connect(conninfo: str, **kwargs: Any) -> Any:
@@ -66,6 +76,29 @@ def connect(conninfo: str, **kwargs: Any) -> Any:
     from .._isolation import connect as connect_read_committed
 
     return connect_read_committed(conninfo, application_name="dramatiq-pg-outbox-spark", **kwargs)
+
+
+def log_read_lag(reads: Any, primary: str, source: str, logger: logging.Logger) -> None:
+    """Log how far the ``read_url``'s server (``reads``, a connection) is behind ``primary``'s
+    (a libpq URL): one line, INFO when caught up or not a standby, else WARNING (with the
+    primary's error when it was not reached; see :class:`~dramatiq_pg_outbox.store.admin.ReadLag`).
+
+    Raises:
+      psycopg.Error: From ``reads``.
+    """
+    import psycopg
+
+    from ..store.admin import read_lag
+
+    try:
+        primary_conn = connect(primary, autocommit=True, connect_timeout=5)
+    except psycopg.Error as e:
+        lag = read_lag(reads, None, " ".join(str(e).split()) or type(e).__name__)
+    else:
+        with primary_conn:
+            lag = read_lag(reads, primary_conn)
+    level = logging.INFO if not lag.standby or lag.behind_bytes == 0 else logging.WARNING
+    logger.log(level, "format(%r): %s", source, lag.describe())
 
 
 #: Seconds the driver's check waits for the server, unless the URL sets ``connect_timeout``.

@@ -436,8 +436,142 @@ class AdminStore(SchemaStore):
         return _fetch(conn, class_row(Gauge), self.queries["metrics_gauges"], params)
 
 
+@dataclass(frozen=True)
+class ReplicaPosition:
+    """Where a server's data stands (``replica_position``): a standby's replay, or a primary.
+
+    Attributes:
+      in_recovery(bool): Whether the server is a standby (``pg_is_in_recovery()``).
+      replay_lsn(str|None): The WAL position replayed (``pg_last_wal_replay_lsn()``); None on a primary.
+      replayed_at(datetime|None): When the last transaction replayed committed on the primary
+        (``pg_last_xact_replay_timestamp()``); None on a primary or before the first commit replayed.
+      paused(bool): Whether replay is paused (``pg_wal_replay_pause()``).
+      now(datetime): The server's clock.
+    """
+
+    in_recovery: bool
+    replay_lsn: str | None
+    replayed_at: dt.datetime | None
+    paused: bool
+    now: dt.datetime
+
+
+@dataclass(frozen=True)
+class ReadLag:
+    """How far the server reads come from (a ``read_url``) is behind the primary.
+
+    Made by :meth:`of` from the read server's :class:`ReplicaPosition` and the primary's
+    answer to "how many bytes of WAL lie past that position" (None when the primary was not
+    reached).  What it means:
+
+    - ``standby`` false: the read server is not in recovery (a primary, or the same server as
+      ``url``): reads see what it holds, ``seconds`` and ``behind_bytes`` are 0.
+    - ``behind_bytes`` 0: the standby has replayed every byte of WAL the primary had written
+      when asked: caught up, ``seconds`` is 0, however old its last replayed commit is (an
+      idle primary writes no commit for the standby to replay).
+    - ``behind_bytes`` > 0, or None (primary not reached): ``seconds`` is the age, on the
+      read server's clock, of the last transaction it replayed (``now() -
+      pg_last_xact_replay_timestamp()``): the data shown is at most that old.  Without the
+      primary it cannot tell an idle primary from a lagging standby: the age of an idle
+      system's last commit shows as lag.  None when no commit was replayed yet.
+
+    Attributes:
+      standby(bool): Whether the read server is in recovery.
+      behind_bytes(float|None): Bytes of WAL written on the primary and not replayed yet;
+        None when the primary was not reached.
+      seconds(float|None): The lag in seconds by the rules above (None: unknown).
+      replayed_at(datetime|None): Commit time of the last transaction replayed.
+      paused(bool): Replay is paused on the standby (``pg_wal_replay_pause()``).
+      primary_error(str|None): Why the primary was not reached (one line), or None.
+    """
+
+    standby: bool
+    behind_bytes: float | None
+    seconds: float | None
+    replayed_at: dt.datetime | None = None
+    paused: bool = False
+    primary_error: str | None = None
+
+    @classmethod
+    def of(
+        cls, position: ReplicaPosition, behind_bytes: float | None, primary_error: str | None = None
+    ) -> ReadLag:
+        """The lag from the read server's position and the primary's bytes past it (see the class)."""
+        if not position.in_recovery:
+            return cls(False, 0.0, 0.0)
+        behind = None if behind_bytes is None else max(0.0, float(behind_bytes))
+        seconds: float | None
+        if behind == 0:
+            seconds = 0.0
+        elif position.replayed_at is None:
+            seconds = None
+        else:
+            seconds = max(0.0, (position.now - position.replayed_at).total_seconds())
+        return cls(True, behind, seconds, position.replayed_at, position.paused, primary_error)
+
+    def describe(self) -> str:
+        """One line for people: ``reads from a standby, 12.5 s behind the primary (4,096 bytes of WAL)``."""
+        if not self.standby:
+            return "Reads from the read URL's server, which is not a standby (not in recovery): no lag"
+        paused = "; replay is paused" if self.paused else ""
+        if self.behind_bytes is None:
+            age = "unknown" if self.seconds is None else f"{self.seconds:,.1f} s ago"
+            return (
+                f"Reads from a standby; the primary was not reached ({self.primary_error or 'no URL'}): "
+                f"its last replayed commit was {age} (an idle primary looks the same){paused}"
+            )
+        if self.behind_bytes == 0:
+            return f"Reads from a standby, caught up with the primary{paused}"
+        seconds = "an unknown time" if self.seconds is None else f"{self.seconds:,.1f} s"
+        return (
+            f"Reads from a standby, {seconds} behind the primary "
+            f"({self.behind_bytes:,.0f} bytes of WAL not replayed){paused}"
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """The fields as JSON values (times in ISO 8601), with ``describe()`` as ``text``."""
+        return {
+            "standby": self.standby,
+            "seconds": self.seconds,
+            "behind_bytes": self.behind_bytes,
+            "replayed_at": None if self.replayed_at is None else self.replayed_at.isoformat(),
+            "paused": self.paused,
+            "primary_error": self.primary_error,
+            "text": self.describe(),
+        }
+
+
+def read_lag(
+    read_conn: psycopg.Connection[Any],
+    primary_conn: psycopg.Connection[Any] | None,
+    primary_error: str = "not connected",
+) -> ReadLag:
+    """The :class:`ReadLag` of ``read_conn``'s server behind ``primary_conn``'s (None: not reached,
+    for the reason ``primary_error``).
+
+    Reads the read server's position first, then the primary's, so the bytes behind are never
+    understated.  A primary that answers with an error (a server in recovery itself) counts as
+    not reached, its error as ``primary_error``.
+
+    Raises:
+      psycopg.Error: From ``read_conn``.
+    """
+    store = ServerStore()
+    position = store.replica_position(read_conn)
+    if not position.in_recovery:
+        return ReadLag.of(position, 0.0)
+    if primary_conn is None:
+        return ReadLag.of(position, None, primary_error)
+    try:
+        _, behind = store.wal_position(primary_conn, replay_lsn=position.replay_lsn)
+    except psycopg.Error as e:
+        return ReadLag.of(position, None, " ".join(str(e).split()) or type(e).__name__)
+    return ReadLag.of(position, behind)
+
+
 class ServerStore:
-    """The statements on a server rather than a schema: the test servers' probe and scratch databases."""
+    """The statements on a server rather than a schema: the test servers' probe and scratch databases,
+    their standbys (streaming replication) and the replay position of a ``read_url``."""
 
     def __init__(self) -> None:
         self.queries = raw_queries()
@@ -454,6 +588,40 @@ class ServerStore:
         """Drop database ``name`` if it exists, closing its connections (on an autocommit connection)."""
         conn.execute(with_identifiers(self.queries["drop_database"], database=name))
 
+    def wal_position(
+        self, conn: psycopg.Connection[Any], *, replay_lsn: str | None = None
+    ) -> tuple[str, float | None]:
+        """On a primary: (its current WAL position, bytes of WAL past ``replay_lsn``; None without one).
+
+        Raises:
+          psycopg.errors.ObjectNotInPrerequisiteState: On a server in recovery.
+        """
+        row = conn.execute(self.queries["wal_position"], {"replay_lsn": replay_lsn}).fetchone()
+        assert row is not None
+        return str(row[0]), None if row[1] is None else float(row[1])
+
+    def replica_position(self, conn: psycopg.Connection[Any]) -> ReplicaPosition:
+        """Where the server's data stands: a standby's replay position, or a primary's (not in recovery)."""
+        return _fetch(conn, class_row(ReplicaPosition), self.queries["replica_position"])[0]
+
+    def replayed_up_to(self, conn: psycopg.Connection[Any], *, lsn: str) -> bool:
+        """On a standby: whether it has replayed its primary's WAL up to ``lsn`` (``X/Y``)."""
+        return bool(_scalar(conn, self.queries["replayed_up_to"], {"lsn": lsn}))
+
+    def sync_state(self, conn: psycopg.Connection[Any], *, name: str) -> str | None:
+        """On a primary: the ``sync_state`` of the standby whose ``application_name`` is ``name``; None
+        while it is not connected."""
+        value = _scalar(conn, self.queries["sync_state"], {"name": name})
+        return None if value is None else str(value)
+
+    def pause_replay(self, conn: psycopg.Connection[Any]) -> None:
+        """On a standby: stop replaying WAL (it keeps receiving it) until :meth:`resume_replay`."""
+        conn.execute(self.queries["pause_replay"])
+
+    def resume_replay(self, conn: psycopg.Connection[Any]) -> None:
+        """On a standby: replay WAL again."""
+        conn.execute(self.queries["resume_replay"])
+
 
 __all__ = [
     "AdminStore",
@@ -462,7 +630,10 @@ __all__ = [
     "PausedQueue",
     "QueueDeadLetters",
     "QueueState",
+    "ReadLag",
+    "ReplicaPosition",
     "RetriedQueue",
     "ServerStore",
     "WorkerHeartbeat",
+    "read_lag",
 ]
