@@ -5,11 +5,17 @@ Docker container via testcontainers when an engine is reachable, else the local
 server on 127.0.0.1:5432, else a throwaway server started for the run
 (``dramatiq_pg_outbox.testing.postgres_server``).  Each run creates its own
 database ``dpo_test_<random>`` and drops it at the end.
+
+``$DRAMATIQ_PG_OUTBOX_TEST_BINDIR`` (a PostgreSQL ``bin`` folder) runs the tests on another
+PostgreSQL build: every server of the run is a throwaway server started from it (the session's
+and the ones tests start themselves), never the local one.  ``.ci/run`` uses it to run the core
+tests on the oldest and the newest supported majors.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -25,12 +31,17 @@ import psycopg
 import pytest
 
 from dramatiq_pg_outbox import PostgresBroker, upgrade
-from dramatiq_pg_outbox.testing import mask_password, postgres_server, scratch_database
+from dramatiq_pg_outbox.testing import ThrowawayPostgres, mask_password, postgres_server, scratch_database
+from dramatiq_pg_outbox.testing.binaries import has_programs
 
 from .helpers import SESSION_MARK, TEST_MARK, Supervisor, marked_processes, reap
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "dramatiq"
+
+#: A PostgreSQL ``bin`` folder to run the tests on (see the module's docstring).
+BINDIR_VAR = "DRAMATIQ_PG_OUTBOX_TEST_BINDIR"
+URL_VAR = "DRAMATIQ_PG_OUTBOX_TEST_URL"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,6 +49,17 @@ def pytest_configure(config: pytest.Config) -> None:
     stop the session as Ctrl-C does."""
     os.environ[SESSION_MARK] = uuid.uuid4().hex
     atexit.register(reap_session_processes)
+    bindir = os.environ.get(BINDIR_VAR)
+    if bindir:
+        if os.environ.get(URL_VAR):
+            raise pytest.UsageError(f"${BINDIR_VAR} and ${URL_VAR} are both set: unset one of them")
+        if not has_programs(Path(bindir)):
+            raise pytest.UsageError(
+                f"${BINDIR_VAR}={bindir} holds no initdb, pg_ctl and postgres: "
+                "set it to a PostgreSQL bin folder"
+            )
+        # The servers tests start themselves (ThrowawayPostgres() without bindir=) come from the same build.
+        os.environ["PG_BINDIR"] = bindir
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         # Python's default SIGTERM ends the process at once: no fixture teardown, no atexit, so a
         # cancelled CI job or `timeout` would leave every worker and the test database behind.
@@ -99,7 +121,12 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 @pytest.fixture(scope="session")
 def admin_url() -> Iterator[str]:
-    with postgres_server("DRAMATIQ_PG_OUTBOX_TEST_URL") as url:
+    with contextlib.ExitStack() as stack:
+        bindir = os.environ.get(BINDIR_VAR)
+        if bindir:
+            url = stack.enter_context(ThrowawayPostgres(bindir=bindir)).url
+        else:
+            url = stack.enter_context(postgres_server(URL_VAR))
         with psycopg.connect(url, autocommit=True) as conn:
             version = conn.execute("SHOW server_version").fetchone()
             print(f"\nPostgreSQL {version[0] if version else '?'} at {mask_password(url)}")

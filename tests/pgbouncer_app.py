@@ -47,7 +47,7 @@ def _record(key: str) -> int:
         conn = _conn[pid] = psycopg.connect(os.environ["DPO_TEST_URL"], autocommit=True)
     row = conn.execute(
         "INSERT INTO received (key, n, pids) VALUES (%s, 1, ARRAY[%s]) "
-        "ON CONFLICT (key) DO UPDATE SET n = received.n + 1, pids = received.pids || %s RETURNING n",
+        "ON CONFLICT (key) DO UPDATE SET n = received.n + 1, pids = received.pids || %s::int RETURNING n",
         (key, pid, pid),
     ).fetchone()
     assert row is not None

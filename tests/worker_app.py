@@ -76,7 +76,7 @@ def _execute(query: str, params: tuple[Any, ...]) -> None:
 def _record(key: str) -> None:
     _execute(
         "INSERT INTO received (key, n, pids) VALUES (%s, 1, ARRAY[%s]) "
-        "ON CONFLICT (key) DO UPDATE SET n = received.n + 1, pids = received.pids || %s",
+        "ON CONFLICT (key) DO UPDATE SET n = received.n + 1, pids = received.pids || %s::int",
         (key, os.getpid(), os.getpid()),
     )
 

@@ -1,8 +1,9 @@
 """Analytics in SQL: the aggregates of ``python -m dramatiq_pg_outbox.spark_analytics``.
 
 ``message_stats(bucket interval, since timestamptz)``
-    per actor and time bucket of ``finished_at`` (``date_bin`` from the Unix
-    epoch, as the Spark job buckets): deliveries, completed, retried (a
+    per actor and time bucket of ``finished_at`` (whole buckets from the Unix
+    epoch, as the Spark job buckets and ``date_bin(bucket, finished_at, epoch)``
+    would; written without ``date_bin``, which PostgreSQL 13 lacks): deliveries, completed, retried (a
     completed history row with an error type: the actor raised and Retries
     enqueued a retry), failed (dead-lettered), throughput per second, failure
     and retry rates, exact latency percentiles in milliseconds of enqueue ->
@@ -59,7 +60,8 @@ def upgrade() -> None:
         LANGUAGE sql STABLE
         AS $$
             SELECT h.actor_name,
-                   date_bin(bucket, h.finished_at, timestamptz 'epoch') AS bucket_start,
+                   to_timestamp(floor(extract(epoch FROM h.finished_at) / extract(epoch FROM bucket))
+                                * extract(epoch FROM bucket)) AS bucket_start,
                    count(*),
                    count(*) FILTER (WHERE h.state = 'completed' AND h.error_type IS NULL),
                    count(*) FILTER (WHERE h.state = 'completed' AND h.error_type IS NOT NULL),

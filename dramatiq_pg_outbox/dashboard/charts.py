@@ -288,7 +288,7 @@ def actor_charts(
         by_actor.setdefault(row.actor_name, []).append(row)
     drawn = sorted(sorted(by_actor, key=lambda a: (-sum(r.deliveries for r in by_actor[a]), a))[:max_actors])
     colors = {actor: PALETTE[i % len(PALETTE)] for i, actor in enumerate(drawn)}
-    # The bucket starts of message_stats(): date_bin(bucket, finished_at, epoch).
+    # The bucket starts of message_stats(): whole buckets from the epoch (date_bin(bucket, ts, epoch)).
     step = bucket.total_seconds()
     first = dt.datetime.fromtimestamp(start.timestamp() // step * step, dt.timezone.utc)
     slots = []

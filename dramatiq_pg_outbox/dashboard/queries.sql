@@ -55,8 +55,10 @@ ORDER BY q.queue_name;
 
 -- name: queue_minutes --
 -- Finished deliveries per queue and minute over the last hour (the sparklines
--- of the queues page); minutes without any are absent.
-SELECT queue_name, date_bin(interval '1 minute', finished_at, timestamptz 'epoch') AS minute, count(*) AS n
+-- of the queues page); minutes without any are absent.  Minutes counted from
+-- the epoch, as date_bin(interval '1 minute', finished_at, epoch) would
+-- (PostgreSQL 13 has no date_bin).
+SELECT queue_name, to_timestamp(floor(extract(epoch FROM finished_at) / 60) * 60) AS minute, count(*) AS n
 FROM {schema}.history
 WHERE finished_at >= now() - interval '1 hour'
 GROUP BY 1, 2
