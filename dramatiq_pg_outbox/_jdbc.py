@@ -13,7 +13,7 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Callable, Mapping
 
-from .urls import safe_url
+from .urls import parse_url, safe_url
 
 #: The JDBC driver class.
 JDBC_DRIVER = "org.postgresql.Driver"
@@ -154,9 +154,7 @@ def jdbc_options(url: str) -> dict[str, str]:
     Returns:
       dict[str, str]: Options for ``spark.read.format("jdbc").options(**...)``.
     """
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
+    parsed = parse_url(url)
     if parsed.get_backend_name() not in ("postgresql", "postgres"):
         raise ValueError(f"Not a PostgreSQL URL: {safe_url(parsed)}")
     query: dict[str, tuple[str, ...]] = {

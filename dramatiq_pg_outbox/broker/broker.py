@@ -21,7 +21,7 @@ from dramatiq.common import dq_name, q_name, xq_name
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.middleware import GroupCallbacks, Middleware
 from psycopg.conninfo import conninfo_to_dict
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import URL, Engine
 
 from .._binding import current_binding
 from .._isolation import connect
@@ -53,7 +53,7 @@ from ..options import (
     NotifyMode,
     options_docstring,
 )
-from ..urls import libpq_url, percent_encode, safe_url
+from ..urls import libpq_url, parse_url, percent_encode, safe_url
 from .concurrency import ConcurrencyKeys, apply_actor_options
 from .consumer import (
     CANCEL_MODES,
@@ -160,7 +160,7 @@ class PostgresBroker(Broker):
         self._metrics: Any = None
         if (url is None) == (engine is None):
             raise ValueError("Pass exactly one of url= and engine=.")
-        parsed = engine.url if engine is not None else (make_url(url) if isinstance(url, str) else url)
+        parsed = engine.url if engine is not None else parse_url(url) if url is not None else None
         assert parsed is not None
         self.conninfo = libpq_url(parsed)
         #: The URL with its password masked (also a ``?password=`` query parameter): for logs and errors.

@@ -27,7 +27,7 @@ from ..errors import URL_SHAPE, SchemaNotReady, libpq_detail, login_name, reject
 from ..migrations import check_schema
 from ..names import DEFAULT_SCHEMA, validate_queue_name, validate_schema_name
 from ..store.admin import AdminStore
-from ..urls import SECRET_PARAMETERS, libpq_url, mask_password
+from ..urls import SECRET_PARAMETERS, URLError, libpq_url, mask_password, parse_url
 
 #: Name of the program in messages.
 PROG = _launch.PROG
@@ -294,8 +294,14 @@ class Database:
 
     @property
     def server(self) -> str:
-        host = self.params.get("host") or self.params.get("hostaddr") or "the local socket"
-        return f"{host}:{self.params.get('port') or 5432}"
+        """``host:port``, or for several hosts ``host1:port1, host2:port2`` (libpq's lists)."""
+        hosts = str(self.params.get("host") or self.params.get("hostaddr") or "the local socket").split(",")
+        ports = str(self.params.get("port") or "").split(",")
+        if len(ports) == 1:
+            ports = ports * len(hosts)
+        return ", ".join(
+            f"{host or 'the local socket'}:{port or 5432}" for host, port in zip(hosts, ports, strict=False)
+        )
 
 
 def database_from(args: argparse.Namespace) -> Database:
@@ -304,6 +310,11 @@ def database_from(args: argparse.Namespace) -> Database:
     Raises:
       CliError: (usage) If there is none, or it is not a PostgreSQL URL psycopg accepts.
     """
+<<<<<<< HEAD
+=======
+    from sqlalchemy.exc import ArgumentError
+
+>>>>>>> part-urls
     url: str | None = args.url
     from_env = url is None
     if url is None:
@@ -354,7 +365,9 @@ def _database(url: str, from_env: bool, option: str, env_var: str) -> Database:
             EXIT_USAGE,
         )
     try:
-        parsed = make_url(url)
+        parsed = parse_url(url)
+    except URLError as e:  # it says what is wrong (a host list, a JDBC URL); make_url's errors do not
+        raise CliError(f"{source}: {one_line(e)}", EXIT_USAGE) from None
     except (ArgumentError, ValueError):
         raise CliError(
             f"cannot parse the database URL of {source} ({shown}): expected {URL_SHAPE}", EXIT_USAGE
@@ -364,7 +377,10 @@ def _database(url: str, from_env: bool, option: str, env_var: str) -> Database:
             f"the database URL of {source} is not a PostgreSQL URL ({shown}): expected {URL_SHAPE}",
             EXIT_USAGE,
         )
-    conninfo = libpq_url(parsed)
+    try:
+        conninfo = libpq_url(parsed)
+    except URLError as e:
+        raise CliError(f"{source}: {one_line(e)}", EXIT_USAGE) from None
     try:
         params = conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as e:
@@ -393,6 +409,7 @@ def open_connection(db: Database) -> psycopg.Connection[Any]:
         raise _connection_error(e, db) from e
 
 
+<<<<<<< HEAD
 def open_read_connection(read_db: Database, schema: str, primary: Database) -> psycopg.Connection[Any]:
     """An autocommit connection to the server of ``--read-url``, its schema checked.
 
@@ -413,6 +430,10 @@ def open_read_connection(read_db: Database, schema: str, primary: Database) -> p
     return conn
 
 
+=======
+#: libpq's refusal of a server that is not what ``target_session_attrs`` asks for.
+_WRONG_KIND = re.compile(r"session is (?:not )?read-only|server is (?:not )?in hot standby mode")
+>>>>>>> part-urls
 #: libpq's refusal of a connection parameter's value (``invalid sslmode value: "bogus"``).
 _INVALID_PARAMETER = re.compile(r'invalid (\w+) value: ("[^"]*")')
 
@@ -433,6 +454,15 @@ def _connection_error(e: psycopg.OperationalError, db: Database) -> CliError:
             f"the database URL ({db.shown}) has an invalid {invalid.group(1)} value: {invalid.group(2)}. "
             f"Fix it (expected {URL_SHAPE}, with the parameters libpq documents)",
             EXIT_USAGE,
+        )
+    wrong_kind = _WRONG_KIND.search(text)
+    if wrong_kind is not None:
+        # Checked before "Connection refused": with several hosts, the text lists every attempt.
+        wanted = db.params.get("target_session_attrs")
+        return CliError(
+            f"cannot connect to {where}: none of its servers is what target_session_attrs={wanted} "
+            f"asks for (libpq: {wrong_kind.group(0)}). Check which server is the primary now, "
+            "and the hosts and target_session_attrs of the URL"
         )
     if "Connection refused" in text or "No such file or directory" in text:
         return CliError(

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..names import DEFAULT_SCHEMA, validate_schema_name
-from ..urls import jdbc_url_error, libpq_url, mask_password
+from ..urls import URLError, jdbc_url_error, libpq_url, mask_password
 
 #: Options Spark passes to a data source on its own account (lower case).
 SPARK_OWN = frozenset({"path", "checkpointlocation"})
@@ -57,6 +57,8 @@ def url_option(given: Mapping[str, str], name: str) -> str:
         raise ValueError(f"option {name!r}: {jdbc}")
     try:
         return libpq_url(given[name])
+    except URLError as e:  # a malformed host list: the message says what is wrong, without a password
+        raise ValueError(f"option {name!r}: {e}") from None
     except Exception as e:  # sqlalchemy's ArgumentError for what is no URL at all
         raise ValueError(f"option {name!r} is not a PostgreSQL URL ({type(e).__name__})") from None
 

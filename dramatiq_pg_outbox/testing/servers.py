@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 
 from ..store.admin import ServerStore
-from ..urls import mask_password
+from ..urls import libpq_url, mask_password, parse_url
 from .binaries import DOCKER_IMAGE, LOCAL_SERVER_URL, driverless_url
 from .throwaway import ThrowawayPostgres
 
@@ -166,15 +166,13 @@ def scratch_database(admin_url: str, prefix: str = "scratch") -> Iterator[str]:
     Returns:
       Iterator[str]: The new database's URL (``postgresql://``), with the admin's credentials.
     """
-    from sqlalchemy.engine import make_url
-
-    admin = make_url(admin_url).set(drivername="postgresql")
-    admin_dsn = admin.render_as_string(hide_password=False)
+    admin = parse_url(admin_url)
+    admin_dsn = libpq_url(admin)
     name = f"{prefix}_{secrets.token_hex(4)}"
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         ServerStore().create_database(conn, name=name)
     try:
-        yield admin.set(database=name).render_as_string(hide_password=False)
+        yield libpq_url(admin.set(database=name))
     finally:
         with psycopg.connect(admin_dsn, autocommit=True) as conn:
             ServerStore().drop_database(conn, name=name)
