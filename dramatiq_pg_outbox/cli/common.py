@@ -310,11 +310,6 @@ def database_from(args: argparse.Namespace) -> Database:
     Raises:
       CliError: (usage) If there is none, or it is not a PostgreSQL URL psycopg accepts.
     """
-<<<<<<< HEAD
-=======
-    from sqlalchemy.exc import ArgumentError
-
->>>>>>> part-urls
     url: str | None = args.url
     from_env = url is None
     if url is None:
@@ -352,7 +347,6 @@ def add_read_url(parser: argparse.ArgumentParser, reads: str) -> None:
 
 
 def _database(url: str, from_env: bool, option: str, env_var: str) -> Database:
-    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
     source = f"${env_var}" if from_env else option
@@ -409,7 +403,6 @@ def open_connection(db: Database) -> psycopg.Connection[Any]:
         raise _connection_error(e, db) from e
 
 
-<<<<<<< HEAD
 def open_read_connection(read_db: Database, schema: str, primary: Database) -> psycopg.Connection[Any]:
     """An autocommit connection to the server of ``--read-url``, its schema checked.
 
@@ -430,10 +423,8 @@ def open_read_connection(read_db: Database, schema: str, primary: Database) -> p
     return conn
 
 
-=======
 #: libpq's refusal of a server that is not what ``target_session_attrs`` asks for.
 _WRONG_KIND = re.compile(r"session is (?:not )?read-only|server is (?:not )?in hot standby mode")
->>>>>>> part-urls
 #: libpq's refusal of a connection parameter's value (``invalid sslmode value: "bogus"``).
 _INVALID_PARAMETER = re.compile(r'invalid (\w+) value: ("[^"]*")')
 
