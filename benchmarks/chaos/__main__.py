@@ -29,13 +29,21 @@ from dramatiq_pg_outbox import upgrade
 from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
 from .checker import history_checker
+from .failover import failover_asynchronous, failover_synchronous
 from .harness import Db, Producer
 from .pinned import pinned_horizon
 from .scenarios import SCENARIOS, Context, Result
 
-#: Scenarios 10 (about 30 minutes) and 11 (``--duration`` seconds per isolation level, three levels)
-#: run only when named: ``--scenarios 10``, ``--scenarios 11 --duration 1800``.
-ALL_SCENARIOS = {**SCENARIOS, 10: pinned_horizon, 11: history_checker}
+#: Scenarios 10 (about 30 minutes), 11 (``--duration`` seconds per isolation level, three levels)
+#: and 13-14 (a primary failover, with servers of their own) run only when named:
+#: ``--scenarios 10``, ``--scenarios 11 --duration 1800``, ``--scenarios 13,14``.
+ALL_SCENARIOS = {
+    **SCENARIOS,
+    10: pinned_horizon,
+    11: history_checker,
+    13: failover_synchronous,
+    14: failover_asynchronous,
+}
 
 HEADER = ("scenario", "messages", "lost", "duplicates", "recovery time", "notes")
 

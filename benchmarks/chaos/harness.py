@@ -24,6 +24,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from dramatiq_pg_outbox import PostgresBroker, outbox
+from dramatiq_pg_outbox.urls import normalize_sqlalchemy_url
 
 ROOT = Path(__file__).resolve().parents[2]
 QUEUE = "default"
@@ -63,7 +64,8 @@ def long_message(key: str, seconds: float) -> Message[Any]:
 
 
 def sqlalchemy_url(url: str) -> str:
-    return "postgresql+psycopg://" + url.split("://", 1)[1]
+    """``url`` for SQLAlchemy's psycopg dialect (a libpq host list included: failover scenarios)."""
+    return normalize_sqlalchemy_url(url).render_as_string(hide_password=False)
 
 
 class Db:

@@ -288,7 +288,8 @@ def postgres_restart(ctx: Context) -> Result:
         len(sent),
         lost,
         c.duplicates,
-        f"workers: {recovered - started:.1f} s from shutdown (server down {up - started:.1f} s); "
+        f"workers: {recovered - started:.1f} s from shutdown (server down {up - started:.1f} s; "
+        f"first ack {recovered - up:.2f} s after it accepted connections); "
         f"producer: {stats.get('outage_s', 0):.1f} s",
         f"producer retried {stats.get('errors', 0)} failed transactions "
         f"({stats.get('already_committed', 0)} keys had committed before the error)",
