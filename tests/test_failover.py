@@ -57,8 +57,10 @@ def test_a_primary_killed_9_and_its_synchronous_standby_promoted_lose_no_committ
         "messages without a business row: 0",
         "not run: 0",
         "worker restarts: 0",
+        "the periodic job ran again",
     ):
         assert fact in notes, row
-    # And the workers found the new primary by themselves: they ack there and listen there
+    # And the workers found the new primary by themselves: they ack there, listen there, and their
+    # periodic schedulers enqueue there
     assert re.search(r"first ack \d+\.\d+ s after the promoted standby accepted writes", cells[4]), row
     assert int(re.search(r"LISTEN connections on the new primary: (\d+)", notes)[1]) >= 1, row  # type: ignore[index]

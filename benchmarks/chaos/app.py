@@ -10,6 +10,8 @@ real ``dramatiq`` CLI processes:
 - ``CHAOS_WORK_MS``: time each ``work`` message spends "working" (default 0).
 - ``CHAOS_RECORD_URL``: where the actors record deliveries (default ``CHAOS_URL``).
 - ``CHAOS_RECORD``: ``0`` makes ``work`` record nothing (scenario 10).
+- ``CHAOS_PERIODIC``: ``1`` adds the periodic job ``chaos_tick`` (every second, schedulers
+  in the worker processes), which records each run in ``chaos_ticks`` (scenarios 13, 14).
 
 Every delivery of a ``work`` or ``long_task`` message adds one to its key's
 count in the table ``chaos_received`` (unique key + count), in its own
@@ -30,6 +32,7 @@ import dramatiq
 from dramatiq.middleware import CurrentMessage
 
 from dramatiq_pg_outbox import PostgresBroker
+from dramatiq_pg_outbox.periodic import Periodic, periodic
 
 from .recording import Recorder
 
@@ -56,6 +59,9 @@ settings = {
 }
 broker = PostgresBroker(url=URL, **settings)
 broker.add_middleware(CurrentMessage())  # the message id and attempt that keyed_work records
+PERIODIC = os.environ.get("CHAOS_PERIODIC", "0") == "1"
+if PERIODIC:
+    broker.add_middleware(Periodic(run_in_workers=True, poll_interval=500))
 dramatiq.set_broker(broker)
 
 WORK_MS = int(os.environ.get("CHAOS_WORK_MS", "0"))
@@ -156,3 +162,14 @@ def succeed(key: str) -> str:
 @dramatiq.actor(max_retries=0)
 def on_done(message: dict[str, Any], result: str) -> None:
     execute(RECORD, (result,))
+
+
+# -- scenarios 13 and 14: the periodic scheduler follows a failover -----------------------------
+
+if PERIODIC:
+
+    @periodic(every=1_000, grace=60_000)
+    @dramatiq.actor(max_retries=0)
+    def chaos_tick() -> None:
+        """Records its run (the ledger's clock) in chaos_ticks."""
+        execute("INSERT INTO chaos_ticks (at) VALUES (clock_timestamp())", ())

@@ -27,8 +27,9 @@ the new primary:
   the failover lost their transaction.
 
 The recovery column is the time from the promoted standby accepting writes to the first
-ack written there, with the workers, their LISTEN connections and the producers never
-restarted (the supervisor counts restarts; any fails the scenario).
+ack written there, with the workers, their LISTEN connections, their periodic schedulers
+(``chaos_tick``, every second: a run enqueued on the new primary must complete) and the
+producers never restarted (the supervisor counts restarts; any fails the scenario).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _run(
         args = ["--prefix", f"x{i}", "--count", str(per), "--batch", str(batch), "--retry", "--mix",
                 "--rate", str(per / batch / duration), "--committed-log", str(logs[i])]  # fmt: skip
         producers.append(spawn_producer(url, args, ctx.logdir / "producer-failover.log"))
-    env = {**ctx.liveness, "CHAOS_WORK_MS": "5", "CHAOS_RECORD_URL": ctx.url}
+    env = {**ctx.liveness, "CHAOS_WORK_MS": "5", "CHAOS_RECORD_URL": ctx.url, "CHAOS_PERIODIC": "1"}
     new = Db(standby.url_for(DATABASE))
     try:
         with cluster(url, ctx.logdir, env=env) as sup:
@@ -137,6 +138,14 @@ def _run(
                 120,
                 "the first ack on the new primary",
                 poll=0.02,
+            )
+            # A run of the periodic job that its scheduler enqueued on the new primary
+            tick_query = (
+                "SELECT count(*) FROM dramatiq.history WHERE actor_name = 'chaos_tick' "
+                "AND state = 'completed' AND enqueued_at >= %s"
+            )
+            first_tick = wait_until(
+                lambda: bool(new.value(tick_query, (db_up,))), 120, "a periodic job's run after the failover"
             )
             stats = [producer_stats(p) for p in producers]
             orders = {r[0] for r in new.rows("SELECT key FROM chaos_orders")}
@@ -185,7 +194,8 @@ def _run(
         f"without a business row: {len(without_row)}, not run: {len(not_run)}; ran although the "
         f"failover lost their transaction: {len(ran_but_lost)}; {len(killed)} server processes killed; "
         f"producers retried {errors} transactions (longest outage {outage:.1f} s); "
-        f"LISTEN connections on the new primary: {listeners}; worker restarts: {restarts}",
+        f"LISTEN connections on the new primary: {listeners}; the periodic job ran again "
+        f"{first_tick:.1f} s after the first ack; worker restarts: {restarts}",
         ok,
         {
             "first_ack_s": first_ack,
@@ -195,6 +205,7 @@ def _run(
             "duplicates": c.duplicates,
             "ran_but_lost": len(ran_but_lost),
             "listeners": listeners,
+            "first_tick_s": first_tick,
         },
     )
 

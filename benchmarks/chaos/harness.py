@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS chaos_received (
 CREATE TABLE IF NOT EXISTS chaos_started (key text NOT NULL, pid int NOT NULL, at timestamptz DEFAULT now());
 CREATE TABLE IF NOT EXISTS chaos_orders (key text PRIMARY KEY, created_at timestamptz DEFAULT now());
 CREATE TABLE IF NOT EXISTS chaos_attempts (key text PRIMARY KEY, n int NOT NULL);
+CREATE TABLE IF NOT EXISTS chaos_ticks (at timestamptz NOT NULL);
 CREATE TABLE IF NOT EXISTS chaos_spans (
     token uuid PRIMARY KEY,
     key text NOT NULL,
@@ -103,7 +104,7 @@ class Db:
         self.rows(TABLES)
         self.rows(
             "TRUNCATE dramatiq.messages, dramatiq.history, dramatiq.workers, dramatiq.idempotency_keys, "
-            "chaos_received, chaos_started, chaos_orders, chaos_attempts, chaos_spans"
+            "chaos_received, chaos_started, chaos_orders, chaos_attempts, chaos_spans, chaos_ticks"
         )
 
     def close(self) -> None:
