@@ -28,26 +28,38 @@ the new primary:
 
 The recovery column is the time from the promoted standby accepting writes to the first
 ack written there, with the workers, their LISTEN connections, their periodic schedulers
-(``chaos_tick``, every second: a run enqueued on the new primary must complete) and the
-producers never restarted (the supervisor counts restarts; any fails the scenario).
+(``chaos_tick``, every second: a run enqueued on the new primary must complete), a
+``dramatiq-pg-outbox relay`` process moving a queue to Redis (messages sent after the
+promotion must reach Redis; skipped where no Redis answers) and the producers never
+restarted (the supervisor counts restarts; any fails the scenario).
 """
 
 from __future__ import annotations
 
+import contextlib
+import secrets
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 from dramatiq import Message
 from psycopg import sql
 
-from dramatiq_pg_outbox import upgrade
+from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
-from .harness import TABLES, Db, cluster, counts, producer_stats, spawn_producer, wait_until
+from .harness import ROOT, TABLES, Db, cluster, counts, producer_stats, spawn_producer, wait_until
 from .scenarios import Context, Result
 
 DATABASE = "failover"
+#: The relay's target (``dramatiq-pg-outbox relay --to``); the relay part is skipped without it.
+REDIS_URL = "redis://127.0.0.1:6379/0"
+#: Messages sent to the relayed queue before the kill, and again after the promotion.
+RELAYED = 20
 #: Actors whose first argument is the business key (the first message of each key).
 FIRST_ACTORS = ("work", "flaky", "step_one", "succeed")
 PRODUCERS = 2
@@ -71,6 +83,76 @@ def message_keys(db: Db) -> set[str]:
             if args:
                 keys.add(str(args[0]))
     return keys
+
+
+class RelayCheck:
+    """A ``dramatiq-pg-outbox relay`` process moving one queue to Redis through the failover.
+
+    ``send(n)`` stores ``n`` messages of that queue on the primary (retrying while no primary
+    answers); ``moved()`` is how many reached Redis (Dramatiq's ``dramatiq:<queue>.msgs`` hash).
+    """
+
+    def __init__(self, url: str, logdir: Path) -> None:
+        import redis
+
+        self.queue = f"chaos_relayed_{secrets.token_hex(3)}"
+        self.redis = redis.Redis.from_url(REDIS_URL)
+        self.redis.ping()
+        self.broker = PostgresBroker(url=url)
+        self.sent = 0
+        with open(logdir / "relay-failover.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dramatiq_pg_outbox.cli", "relay", "--url", url, "--to", REDIS_URL,
+                 "--queues", self.queue, "--report-every", "0"],
+                cwd=ROOT, stdout=log, stderr=log, start_new_session=True,
+            )  # fmt: skip
+
+    def send(self, n: int, timeout: float = 60) -> None:
+        messages = [
+            Message(
+                queue_name=self.queue, actor_name="relayed_job", args=(self.sent + i,), kwargs={}, options={}
+            )
+            for i in range(n)
+        ]
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.broker.enqueue_many(messages)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        self.sent += n
+
+    def moved(self) -> int:
+        return int(self.redis.hlen(f"dramatiq:{self.queue}.msgs"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for key in self.redis.scan_iter(f"dramatiq:{self.queue}*"):
+            self.redis.delete(key)
+        self.redis.close()
+        self.broker.close()
+
+
+@contextlib.contextmanager
+def relay_check(url: str, logdir: Path) -> Iterator[RelayCheck | None]:
+    """A :class:`RelayCheck`, or None where Redis or its client is missing."""
+    try:
+        check = RelayCheck(url, logdir)
+    except Exception:
+        yield None
+        return
+    try:
+        yield check
+    finally:
+        check.close()
 
 
 def _ledger_keys(ctx: Context) -> set[str]:
@@ -123,8 +205,12 @@ def _run(
         producers.append(spawn_producer(url, args, ctx.logdir / "producer-failover.log"))
     env = {**ctx.liveness, "CHAOS_WORK_MS": "5", "CHAOS_RECORD_URL": ctx.url, "CHAOS_PERIODIC": "1"}
     new = Db(standby.url_for(DATABASE))
+    relay_note = "relay: skipped (no Redis at 127.0.0.1:6379)"
+    relay_ok = True
     try:
-        with cluster(url, ctx.logdir, env=env) as sup:
+        with cluster(url, ctx.logdir, env=env) as sup, relay_check(url, ctx.logdir) as relay:
+            if relay is not None:
+                relay.send(RELAYED)
             wait_until(lambda: counts(ctx.db).received >= n * 0.25, 300, "a quarter of the keys to run")
             killed_at = time.monotonic()
             killed = primary.kill_all()
@@ -147,6 +233,16 @@ def _run(
             first_tick = wait_until(
                 lambda: bool(new.value(tick_query, (db_up,))), 120, "a periodic job's run after the failover"
             )
+            if relay is not None:
+                relay.send(RELAYED)
+                moved = wait_until(
+                    lambda: relay.moved() >= relay.sent, 120, "the relay to move the messages sent after it"
+                )
+                relay_note = (
+                    f"relay to Redis: {relay.moved()} of {relay.sent} messages moved "
+                    f"({RELAYED} sent after the promotion, all there {moved:.1f} s later)"
+                )
+                relay_ok = relay.moved() >= relay.sent
             stats = [producer_stats(p) for p in producers]
             orders = {r[0] for r in new.rows("SELECT key FROM chaos_orders")}
             wait_until(
@@ -181,7 +277,7 @@ def _run(
     errors = sum(s.get("errors", 0) for s in stats)
     outage = max((s.get("outage_s", 0.0) for s in stats), default=0.0)
     consistent = not without_message and not without_row and not not_run
-    ok = consistent and restarts == 0 and (not lost or not synchronous) and len(killed) > 1
+    ok = consistent and restarts == 0 and (not lost or not synchronous) and len(killed) > 1 and relay_ok
     return Result(
         label,
         len(orders),
@@ -195,7 +291,7 @@ def _run(
         f"failover lost their transaction: {len(ran_but_lost)}; {len(killed)} server processes killed; "
         f"producers retried {errors} transactions (longest outage {outage:.1f} s); "
         f"LISTEN connections on the new primary: {listeners}; the periodic job ran again "
-        f"{first_tick:.1f} s after the first ack; worker restarts: {restarts}",
+        f"{first_tick:.1f} s after the first ack; {relay_note}; worker restarts: {restarts}",
         ok,
         {
             "first_ack_s": first_ack,
