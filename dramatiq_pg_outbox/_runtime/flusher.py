@@ -255,6 +255,11 @@ class Flusher(Service):
         """Decided messages not written yet (buffered or in the statement being written)."""
         return max(0, self._last_ticket - self._written)
 
+    def _ended(self) -> bool:
+        """Whether the flush thread has run and ended (not: is about to start)."""
+        thread = self._thread
+        return thread is not None and thread.ident is not None and not thread.is_alive()
+
     def _wrote(self, decisions: int) -> None:
         """Count ``decisions`` written (or found stale), and let waiting worker threads go on."""
         with self._room:
@@ -284,8 +289,8 @@ class Flusher(Service):
         with self._room:
             while (
                 ticket - self._written > self.bound
-                and self.running
                 and not self.stopping
+                and not self._ended()
                 and getattr(thread, "running", True)
                 and thread is not self._thread
             ):
