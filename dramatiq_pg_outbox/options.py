@@ -56,7 +56,12 @@ OVERFETCH_FACTOR = 16.0
 MIN_FETCH_INTERVAL_MS = 0
 MAX_FETCH_INTERVAL_MS = 1_000
 FLUSH_INTERVAL_MS = 5
+#: The longest flush window when ``max_flush_delay`` is not given (or ``flush_interval``, if longer).
+MAX_FLUSH_DELAY_MS = 20
 FLUSH_BATCH_SIZE = 1_000
+#: A worker thread that decides while this many x ``flush_batch_size`` decisions are unwritten
+#: waits for the flusher: one batch being written, one gathering (docs/guarantees.md).
+UNWRITTEN_BATCHES = 2
 HEARTBEAT_INTERVAL_MS = 5_000
 HEARTBEAT_TIMEOUT_MS = 20_000
 RESCUE_INTERVAL_MS = 5_000
@@ -208,7 +213,8 @@ class BrokerOptions:
 
     Raises:
       ValueError: At construction, for the first option (in the order of the
-        fields) that breaks its rule, then for ``heartbeat_timeout`` below
+        fields) that breaks its rule, then for ``max_flush_delay`` below
+        ``flush_interval``, then for ``heartbeat_timeout`` below
         ``2 x heartbeat_interval``; the message names the option, the value and
         the rule.
     """
@@ -241,10 +247,27 @@ class BrokerOptions:
         "message, wakes it earlier; 0 would poll in a busy loop)",
     )
     flush_interval: int = _option(
-        FLUSH_INTERVAL_MS, milliseconds(0), "acks are gathered this long, then written in one statement"
+        FLUSH_INTERVAL_MS,
+        milliseconds(0),
+        "shortest flush window: decisions (acks, nacks, with their follow-ups) are gathered this "
+        "long after the first, then written together; the window of an idle process",
+    )
+    max_flush_delay: int | None = _option(
+        None,
+        optional(milliseconds(0, "integer >= `flush_interval`")),
+        "longest flush window: while a backlog drains (each flush writes many decisions) the window "
+        "doubles from `flush_interval` up to this, and it halves when flushes are small and "
+        "returns to `flush_interval` when the process idles; a decided message waits at most this "
+        "long (plus a statement) before it is written; `flush_interval` pins the window; `None`: "
+        f"{MAX_FLUSH_DELAY_MS} ms, or `flush_interval` if longer",
     )
     flush_batch_size: int = _option(
-        FLUSH_BATCH_SIZE, integer(1), "buffered acks and nacks that trigger an immediate flush"
+        FLUSH_BATCH_SIZE,
+        integer(1),
+        "decided but unwritten messages of a process that end the flush window at once; a worker "
+        f"thread that decides while {UNWRITTEN_BATCHES} x `flush_batch_size` are unwritten waits "
+        "for the flush, which bounds what runs again after a crash "
+        "([Guarantees](../guarantees.md#what-runs-again-after-a-crash))",
     )
     heartbeat_interval: int = _option(HEARTBEAT_INTERVAL_MS, milliseconds(1), "worker heartbeat period")
     heartbeat_timeout: int = _option(
@@ -316,6 +339,15 @@ class BrokerOptions:
             spec: OptionSpec = f.metadata[SPEC]
             # Integral values of another type (numpy ints) are stored as plain ints.
             object.__setattr__(self, f.name, spec.rule.check(f.name, getattr(self, f.name)))
+        if self.max_flush_delay is None:
+            object.__setattr__(self, "max_flush_delay", max(MAX_FLUSH_DELAY_MS, self.flush_interval))
+        elif self.max_flush_delay < self.flush_interval:
+            raise _invalid(
+                "max_flush_delay",
+                self.max_flush_delay,
+                f"it must be at least flush_interval ({self.flush_interval} ms), the shortest window; "
+                "pass max_flush_delay=flush_interval for a fixed window",
+            )
         least = MIN_HEARTBEATS_PER_TIMEOUT * self.heartbeat_interval
         if self.heartbeat_timeout < least:
             raise _invalid(

@@ -57,6 +57,16 @@ BAD_OPTIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"max_fetch_interval": 1000.0}, "max_fetch_interval", MILLISECONDS),
     ({"flush_interval": -1}, "flush_interval", f"{MILLISECONDS} >= 0"),
     ({"flush_interval": 5.0}, "flush_interval", MILLISECONDS),
+    ({"max_flush_delay": -1}, "max_flush_delay", f"{MILLISECONDS} >= 0"),
+    ({"max_flush_delay": 20.0}, "max_flush_delay", MILLISECONDS),
+    ({"max_flush_delay": True}, "max_flush_delay", MILLISECONDS),
+    ({"max_flush_delay": "20"}, "max_flush_delay", MILLISECONDS),
+    ({"max_flush_delay": 4}, "max_flush_delay", "at least flush_interval (5 ms)"),
+    (
+        {"flush_interval": 50, "max_flush_delay": 20},
+        "max_flush_delay",
+        "at least flush_interval (50 ms), the shortest window; pass max_flush_delay=flush_interval",
+    ),
     ({"flush_batch_size": 0}, "flush_batch_size", f"{INTEGER} >= 1"),
     ({"flush_batch_size": -5}, "flush_batch_size", f"{INTEGER} >= 1"),
     ({"flush_batch_size": 10.0}, "flush_batch_size", INTEGER),
@@ -126,6 +136,9 @@ GOOD_OPTIONS: list[dict[str, Any]] = [
     {"max_fetch_interval": 1},
     {"flush_interval": 0},
     {"flush_batch_size": 1},
+    {"max_flush_delay": 5},
+    {"flush_interval": 0, "max_flush_delay": 0},
+    {"flush_interval": 50, "max_flush_delay": 50},
     {"heartbeat_interval": 1, "heartbeat_timeout": 2},
     {"heartbeat_interval": 5_000, "heartbeat_timeout": 10_000},
     {"heartbeat_interval": 600_000, "heartbeat_timeout": 1_200_000, "rescue_interval": 600_000},
@@ -157,6 +170,12 @@ def test_the_defaults_pass_their_own_rules() -> None:
     assert (broker.flush_batch_size, broker.heartbeat_timeout) == (1_000, 20_000)
     assert broker.heartbeat_timeout >= 2 * broker.heartbeat_interval
     assert defaults.overfetch_factor == broker.overfetch_factor == 16.0
+
+
+def test_max_flush_delay_by_default_is_20_ms_or_flush_interval_if_longer() -> None:
+    assert PostgresBroker(url=NOWHERE).max_flush_delay == 20
+    assert PostgresBroker(url=NOWHERE, flush_interval=3).max_flush_delay == 20
+    assert PostgresBroker(url=NOWHERE, flush_interval=500).max_flush_delay == 500
 
 
 def test_an_integer_overfetch_factor_is_stored_as_a_float() -> None:

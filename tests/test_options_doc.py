@@ -85,7 +85,8 @@ def test_every_option_is_passed_on_and_readable_as_an_attribute_of_the_broker() 
     others = {
         "pool_size": 7, "pool_timeout": 3_000, "max_deliveries": 9, "overfetch_factor": 2.5,
         "min_fetch_interval": 11, "max_fetch_interval": 2_000, "flush_interval": 13,
-        "flush_batch_size": 17, "heartbeat_interval": 1_000, "heartbeat_timeout": 4_000,
+        "max_flush_delay": 29, "flush_batch_size": 17, "heartbeat_interval": 1_000,
+        "heartbeat_timeout": 4_000,
         "rescue_interval": 19, "rotate_interval": 23, "max_lease": 60_000, "notify": "off",
         "listen": False, "check_schema": False, "prepare_threshold": None, "max_message_bytes": 5_000,
     }  # fmt: skip

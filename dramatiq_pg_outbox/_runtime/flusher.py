@@ -1,24 +1,29 @@
 """The flush loop: ack/nack/requeue decisions buffered by worker threads, written in batches.
 
-Worker threads append to lock-free deques; every ``flush_interval`` ms (or at
-``flush_batch_size``) each kind is written with one set-based statement, fenced
-by the lease.  A failed write keeps its batch and is retried with backoff; the
-final flush runs on stop.  River's batch completer is the model.  An outcome
-whose follow-ups the database refuses for good is quarantined alone (see
-:data:`UNWRITABLE`).
+Worker threads append to lock-free deques; a window after the first decision
+(``flush_interval`` ms when the process idles, up to ``max_flush_delay`` while a
+backlog drains: :func:`next_window`), or at once when ``flush_batch_size``
+decisions are unwritten, each kind is written with one set-based statement,
+fenced by the lease.  A worker thread that decides while ``2 x flush_batch_size``
+are unwritten waits for the flusher, which bounds what runs again after a crash.
+A failed write keeps its batch and is retried with backoff; the final flush runs
+on stop.  River's batch completer is the model.  An outcome whose follow-ups the
+database refuses for good is quarantined alone (see :data:`UNWRITABLE`).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 
+from ..options import UNWRITTEN_BATCHES
 from ..store.messages import Fence, Statement
 from .host import Runtime
 from .messages import (
@@ -44,22 +49,95 @@ UNWRITABLE = (psycopg.DataError, psycopg.IntegrityError)
 #: The ``error_type`` in history of a message quarantined because its follow-ups can never be written.
 FOLLOW_UP_NOT_WRITABLE = "FollowUpNotWritable"
 
+#: A flush that wrote at least this many decisions doubles the window (a backlog drains: at
+#: the 5 ms default, 3,200 decisions per second in the process or more).
+GROW_AT = 16
+#: A flush that wrote fewer halves it (few decisions per statement: a longer window would
+#: delay follow-ups for little saving).
+SHRINK_BELOW = 4
+
+
+def next_window(window: float, shortest: float, longest: float, *, decisions: int, full: bool) -> float:
+    """The window after a pass that wrote ``decisions`` after waiting ``window``: doubled, kept or halved.
+
+    A pass ended by a full batch (``full``: ``flush_batch_size`` decisions unwritten)
+    keeps the window: the count bound, not the window, set its size.  Otherwise
+    :data:`GROW_AT` decisions or more double it and fewer than :data:`SHRINK_BELOW`
+    halve it; in between it is kept.  The flusher also resets it to ``shortest`` when
+    the process idled for a whole window (see ``Flusher.pause``), so a lone message's
+    follow-up is written after ``shortest``.  The same multiplicative increase and
+    decrease as the consumers' claims (``broker.consumer.claim_limit``) and TCP's
+    congestion window (RFC 5681), on a batch of writes; pgqueuer's completion buffer
+    (a batch or 100 ms) is the fixed-window model.
+
+    Parameters:
+      window(float), shortest(float), longest(float): Seconds, ``shortest <= longest``.
+      decisions(int): Decisions (acks, nacks, cancels, with or without follow-ups) the pass wrote.
+      full(bool): Whether the pass was started by the count bound rather than the window's end.
+
+    Returns:
+      float: The next window, in seconds, within [shortest, longest].
+    """
+    if full:
+        return min(longest, max(shortest, window))
+    if decisions >= GROW_AT:
+        return min(longest, max(shortest, 2 * window))
+    if decisions < SHRINK_BELOW:
+        return max(shortest, min(longest, window / 2))
+    return min(longest, max(shortest, window))
+
+
+class FlushPass(NamedTuple):
+    """One pass of the flush loop, as recorded in ``Flusher.passes`` (for tests and debugging).
+
+    Attributes:
+      window_ms(float): The window the pass waited for, after the oldest decision it wrote.
+      waited_ms(float): How long the oldest decision had waited when the pass began writing.
+      decisions(int): Decisions the pass wrote (stale ones included).
+      full(bool): Whether the count bound, not the window, started it.
+    """
+
+    window_ms: float
+    waited_ms: float
+    decisions: int
+    full: bool
+
 
 class Flusher(Service):
     """The flush loop of a process (a :class:`~.service.Service`, started by the first decision).
 
     Parameters:
-      runtime(Runtime): The process's runtime; reads ``flush_interval`` (ms) and
-        ``flush_batch_size`` of its broker.  A failed flush is retried after 50 ms,
-        doubling up to 5 s.
+      runtime(Runtime): The process's runtime; reads ``flush_interval``,
+        ``max_flush_delay`` (ms) and ``flush_batch_size`` of its broker.  A failed
+        flush is retried after 50 ms, doubling up to 5 s.
     """
 
     name = "flush"
     pause_first = True
 
     def __init__(self, runtime: Runtime) -> None:
-        super().__init__(runtime.broker.options.flush_interval / 1000, backoff_first=0.05, backoff_max=5.0)
+        options = runtime.broker.options
+        super().__init__(options.flush_interval / 1000, backoff_first=0.05, backoff_max=5.0)
         self.runtime = runtime
+        #: The window of the next pass, seconds: between ``flush_interval`` and ``max_flush_delay``.
+        self.window = self.interval
+        self._longest = (options.max_flush_delay or options.flush_interval) / 1000
+        self._batch = options.flush_batch_size
+        #: Most decided but unwritten messages before a deciding worker thread waits.
+        self.bound = UNWRITTEN_BATCHES * options.flush_batch_size
+        #: Recent passes that wrote decisions (the last 256).
+        self.passes: deque[FlushPass] = deque(maxlen=256)
+        #: Most decided but unwritten messages seen (a worker thread's own decision included).
+        self.most_unwritten = 0
+        # Tickets of decisions (next() of a count is atomic in CPython) and how many were written:
+        # their difference is what a crash now would leave to run again.
+        self._tickets = itertools.count(1)
+        self._written = 0
+        self._last_ticket = 0
+        self._room = threading.Condition(threading.Lock())
+        # When the oldest unwritten decision was made (monotonic seconds), None when there is none.
+        self._oldest: float | None = None
+        self._full = False
         self.acks: deque[tuple[int, uuid.UUID]] = deque()
         self.nacks: deque[tuple[int, uuid.UUID, str, str]] = deque()
         self.failed_acks: deque[tuple[int, uuid.UUID, str, str]] = deque()
@@ -81,19 +159,19 @@ class Flusher(Service):
     # Called from worker threads: lock-free appends, then a cheap signal.
     def ack(self, row_id: int, lease: uuid.UUID) -> None:
         self.acks.append((row_id, lease))
-        self._signal(len(self.acks))
+        self._decided()
 
     def nack(self, row_id: int, lease: uuid.UUID, error_type: str, error: str) -> None:
         self.nacks.append((row_id, lease, error_type, error))
-        self._signal(len(self.nacks))
+        self._decided()
 
     def ack_with_error(self, row_id: int, lease: uuid.UUID, error_type: str, error: str) -> None:
         self.failed_acks.append((row_id, lease, error_type, error))
-        self._signal(len(self.failed_acks))
+        self._decided()
 
     def cancel(self, row_id: int, lease: uuid.UUID, error_type: str, error: str) -> None:
         self.cancels.append((row_id, lease, error_type, error))
-        self._signal(len(self.cancels))
+        self._decided()
 
     def finish(
         self,
@@ -128,7 +206,7 @@ class Flusher(Service):
                     refused or [],
                 )
             )
-            self._signal(len(self.outcomes))
+            self._decided()
         elif kind == "ack":
             self.ack(row_id, lease)
         else:
@@ -168,9 +246,55 @@ class Flusher(Service):
     def _signal(self, size: int) -> None:
         if not self.started:
             self.start()
-        if size >= self.runtime.broker.options.flush_batch_size:
+        if size >= self._batch:
             self._urgent.set()
         self.wake()
+
+    @property
+    def unwritten(self) -> int:
+        """Decided messages not written yet (buffered or in the statement being written)."""
+        return max(0, self._last_ticket - self._written)
+
+    def _ended(self) -> bool:
+        """Whether the flush thread has run and ended (not: is about to start)."""
+        thread = self._thread
+        return thread is not None and thread.ident is not None and not thread.is_alive()
+
+    def _wrote(self, decisions: int) -> None:
+        """Count ``decisions`` written (or found stale), and let waiting worker threads go on."""
+        with self._room:
+            self._written += decisions
+            self._room.notify_all()
+
+    def _decided(self) -> None:
+        """Count a decision just buffered; end the window at ``flush_batch_size`` unwritten; wait
+        (on a worker thread, before its next message) while more than ``bound`` are unwritten.
+
+        The wait ends when the flusher has written enough, or stops, or when Dramatiq stops
+        the worker thread (its ``running`` flag), so a shutdown while the database is
+        unreachable is not held up: the final flush logs what it could not write.
+        """
+        ticket = self._last_ticket = next(self._tickets)
+        if self._oldest is None:
+            self._oldest = time.monotonic()
+        unwritten = ticket - self._written
+        if unwritten > self.most_unwritten:
+            self.most_unwritten = unwritten
+        if unwritten >= self._batch:
+            self._full = True
+        self._signal(unwritten)
+        if unwritten <= self.bound:
+            return
+        thread = threading.current_thread()
+        with self._room:
+            while (
+                ticket - self._written > self.bound
+                and not self.stopping
+                and not self._ended()
+                and getattr(thread, "running", True)
+                and thread is not self._thread
+            ):
+                self._room.wait(0.1)
 
     def pending(self) -> int:
         buffers = (
@@ -185,20 +309,30 @@ class Flusher(Service):
         return sum(len(b) for b in buffers)
 
     # -- the service -----------------------------------------------------------------
-    def run_once(self) -> dict[str, int]:
-        return self.flush_once()
-
     def pause(self, delay: float) -> None:
-        """Until a decision arrives (after a failure: ``delay``), then up to ``flush_interval`` more.
+        """Until a decision arrives (after a failure: ``delay``), then until the window after
+        the oldest unwritten decision has passed.
 
         Decisions arriving in that window are written together; an urgent one (a full
-        batch, a requeue, a notification) ends the window at once.
+        batch, a requeue, a notification) ends the window at once.  A wait for the first
+        decision longer than the window (the process idled) resets the window to
+        ``flush_interval``.
         """
         if self.failures:
             self._wake.set()  # the kept batch is written as soon as the backoff ends
             self._stopping.wait(delay)
-        self._wake.wait()
-        self._urgent.wait(self.interval)
+        if not self._wake.is_set():
+            idle_since = time.monotonic()
+            self._wake.wait()
+            if time.monotonic() - idle_since > self.window:
+                self.window = self.interval
+        oldest = self._oldest
+        now = time.monotonic()
+        if oldest is None or oldest > now:
+            oldest = now
+        left = oldest + self.window - now
+        if left > 0:
+            self._urgent.wait(left)
         self._wake.clear()
         self._urgent.clear()
 
@@ -214,6 +348,15 @@ class Flusher(Service):
             error,
         )
 
+    def run_once(self) -> dict[str, int]:
+        """One pass of the loop: :meth:`flush_once`, then the next window from what it wrote."""
+        window, full = self.window, self._full
+        done = self.flush_once()
+        decisions = done["acked"] + done["nacked"] + done["canceled"] + done["stale"]
+        if decisions:
+            self.window = next_window(window, self.interval, self._longest, decisions=decisions, full=full)
+        return done
+
     def flush_once(self) -> dict[str, int]:
         """Write everything buffered; on failure the undone part is put back and the error re-raised.
 
@@ -221,7 +364,22 @@ class Flusher(Service):
           dict[str, int]: How many acks, nacks, cancels, requeues were written and how many were stale.
         """
         with self._flush_lock:
-            return self._flush_locked()
+            oldest, full = self._oldest, self._full
+            self._oldest, self._full = None, False
+            started = time.monotonic()
+            try:
+                done = self._flush_locked()
+            except Exception:
+                if oldest is not None:
+                    later = self._oldest
+                    self._oldest = oldest if later is None else min(oldest, later)
+                self._full = self._full or full
+                raise
+            decisions = done["acked"] + done["nacked"] + done["canceled"] + done["stale"]
+            if decisions:
+                waited = 0.0 if oldest is None else max(0.0, started - oldest)
+                self.passes.append(FlushPass(self.window * 1000, waited * 1000, decisions, full))
+            return done
 
     def _flush_locked(self) -> dict[str, int]:
         done = {"acked": 0, "nacked": 0, "canceled": 0, "requeued": 0, "stale": 0}
@@ -248,6 +406,8 @@ class Flusher(Service):
                     if len(items) > written:
                         metrics.stale.inc(len(items) - written)
                 self.runtime.untrack(items)
+                if name != "requeue":
+                    self._wrote(len(items))
                 stale = len(items) - written
                 key = {
                     "ack": "acked",
@@ -314,6 +474,7 @@ class Flusher(Service):
                 raise
             self._suspects = max(0, self._suspects - len(outcomes))
             self.runtime.untrack([o.fence() for o in outcomes])
+            self._wrote(len(outcomes))
             done["acked"] += sum(o.kind in ("ack", "ack_with_error") for o in finished)
             done["nacked"] += sum(o.kind == "nack" for o in finished) + quarantined
             done["canceled"] += sum(o.kind == "cancel" for o in finished)

@@ -139,6 +139,7 @@ class PostgresBroker(Broker):
         min_fetch_interval: int = MIN_FETCH_INTERVAL_MS,
         max_fetch_interval: int = MAX_FETCH_INTERVAL_MS,
         flush_interval: int = FLUSH_INTERVAL_MS,
+        max_flush_delay: int | None = None,
         flush_batch_size: int = FLUSH_BATCH_SIZE,
         heartbeat_interval: int = HEARTBEAT_INTERVAL_MS,
         heartbeat_timeout: int = HEARTBEAT_TIMEOUT_MS,
