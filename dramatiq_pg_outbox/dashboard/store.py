@@ -604,29 +604,24 @@ class Store:
         shared = all_queries_for_schema(schema)
         # The audit trail's statements are the command line's too (admin.sql): one text for both.
         self.queries = {**queries_for_schema(schema), **{name: shared[name] for name in SHARED_QUERIES}}
-        self.pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
-            libpq_url(url),
-            min_size=1,
-            max_size=max_size,
-            open=False,
-            kwargs={"autocommit": True, "application_name": "dramatiq-pg-outbox dashboard"},
-            check=AsyncConnectionPool.check_connection,
-            configure=read_committed_async,
-            timeout=timeout,
-        )
-        #: The pool of the reads: the standby's of ``read_url``, else the one of ``url`` (``pool``).
-        self.read_pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = self.pool
-        if read_url is not None:
-            self.read_pool = AsyncConnectionPool(
-                libpq_url(read_url),
+
+        def pool(of: str, name: str) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+            return AsyncConnectionPool(
+                libpq_url(of),
                 min_size=1,
                 max_size=max_size,
                 open=False,
-                kwargs={"autocommit": True, "application_name": "dramatiq-pg-outbox dashboard reads"},
+                kwargs={"autocommit": True, "application_name": name},
                 check=AsyncConnectionPool.check_connection,
                 configure=read_committed_async,
                 timeout=timeout,
             )
+
+        self.pool = pool(url, "dramatiq-pg-outbox dashboard")
+        #: The pool of the reads: the standby's of ``read_url``, else the one of ``url`` (``pool``).
+        self.read_pool = (
+            self.pool if read_url is None else pool(read_url, "dramatiq-pg-outbox dashboard reads")
+        )
 
     @property
     def reads_elsewhere(self) -> bool:
