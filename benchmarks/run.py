@@ -10,6 +10,8 @@ Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained
 (seconds per million history rows of the 0007 rewrite);
 (issue 35): concurrency (the keyed drain against the unkeyed one and Dramatiq's
 ConcurrentRateLimiter; fair claims: small keys behind one big key's backlog);
+(issue 37): outbox_send (one send() in an application transaction against the bare
+transaction, for each notify mode: wall ratio, CPU and round trips per transaction);
 (issue 21): spark (the data source's batch write against a JDBC append, on local[2] and on a
 standalone cluster; a rate stream's rows per second and latency).
 Every system of a scenario is measured in the same run, on the same machine,
@@ -51,6 +53,7 @@ SCENARIOS = (
     "migrate",
     "spark",
     "concurrency",
+    "outbox_send",
 )
 
 

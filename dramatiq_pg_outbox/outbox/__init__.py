@@ -36,7 +36,12 @@ ending any other way drops them all.  Just before the root transaction commits
 survivors are written through that transaction's own connection, one
 multi-row INSERT per broker, so Postgres commits or rolls them back with the
 business rows and delivers their ``pg_notify`` at commit.  Messages sent while
-the commit is under way (from a flush hook) are written at once.
+the commit is under way (from a flush hook) are written at once (or with the
+``COMMIT``, below).  A ``Session``
+bound to an Engine on a sync psycopg 3 connection sends that INSERT with the
+``COMMIT`` itself, in one round trip (psycopg's pipeline mode, from the
+dialect's ``do_commit``), together with what its flush hooks sent; if the
+INSERT fails, the ``COMMIT`` behind it is skipped and ``commit()`` raises.
 
 Dramatiq's ``after_enqueue`` runs only for messages actually stored: never
 for an idempotency duplicate, a message of a rolled-back savepoint, or a

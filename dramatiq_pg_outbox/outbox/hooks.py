@@ -25,7 +25,17 @@ from .._runtime import StoredMessage
 from ..broker import PostgresBroker
 from ..errors import OutboxError
 from ..store.messages import message_store
-from .writes import DriverCursor, OutboxWrite, by_broker, emit_after_enqueue, wants_after_enqueue, write_items
+from .writes import (
+    DriverCursor,
+    OutboxWrite,
+    by_broker,
+    check_schema,
+    emit_after_enqueue,
+    pipeline_supported,
+    wants_after_enqueue,
+    write_items,
+    write_with_commit,
+)
 
 
 @dataclass
@@ -34,8 +44,17 @@ class _SessionBuffer:
 
     items: list[tuple[SessionTransaction, PostgresBroker, StoredMessage]] = field(default_factory=list)
     written: list[OutboxWrite] = field(default_factory=list)
-    #: Set by before_commit: messages sent from now on (flush hooks) are written at once.
+    #: Set by before_commit: messages sent from now on (flush hooks) are written at once,
+    #: or with the COMMIT (``carrier``).
     committing: bool = False
+    #: The pooled connection whose COMMIT carries the messages (see ``_commit_carrier``), from
+    #: before_commit on; None: they are written by before_commit itself.
+    carrier: PoolProxiedConnection | None = None
+
+    def take(self) -> dict[PostgresBroker, list[StoredMessage]]:
+        """The buffered messages, by broker, removed from the buffer."""
+        items, self.items = self.items, []
+        return by_broker((broker, item) for _, broker, item in items)
 
 
 #: Buffers by root SessionTransaction (dropped with it).
@@ -151,7 +170,11 @@ def session_add(session: Session, broker: PostgresBroker, items: list[StoredMess
     buffer = _session_buffers.get(root)
     if buffer is None:
         buffer = _session_buffers[root] = _SessionBuffer()
-    if buffer.committing:
+    if buffer.committing and buffer.carrier is not None:
+        # Sent by a flush hook during commit: it joins the messages that go with the COMMIT.
+        check_schema(session.connection(), broker)
+        buffer.items.extend((root, broker, item) for item in items)
+    elif buffer.committing:
         # Sent by a flush hook during commit: the buffer was already written.
         buffer.written.append(write_items(session.connection(), broker, items))
     else:
@@ -184,10 +207,37 @@ def _session_before_commit(session: Session) -> None:
         buffer = _session_buffers[root] = _SessionBuffer()
     buffer.committing = True
     if buffer.items:
-        items, buffer.items = buffer.items, []
         conn = session.connection()
-        for broker, stored in by_broker((b, item) for _, b, item in items).items():
+        carrier = _commit_carrier(session, conn)
+        if carrier is not None:
+            # Written by the dialect's do_commit in the COMMIT's round trip (_hook_commit).
+            for broker in {broker: None for _, broker, _ in buffer.items}:
+                check_schema(conn, broker)
+            buffer.carrier = carrier
+            carrier.info[_AT_COMMIT] = buffer
+            return
+        for broker, stored in buffer.take().items():
             buffer.written.append(write_items(conn, broker, stored))
+
+
+def _commit_carrier(session: Session, conn: Connection) -> PoolProxiedConnection | None:
+    """The pooled connection whose COMMIT can carry the session's messages, if any.
+
+    One whose ``COMMIT`` the session itself sends through the dialect's
+    ``do_commit`` (its default bind is an Engine, so the session began the
+    connection's transaction; not two-phase), on a sync psycopg 3 connection
+    (``pipeline_supported``): the INSERT then rides in the COMMIT's round trip.
+    Any other (a Session bound to a Connection, whose transaction may outlive the
+    session's commit; psycopg2; an AsyncSession's driver): None, and the
+    messages are written by before_commit, through SQLAlchemy.
+    """
+    if session.twophase or not isinstance(session.get_bind(), Engine):
+        return None
+    carrier = conn.connection
+    if not pipeline_supported(carrier.dbapi_connection):
+        return None
+    _hook_dialect(conn.engine.dialect)
+    return carrier
 
 
 def _session_after_commit(session: Session) -> None:
@@ -216,6 +266,7 @@ def _session_after_soft_rollback(session: Session, previous_transaction: Session
         return
     if boundary is root:
         del _session_buffers[root]
+        _drop_carried(buffer)
         return
     buffer.items = [entry for entry in buffer.items if not _is_within(entry[0], boundary)]
 
@@ -223,7 +274,17 @@ def _session_after_soft_rollback(session: Session, previous_transaction: Session
 def _session_after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     if transaction.parent is None:
         # Committed (already written), rolled back, or closed without either.
-        _session_buffers.pop(transaction, None)
+        buffer = _session_buffers.pop(transaction, None)
+        if buffer is not None:
+            _drop_carried(buffer)
+
+
+def _drop_carried(buffer: _SessionBuffer) -> None:
+    """Make sure no later COMMIT carries ``buffer`` (do_commit or do_rollback took it already, unless
+    the transaction ended without either)."""
+    carrier = buffer.carrier
+    if carrier is not None and carrier.info.get(_AT_COMMIT) is buffer:
+        carrier.info.pop(_AT_COMMIT, None)
 
 
 # -- connections -----------------------------------------------------------------
@@ -284,6 +345,9 @@ _dialects_hooked: weakref.WeakSet[Dialect] = weakref.WeakSet()
 #: Key, in a pooled DBAPI connection's ``info``, of what its current database transaction
 #: stored that waits for its COMMIT: a list of :class:`OutboxWrite`.
 _AFTER_COMMIT = "dramatiq_pg_outbox.after_commit"
+#: Key, in a pooled DBAPI connection's ``info``, of the Session buffer whose messages its next
+#: COMMIT carries (``_commit_carrier``).
+_AT_COMMIT = "dramatiq_pg_outbox.at_commit"
 
 
 def install_engine_listeners(engine: Engine) -> None:
@@ -301,6 +365,14 @@ def install_engine_listeners(engine: Engine) -> None:
             event.listen(engine, "rollback_twophase", _connection_rollback_twophase)
             _hook_commit(engine.dialect)
             _engines_listened.add(engine)
+
+
+def _hook_dialect(dialect: Dialect) -> None:
+    """``_hook_commit`` on ``dialect``, once (for Sessions, which need no engine events)."""
+    if dialect in _dialects_hooked:
+        return
+    with _listeners_lock:
+        _hook_commit(dialect)
 
 
 def _hook_commit(dialect: Dialect) -> None:
@@ -324,12 +396,25 @@ def _hook_commit(dialect: Dialect) -> None:
 
     def do_commit(dbapi_connection: PoolProxiedConnection) -> None:
         stored = _take_after_commit(dbapi_connection)
-        commit(dbapi_connection)  # raises if the COMMIT fails: ``stored`` is dropped
+        carried = _take_at_commit(dbapi_connection)
+        if carried is not None and carried.items:
+            # A Session's messages: inserted in the COMMIT's round trip; its after_commit
+            # listener announces them.
+            carried.written.extend(
+                write_with_commit(
+                    dbapi_connection.dbapi_connection,  # type: ignore[arg-type]
+                    carried.take(),
+                    lambda: commit(dbapi_connection),
+                )
+            )
+        else:
+            commit(dbapi_connection)  # raises if the COMMIT fails: ``stored`` is dropped
         for written in stored:
             emit_after_enqueue(written)
 
     def do_rollback(dbapi_connection: PoolProxiedConnection) -> None:
         _take_after_commit(dbapi_connection)
+        _take_at_commit(dbapi_connection)
         rollback(dbapi_connection)
 
     # Two-phase: COMMIT PREPARED / ROLLBACK PREPARED (a commit without PREPARE goes through do_commit).
@@ -360,6 +445,14 @@ def _take_after_commit(dbapi_connection: PoolProxiedConnection) -> list[OutboxWr
         return []  # a bare DBAPI connection: nothing of ours can be waiting on it
     stored: list[OutboxWrite] = dbapi_connection.info.pop(_AFTER_COMMIT, [])
     return stored
+
+
+def _take_at_commit(dbapi_connection: PoolProxiedConnection) -> _SessionBuffer | None:
+    """Remove and return the Session buffer whose messages this COMMIT carries (see _commit_carrier)."""
+    if not isinstance(dbapi_connection, PoolProxiedConnection):
+        return None
+    carried: _SessionBuffer | None = dbapi_connection.info.pop(_AT_COMMIT, None)
+    return carried
 
 
 def connection_add(conn: Connection, broker: PostgresBroker, items: list[StoredMessage]) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from dramatiq import Middleware
+from psycopg import pq
 from sqlalchemy.engine import Connection
 from sqlalchemy.engine.base import TwoPhaseTransaction
 
@@ -62,15 +65,20 @@ class DriverCursor:
         return self.rows
 
 
-#: (engine URL, schema) pairs whose revision was checked, per broker.
-_schema_checked: weakref.WeakKeyDictionary[PostgresBroker, set[str]] = weakref.WeakKeyDictionary()
+#: The databases (the engine's URL, and as text without its password) whose revision of the
+#: broker's schema was checked, per broker.
+_schema_checked: weakref.WeakKeyDictionary[PostgresBroker, set[object]] = weakref.WeakKeyDictionary()
 
 
 def _check_schema(conn: Connection, broker: PostgresBroker) -> None:
     """Raise :class:`SchemaNotReady` if the broker's tables are missing or old on ``conn``'s database."""
-    key = safe_url(conn.engine.url)
+    url = conn.engine.url
     checked = _schema_checked.setdefault(broker, set())
+    if url in checked:
+        return  # the common case: a lookup (safe_url costs ~20 us per send)
+    key = safe_url(url)
     if key in checked:
+        checked.add(url)
         return
     row = message_store(broker.schema).schema_revision(DriverCursor(conn))
     # The command names the bind's database, or $DATABASE_URL when its URL has a password.
@@ -78,7 +86,12 @@ def _check_schema(conn: Connection, broker: PostgresBroker) -> None:
     error = schema_not_ready(broker.schema, row, url=key, fix_url=fix_url)
     if error is not None:
         raise error
-    checked.add(key)
+    checked.update((key, url))
+
+
+def check_schema(conn: Connection, broker: PostgresBroker) -> None:
+    """Raise :class:`SchemaNotReady` if ``broker``'s tables are missing or old (checked once per database)."""
+    _check_schema(conn, broker)
 
 
 def write_items(
@@ -97,6 +110,71 @@ def write_items(
     rows = message_store(broker.schema).enqueue(DriverCursor(conn), statement)
     result = enqueue_result(statement.name, items, rows)
     return OutboxWrite(broker, result.stored, result.payloads, result.ids, twophase=twophase)
+
+
+def pipeline_supported(dbapi_connection: Any) -> bool:
+    """Whether ``dbapi_connection`` can send the outbox's INSERT with its COMMIT (:func:`write_with_commit`).
+
+    A sync psycopg 3 connection in a transaction (not autocommit), with a libpq that
+    has pipeline mode (14 or later).
+    """
+    return (
+        isinstance(dbapi_connection, psycopg.Connection)
+        and not dbapi_connection.autocommit
+        and psycopg.Pipeline.is_supported()
+    )
+
+
+#: The states of a connection whose transaction a failed :func:`write_with_commit` left open.
+_OPEN = (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+
+
+def write_with_commit(
+    dbapi_connection: psycopg.Connection[Any],
+    groups: dict[PostgresBroker, list[StoredMessage]],
+    commit: Callable[[], None],
+) -> list[OutboxWrite]:
+    """Insert each broker's messages and commit, in one round trip (psycopg's pipeline mode).
+
+    The INSERTs are queued, then a COMMIT, and the whole is sent at once (with one
+    Sync); ``commit`` (the dialect's ``do_commit``) then finds the connection idle and
+    sends nothing.  The INSERTs' rows are read once the COMMIT has succeeded.  If an INSERT fails, PostgreSQL
+    skips the COMMIT that follows it in the pipeline: the error is raised, and the
+    transaction, aborted, is rolled back here, as a failed COMMIT would have
+    ended it (so is a transaction left open by any other failure before the
+    COMMIT).  Nothing of the transaction is committed.
+
+    Raises:
+      psycopg.Error: What the server refused (an INSERT, or the COMMIT itself).
+    """
+    sent = []
+    try:
+        with dbapi_connection.pipeline():
+            for broker, items in groups.items():
+                statement = enqueue_statement(
+                    items,
+                    broker.channel,
+                    broker.options.notify == "transaction",
+                    broker.options.max_fetch_interval,
+                )
+                cursor = psycopg.Cursor(dbapi_connection)
+                message_store(broker.schema).enqueue_send(cursor, statement)
+                sent.append((broker, statement, items, cursor))
+            # Queued, not Connection.commit(): that one waits for its own Sync, and leaving
+            # the pipeline would wait for another.
+            message_store(next(iter(groups)).schema).commit_send(psycopg.Cursor(dbapi_connection))
+        commit()  # the connection is idle now: the driver's commit() has nothing to send
+    except BaseException:
+        if dbapi_connection.info.transaction_status in _OPEN:
+            with contextlib.suppress(psycopg.Error):
+                dbapi_connection.rollback()
+        raise
+    written = []
+    for broker, statement, items, cursor in sent:
+        rows = message_store(broker.schema).enqueue_rows(cursor)
+        result = enqueue_result(statement.name, items, rows)
+        written.append(OutboxWrite(broker, result.stored, result.payloads, result.ids))
+    return written
 
 
 def by_broker(

@@ -275,6 +275,27 @@ class MessageStore(SchemaStore):
         cursor.execute(self.queries[statement.name], statement.params)
         return [EnqueueRow._make(row) for row in cursor.fetchall()]
 
+    def enqueue_send(self, cursor: Cursor, statement: EnqueueStatement) -> None:
+        """Send the enqueue ``statement`` without reading its rows (:meth:`enqueue_rows` reads them).
+
+        For a cursor of a connection in psycopg's pipeline mode: the statement is
+        queued, and sent with what follows it (an outbox's ``COMMIT``).
+
+        Raises:
+          ValueError: If ``statement.name`` is not an enqueue statement.
+        """
+        if statement.name not in ENQUEUE_STATEMENTS:
+            raise ValueError(f"not an enqueue statement: {statement.name!r}")
+        cursor.execute(self.queries[statement.name], statement.params)
+
+    def commit_send(self, cursor: Cursor) -> None:
+        """Send ``COMMIT`` on ``cursor`` (queued after :meth:`enqueue_send` in pipeline mode)."""
+        cursor.execute(self.queries["commit"])
+
+    def enqueue_rows(self, cursor: Cursor) -> list[EnqueueRow]:
+        """The rows of the enqueue statement sent on ``cursor`` by :meth:`enqueue_send`."""
+        return [EnqueueRow._make(row) for row in cursor.fetchall()]
+
     def enqueue_query(self, statement: EnqueueStatement) -> Statement:
         """``statement`` as a :class:`Statement`, to be run alone later (:meth:`run`)."""
         if statement.name not in ENQUEUE_STATEMENTS:
