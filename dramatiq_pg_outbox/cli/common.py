@@ -403,8 +403,13 @@ def open_connection(db: Database) -> psycopg.Connection[Any]:
         raise _connection_error(e, db) from e
 
 
-def open_read_connection(read_db: Database, schema: str, primary: Database) -> psycopg.Connection[Any]:
+def open_read_connection(
+    read_db: Database, schema: str, primary: Database, **check: Any
+) -> psycopg.Connection[Any]:
     """An autocommit connection to the server of ``--read-url``, its schema checked.
+
+    ``check`` goes to ``migrations.check_schema`` (``minimum=``, ``reader=``: the dashboard reads
+    older schemas than the broker needs).
 
     Raises:
       CliError: As :func:`open_connection`, the line starting with ``the read URL (...)``; or
@@ -416,7 +421,7 @@ def open_read_connection(read_db: Database, schema: str, primary: Database) -> p
     except CliError as e:
         raise CliError(f"the read URL ({read_db.shown}): {e.message}", e.exit_code) from e.__cause__
     try:
-        check_schema(conn, schema, url=read_db.shown, fix_url=primary.fix_url)
+        check_schema(conn, schema, url=read_db.shown, fix_url=primary.fix_url, **check)
     except BaseException:
         conn.close()
         raise

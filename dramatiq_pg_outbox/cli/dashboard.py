@@ -177,15 +177,9 @@ def run(args: argparse.Namespace) -> int:
             reader="the dashboard",
         )
     if read_db is not None:
-        with open_read_connection(read_db, settings.schema, db) as conn:
-            check_schema(
-                conn,
-                settings.schema,
-                url=read_db.shown,
-                fix_url=db.fix_url,
-                minimum=MIN_SCHEMA_REVISION,
-                reader="the dashboard",
-            )
+        open_read_connection(
+            read_db, settings.schema, db, minimum=MIN_SCHEMA_REVISION, reader="the dashboard"
+        ).close()
     sock = _listen(args.host, args.port)
     port = sock.getsockname()[1]
     if settings.auth == "none" and not _is_loopback(args.host):
