@@ -169,15 +169,17 @@ def test_the_spark_sources_name_the_url_option_of_a_malformed_host_list() -> Non
     assert says in str(raised.value) and PASSWORD not in str(raised.value)
 
 
+def cli_status(url: str) -> subprocess.CompletedProcess[str]:
+    """``dramatiq-pg-outbox status --url URL`` in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "dramatiq_pg_outbox.cli", "status", "--url", url],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(("url", "says"), MALFORMED[:2])
 def test_the_cli_reports_a_malformed_host_list_as_a_usage_error(url: str, says: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "dramatiq_pg_outbox.cli", "status", "--url", url],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = cli_status(url)
     assert result.returncode == 2, result
     assert "Traceback" not in result.stderr and PASSWORD not in result.stderr + result.stdout
     (line,) = result.stderr.splitlines()
@@ -330,13 +332,7 @@ def test_the_operator_cli_metrics_and_dashboard_read_through_a_multi_host_url(
     form: str, servers: dict[str, Any], db: Any
 ) -> None:
     url = url_of(servers, form)
-    result = subprocess.run(
-        [sys.executable, "-m", "dramatiq_pg_outbox.cli", "status", "--url", url],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = cli_status(url)
     assert result.returncode == 0, result
     assert "workers" in result.stdout.lower()
 
@@ -361,13 +357,7 @@ def test_the_cli_says_when_no_server_is_what_target_session_attrs_asks_for(serve
     # Given a URL whose only live server of the list accepts writes, asking for a read-only one
     url = url_of(servers, "libpq").replace("target_session_attrs=read-write", "target_session_attrs=standby")
     url = url.replace(f"127.0.0.1:{servers['read_only_port']},", "")
-    result = subprocess.run(
-        [sys.executable, "-m", "dramatiq_pg_outbox.cli", "status", "--url", url],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = cli_status(url)
     # Then one line says so (not "connection refused", the first host's failure)
     assert result.returncode == 1, result
     (line,) = result.stderr.splitlines()

@@ -576,6 +576,21 @@ def test_a_key_twice_in_one_partition_becomes_one_message(
     assert count(db) == 3
 
 
+def stage_writes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record each write through the staging table (``spark.write._write_stage``): one True per call."""
+    from dramatiq_pg_outbox.spark import write as spark_write
+
+    staged: list[bool] = []
+    write_stage = spark_write._write_stage
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        staged.append(True)
+        return write_stage(*args, **kwargs)
+
+    monkeypatch.setattr(spark_write, "_write_stage", spy)
+    return staged
+
+
 def test_a_partition_of_new_keys_is_copied_straight_into_the_table_as_through_the_stage(
     actor: Any, broker: PostgresBroker, db: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -599,14 +614,7 @@ def test_a_partition_of_new_keys_is_copied_straight_into_the_table_as_through_th
     def stored() -> list[Any]:
         return db.execute(f"SELECT {columns} FROM dramatiq.messages ORDER BY id").fetchall()
 
-    staged: list[bool] = []
-    write_stage = spark_write._write_stage
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        staged.append(True)
-        return write_stage(*args, **kwargs)
-
-    monkeypatch.setattr(spark_write, "_write_stage", spy)
+    staged = stage_writes(monkeypatch)
     assert write_arrow_partition(plan, batches) == (300, 300, 0)
     assert not staged  # written directly
     direct = stored()
@@ -693,14 +701,7 @@ def test_a_partition_over_the_direct_limit_or_delayed_streams_through_the_stage(
     from dramatiq_pg_outbox.spark import write as spark_write
     from dramatiq_pg_outbox.spark import write_arrow_partition
 
-    staged: list[bool] = []
-    write_stage = spark_write._write_stage
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        staged.append(True)
-        return write_stage(*args, **kwargs)
-
-    monkeypatch.setattr(spark_write, "_write_stage", spy)
+    staged = stage_writes(monkeypatch)
     batches = [pa.RecordBatch.from_pydict({"customer_id": pa.array(range(i, i + 100), pa.int64())})
                for i in range(0, 1000, 100)]  # fmt: skip
     # Over the limit after 3 batches: the 3 held and the 7 still coming go through the stage
