@@ -110,8 +110,6 @@ def _role(frames: list[str]) -> str:
     """Which thread of a worker process a py-spy stack belongs to."""
     if any("ConsumerThread.run" in f for f in frames):
         return "consumer thread"
-    if any("_claim_loop" in f for f in frames):
-        return "claim thread"
     if any("WorkerThread.run" in f for f in frames):
         return "worker threads"
     if any("flusher.py" in f for f in frames):
@@ -154,10 +152,8 @@ def _thread_lines(files: list[str]) -> list[str]:
     roles = {t: max(c, key=lambda r: (r != "other", c[r])) for t, c in seen.items()}
     out = ["| thread | threads | database round trip | waiting | Python |", "|---|---|---|---|---|"]
     kinds = ("database round trip", "waiting", "Python")
-    for role in ("consumer thread", "claim thread", "worker threads", "flush loop"):
+    for role in ("consumer thread", "worker threads", "flush loop"):
         chosen = [t for t, r in roles.items() if r == role]
-        if role == "claim thread" and not chosen:  # (a revision without one)
-            continue
         if role == "consumer thread":
             busiest = {
                 path: max((t for t in chosen if t.startswith(path)), key=lambda t: claimed[t])

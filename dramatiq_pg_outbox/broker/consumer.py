@@ -44,9 +44,6 @@ LOOK_AHEAD = 64
 #: (a notification of a stored message, or one of its due times, ends it sooner).
 UNKEYED_RECHECK_S = 1.0
 
-#: Seconds close() waits for a claim in flight to return, so that it hands back what it claimed.
-CLOSE_WAIT_S = 10.0
-
 #: Per thread: the claimed message whose outcome this thread is deciding, if any.
 _deciding = threading.local()
 #: Per thread: the claimed message whose actor this thread runs, if any (see is_canceled).
@@ -248,27 +245,8 @@ class PostgresConsumer(Consumer):
         #: 4 x prefetch (within the bounds) and adapts after each claim of a backlog.
         #: Changed by the consumer thread only, under _lock (_release reads it there).
         self.limit = min(self._cap, INITIAL_OVERFETCH * prefetch)
-        #: Claimed rows not handed off yet, with their claim's lease: decoded one at a time
-        #: by ``__next__`` (a claim's rows reach the worker threads as soon as each is decoded).
-        self._buffer: deque[tuple[ClaimRow, uuid.UUID]] = deque()
-        #: Claimed and undecided: the buffer's rows and the messages handed off and not yet
-        #: acked, nacked or handed back.  Under _lock.
+        self._buffer: deque[PostgresMessage] = deque()
         self._outstanding = 0
-        #: Rows the claim in flight on the claim thread asked for (0: none in flight): they
-        #: count against ``limit`` until it returns.  Set by the consumer thread, reset by the
-        #: claim thread, under _lock.
-        self._in_flight = 0
-        #: Claims sent on the claim thread while the buffer still held messages to hand off.
-        self.claims_ahead = 0
-        #: Set while no claim is in flight (close() waits on it).
-        self._claim_done = threading.Event()
-        self._claim_done.set()
-        #: The claim thread's request: the limit and on_time of the claim to make.
-        self._claim_request: tuple[int, bool] | None = None
-        self._claim_wanted = threading.Event()
-        #: What the claim in flight raised: raised again by __next__ on the consumer thread.
-        self._claim_error: BaseException | None = None
-        self._claimer: threading.Thread | None = None
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._notified = False
@@ -328,11 +306,6 @@ class PostgresConsumer(Consumer):
         """Messages this consumer claimed and not yet acked, nacked or handed back (its slots in use)."""
         return self._outstanding
 
-    @property
-    def in_flight(self) -> int:
-        """Rows the claim in flight on the claim thread asked for (0: none): they count against ``limit``."""
-        return self._in_flight
-
     def slot_freed(self) -> None:
         """Called by the listener: a message with a concurrency key of this queue finished
         (``<queue>~``): claim again, its key has a free slot; nothing new was stored."""
@@ -376,36 +349,25 @@ class PostgresConsumer(Consumer):
     def __next__(self) -> MessageProxy | None:
         deadline = time.monotonic() + self.timeout / 1000
         while True:
-            error = self._claim_error
-            if error is not None:
-                # The claim thread's claim failed: fail here, as a claim made on this thread would.
-                self._claim_error = None
-                raise error
             if self._buffer:
-                if self._more and not self._in_flight:
-                    # A backlog: the next claim goes out now if it is due, while these are handed off.
-                    self._claim_if_due(time.monotonic(), ahead=True)
-                message = self._hand_off()
-                if message is not None:
-                    return message
-                continue
+                return self._buffer.popleft()
             if self._closed:
                 return None
-            # Cleared before the conditions are read: a notify, notify_due, release or
-            # the return of a claim in flight that lands after this line interrupts the wait below.
+            # Cleared before the conditions are read: a notify, notify_due or
+            # release that lands after this line interrupts the wait below.
             self._wakeup.clear()
-            if self._buffer:
-                continue
-            if self._in_flight:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._wakeup.wait(remaining)
-                continue
             free = self.limit - self._outstanding
             can_fetch = free >= self._threshold() and self._isolated is None
-            fetch_at = self._fetch_at()
-            if can_fetch and self._claim_if_due(time.monotonic(), ahead=False):
+            due_at = min(self._due_at, self._due_hint)
+            fetch_at = min(self._poll_at, due_at, self.watermark.wake_at())
+            now = time.monotonic()
+            if can_fetch and (self._notified or now >= fetch_at):
+                on_time = not self._notified and now >= due_at
+                self._notified = False
+                # Whatever was announced so far is committed, so this claim sees it.
+                with self._lock:
+                    self._due_hint = math.inf
+                self._fetch(free, on_time)
                 continue
             wait_until = min(deadline, fetch_at) if can_fetch else deadline
             remaining = wait_until - time.monotonic()
@@ -414,104 +376,6 @@ class PostgresConsumer(Consumer):
                     return None
                 continue
             self._wakeup.wait(remaining)
-
-    def _fetch_at(self) -> float:
-        """When the next claim is due (``time.monotonic()`` seconds), unless a notification comes first."""
-        return min(self._poll_at, self._due_at, self._due_hint, self.watermark.wake_at())
-
-    def _claim_if_due(self, now: float, *, ahead: bool) -> bool:
-        """Claim now if a claim is due and the buffer has room for one; whether it did.
-
-        While the buffer still holds messages (``ahead``: during a backlog, the last claim
-        filled) the claim goes to the claim thread, so that they are handed off while it is
-        in flight, and its rows join the buffer when it returns; with an empty buffer this
-        thread makes it, having nothing else to do (no hop between threads before the first
-        message runs).  The rows it asks
-        for count against ``limit`` while it is in flight: what the consumer holds, its
-        buffer, the messages handed off and not decided, and the claim in flight, stays
-        within ``limit``.
-
-        Parameters:
-          now(float): ``time.monotonic()``.
-          ahead(bool): Whether the buffer still holds messages: claim on the claim thread
-            (counted in ``claims_ahead``).
-        """
-        if self._closed or self._isolated is not None:
-            return False
-        free = self.limit - self._outstanding
-        threshold = self._threshold()
-        if free < threshold or not (self._notified or now >= self._fetch_at()):
-            return False
-        if self._more:
-            # During a backlog a claim takes half the buffer: the other half is claimed
-            # while this one is handed off (double buffering within ``limit``).
-            free = threshold
-        on_time = not self._notified and now >= min(self._due_at, self._due_hint)
-        self._notified = False
-        # Whatever was announced so far is committed, so this claim sees it.
-        with self._lock:
-            self._due_hint = math.inf
-        if not ahead:
-            self._fetch(free, on_time)
-            return True
-        with self._lock:
-            self._in_flight = free
-        self.claims_ahead += 1
-        self._claim_done.clear()
-        self._claim_request = (free, on_time)
-        if self._claimer is None:
-            self._claimer = threading.Thread(
-                target=self._claim_loop, name=f"claims-{self.queue_name}", daemon=True
-            )
-            self._claimer.start()
-        self._claim_wanted.set()
-        return True
-
-    def _claim_loop(self) -> None:
-        """The claim thread: makes the claims of a backlog on a pooled connection of its own."""
-        while True:
-            self._claim_wanted.wait()
-            self._claim_wanted.clear()
-            request, self._claim_request = self._claim_request, None
-            if request is not None:
-                try:
-                    self._fetch(*request)
-                except BaseException as e:  # raised again on the consumer thread
-                    self._claim_error = e
-                finally:
-                    # The rows joined the buffer before this: a consumer woken below sees them.
-                    with self._lock:
-                        self._in_flight = 0
-                    self._claim_done.set()
-                    self._wakeup.set()
-            if self._closed:
-                return
-
-    def _hand_off(self) -> PostgresMessage | None:
-        """Decode the buffer's next row into the message handed to Dramatiq (None: none, or undecodable).
-
-        An undecodable row is dead-lettered here, when its turn comes.
-        """
-        try:
-            row, lease = self._buffer.popleft()
-        except IndexError:  # close() emptied the buffer meanwhile
-            return None
-        row_id = row.id
-        try:
-            message = Message.decode(bytes(row.payload))
-        except DecodeError as e:
-            self.logger.error(
-                "Dead-lettering undecodable message %d of queue %r: %s", row_id, self.queue_name, e
-            )
-            _, error = format_error(e.__cause__ or e)
-            self.runtime.flusher.nack(row_id, lease, "DecodeError", error)
-            self._release(row_id)
-            return None
-        if message.queue_name != self.queue_name:
-            message = dataclasses.replace(message, queue_name=self.queue_name)
-        proxy = PostgresMessage(message, row_id, lease, row.attempts, self)
-        proxy.keyed = bool(row.row_keyed)
-        return proxy
 
     def _threshold(self) -> int:
         # With a backlog, wait for half the buffer to drain so claims stay batched;
@@ -612,18 +476,27 @@ class PostgresConsumer(Consumer):
         suspects = [row for row in rows if row.attempts >= self._suspect_at]
         if suspects:
             rows = self._isolate(suspects[0], [row for row in rows if row is not suspects[0]], lease)
-        claimed = len(rows)
-        with self._lock:
-            if not self._closed:
-                self._outstanding += claimed
-                self._buffer.extend([(row, lease) for row in rows])
-                rows = []
-        if rows:
-            # close() came while this claim was in flight: hand its rows back.
-            self.runtime.flusher.requeue_now([(row.id, lease) for row in rows])
-            if metrics is not None:
-                metrics.requeued.labels(self.queue_name).inc(len(rows))
-        return claimed
+        for row in rows:
+            row_id = row.id
+            try:
+                message = Message.decode(bytes(row.payload))
+            except DecodeError as e:
+                self.logger.error(
+                    "Dead-lettering undecodable message %d of queue %r: %s", row_id, self.queue_name, e
+                )
+                _, error = format_error(e.__cause__ or e)
+                self.runtime.flusher.nack(row_id, lease, "DecodeError", error)
+                if row_id == self._isolated:
+                    self._isolated = None
+                continue
+            if message.queue_name != self.queue_name:
+                message = dataclasses.replace(message, queue_name=self.queue_name)
+            with self._lock:
+                self._outstanding += 1
+            proxy = PostgresMessage(message, row_id, lease, row.attempts, self)
+            proxy.keyed = bool(row.row_keyed)
+            self._buffer.append(proxy)
+        return len(rows)
 
     @property
     def next_claim_at(self) -> float:
@@ -688,7 +561,7 @@ class PostgresConsumer(Consumer):
         """Free the buffer slot of a message this consumer claimed (ack, nack or requeue)."""
         with self._lock:
             self._outstanding -= 1
-            free = self.limit - self._outstanding - self._in_flight
+            free = self.limit - self._outstanding
         if row_id == self._isolated:
             self._isolated = None
             self._wakeup.set()
@@ -779,21 +652,10 @@ class PostgresConsumer(Consumer):
             self.broker._metrics.requeued.labels(self.queue_name).inc(len(claimed))
 
     def close(self) -> None:
-        """Stop consuming: hand back (requeue) what the buffer holds, and what a claim in flight returns."""
         if self._closed:
             return
-        with self._lock:
-            self._closed = True
+        self._closed = True
         self.runtime.unregister(self)
-        # A claim in flight hands its rows back itself when it returns: wait for it, so that
-        # they are queued for the flusher before the broker stops it.
-        self._claim_done.wait(CLOSE_WAIT_S)
-        self._claim_wanted.set()
-        with self._lock:
-            unstarted = list(self._buffer)
-            self._buffer.clear()
-            self._outstanding -= len(unstarted)
-        if unstarted:
-            self.runtime.flusher.requeue_now([(row.id, lease) for row, lease in unstarted])
-            if self.broker._metrics is not None:
-                self.broker._metrics.requeued.labels(self.queue_name).inc(len(unstarted))
+        unstarted = list(self._buffer)
+        self._buffer.clear()
+        self.requeue(unstarted)
