@@ -80,7 +80,8 @@ def _worker(url: str, queues: int, shared: Shared, tree: str | None, pid_out: An
 
     for k in range(queues):
         dramatiq.actor(noop, queue_name=queue_name(k), actor_name=f"noop_{k}", max_retries=0)
-    worker = Worker(broker, worker_threads=THREADS, worker_timeout=100)
+    # Dramatiq's default worker_timeout (1 s): how long an idle consumer thread waits in __next__.
+    worker = Worker(broker, worker_threads=THREADS)
     pid_out.value = os.getpid()
     shared.ready.release()
     shared.go.wait()
@@ -108,7 +109,7 @@ def _prefill(url: str, queues: int, n: int) -> None:
                         args=(i,),
                         kwargs={},
                         options={},
-                    )  # fmt: skip
+                    )
                 )
                 for i in range(lo, min(n, lo + PREFILL_BATCH))
             ]
@@ -131,7 +132,8 @@ def _statements(admin: psycopg.Connection[Any], dbname: str) -> tuple[int, int] 
     """(all calls, claim calls) pg_stat_statements counted for ``dbname`` (None: not loaded)."""
     try:
         row = admin.execute(
-            "SELECT coalesce(sum(calls), 0), coalesce(sum(calls) FILTER (WHERE query LIKE '%%candidates%%'), 0) "
+            "SELECT coalesce(sum(calls), 0), "
+            "coalesce(sum(calls) FILTER (WHERE query LIKE '%%candidates%%'), 0) "
             "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = %s",
             (dbname,),
         ).fetchone()
@@ -256,11 +258,15 @@ def run_all(
                 url = make_url(admin_url).set(database=dbname).render_as_string(hide_password=False)
                 r = measure(admin_url, url, dbname, queues, n, idle_s, tree)
                 results.setdefault((label, queues), []).append(r)
-                print(
-                    f"  queues round {round_no + 1} {label} Q={queues}: drain {fmt_rate(r.get('drain_msgs_s'))} "
-                    f"msgs/s, {_fmt(r.get('drain_cpu_ms'), 4)} ms CPU/msg; idle "
+                drain = (
+                    f"{fmt_rate(r.get('drain_msgs_s'))} msgs/s, {_fmt(r.get('drain_cpu_ms'), 4)} ms CPU/msg"
+                )
+                idle = (
                     f"{_fmt(r.get('idle_statements_s'))} statements/s ({_fmt(r.get('idle_claims_s'))} claims/s), "
-                    f"worker {_fmt(r.get('idle_worker_cpu_ms_s'))} ms/s, PG {_fmt(r.get('idle_pg_cpu_ms_s'))} ms/s "
+                    f"worker {_fmt(r.get('idle_worker_cpu_ms_s'))} ms/s, PG {_fmt(r.get('idle_pg_cpu_ms_s'))} ms/s"
+                )
+                print(
+                    f"  queues round {round_no + 1} {label} Q={queues}: drain {drain}; idle {idle} "
                     f"(load {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )

@@ -653,6 +653,19 @@ FROM {schema}.workers AS w
 WHERE %(queue_name)s = ANY (w.queues)
   AND {worker_alive};
 
+-- name: consumer_ranks --
+-- consumer_rank for several queues in one statement (the consumers of one
+-- process that claimed together, see claim_queues): one row per queue name.
+SELECT q.queue_name,
+       count(w.id)::int AS consumers,
+       count(w.id) FILTER (WHERE w.id < %(worker_id)s::uuid)::int AS rank,
+       coalesce(bool_or(w.id = %(worker_id)s::uuid), false) AS listed
+FROM unnest(%(queue_names)s::text[]) AS q(queue_name)
+LEFT JOIN {schema}.workers AS w
+       ON q.queue_name = ANY (w.queues)
+      AND {worker_alive}
+GROUP BY q.queue_name;
+
 -- name: ack --
 -- Archives completed messages: the DELETE and the INSERT into history are one
 -- statement.  Fenced by lease: a row that was released and claimed again

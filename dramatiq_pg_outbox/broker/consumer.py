@@ -526,11 +526,19 @@ class PostgresConsumer(Consumer):
             self.claims_together += 1
             claimed = 0
             for consumer, start in starts:
-                count = consumer._finish(start, claims[consumer.queue_name], lease)
+                count = consumer._finish(start, claims[consumer.queue_name], lease, rank=False)
                 if consumer is self:
                     claimed = count
                 else:
                     consumer.claimed_by_others += 1
+                    if count:
+                        consumer._wakeup.set()  # Its rows are in its buffer: hand them on now.
+            now = time.monotonic()
+            due = [consumer for consumer, _ in starts if consumer._rank_due(now)]
+            if len(due) == 1:
+                due[0].refresh_rank()
+            elif due:
+                self._refresh_ranks(due)
             return claimed
         finally:
             for other, _, _ in partners:
@@ -548,8 +556,12 @@ class PostgresConsumer(Consumer):
         scan_unkeyed = on_time or sent >= self._skip_unkeyed_until
         return _ClaimStart(limit, on_time, sent, held, sweep, bound, scan_unkeyed, self._prioritize_calls)
 
-    def _finish(self, start: _ClaimStart, claim: Claim, lease: uuid.UUID) -> int:
-        """Take the rows of a claim into the buffer and plan the next claim (the rest of _fetch)."""
+    def _finish(self, start: _ClaimStart, claim: Claim, lease: uuid.UUID, *, rank: bool = True) -> int:
+        """Take the rows of a claim into the buffer and plan the next claim (the rest of _fetch).
+
+        ``rank``: refresh the rank here when it is due (False: the caller refreshes it, see
+        _fetch_together).
+        """
         limit, on_time, sent, held = start.limit, start.on_time, start.sent, start.held
         sweep, scan_unkeyed, prioritize_calls = start.sweep, start.scan_unkeyed, start.prioritize_calls
         metrics = self.broker._metrics
@@ -599,7 +611,7 @@ class PostgresConsumer(Consumer):
         options = self.broker.options
         interval = options.min_fetch_interval if self._more else options.max_fetch_interval
         self._poll_at = now if newly_keyed else now + interval / 1000
-        if not self._more and now >= self._rank_at:
+        if rank and self._rank_due(now):
             self.refresh_rank()
         # The claim returned our next due time (see _mine), relative to its now(),
         # which is ~one-way latency after `sent`: sent at sent + next_due_in, the
@@ -653,6 +665,29 @@ class PostgresConsumer(Consumer):
         queue).  Learnt once per ``heartbeat_interval``, or by :meth:`refresh_rank`.
         """
         return self._consumers, self._rank
+
+    def _rank_due(self, now: float) -> bool:
+        """Whether this consumer's rank is to be learnt again (idle, once per heartbeat_interval)."""
+        return not self._more and now >= self._rank_at
+
+    def _refresh_ranks(self, consumers: list[PostgresConsumer]) -> None:
+        """:meth:`refresh_rank` of several consumers of this process, in one statement."""
+        options = self.broker.options
+        rank_at = time.monotonic() + options.heartbeat_interval / 1000
+        with self.runtime.connection() as conn:
+            found = self.runtime.store.consumer_ranks(
+                conn,
+                queue_names=[c.queue_name for c in consumers],
+                worker_id=self.runtime.worker_id,
+                heartbeat_timeout_ms=options.heartbeat_timeout,
+            )
+        for consumer in consumers:
+            rank = found.get(consumer.queue_name)
+            consumer._rank_at = rank_at
+            # Not listed yet (the heartbeat that names this queue is still to come): wake for all.
+            consumer._consumers, consumer._rank = (
+                (rank.consumers, rank.rank) if rank and rank.listed else (1, 0)
+            )
 
     def refresh_rank(self) -> None:
         """Learn how many live processes consume this queue and this one's rank (see ``_mine``)."""

@@ -506,6 +506,23 @@ class MessageStore(SchemaStore):
         assert found is not None  # an aggregate: always one row
         return found
 
+    def consumer_ranks(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        queue_names: Sequence[str],
+        worker_id: uuid.UUID,
+        heartbeat_timeout_ms: int,
+    ) -> dict[str, ConsumerRank]:
+        """:meth:`consumer_rank` of each of ``queue_names``, in one statement, by queue name."""
+        params = {
+            "queue_names": list(queue_names),
+            "worker_id": worker_id,
+            "heartbeat_timeout_ms": heartbeat_timeout_ms,
+        }
+        rows = conn.execute(self.queries["consumer_ranks"], params).fetchall()
+        return {str(name): ConsumerRank(int(n), int(rank), bool(listed)) for name, n, rank, listed in rows}
+
     # -- decisions ----------------------------------------------------------------------------
     def ack(self, conn: psycopg.Connection[Any], *, ids: Sequence[int], fences: Sequence[str]) -> int:
         """Archive completed messages whose lease still holds (``ack``); how many were archived.
