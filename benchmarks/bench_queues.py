@@ -262,8 +262,10 @@ def run_all(
                     f"{fmt_rate(r.get('drain_msgs_s'))} msgs/s, {_fmt(r.get('drain_cpu_ms'), 4)} ms CPU/msg"
                 )
                 idle = (
-                    f"{_fmt(r.get('idle_statements_s'))} statements/s ({_fmt(r.get('idle_claims_s'))} claims/s), "
-                    f"worker {_fmt(r.get('idle_worker_cpu_ms_s'))} ms/s, PG {_fmt(r.get('idle_pg_cpu_ms_s'))} ms/s"
+                    f"{_fmt(r.get('idle_statements_s'))} statements/s "
+                    f"({_fmt(r.get('idle_claims_s'))} claims/s), "
+                    f"worker {_fmt(r.get('idle_worker_cpu_ms_s'))} ms/s, "
+                    f"PG {_fmt(r.get('idle_pg_cpu_ms_s'))} ms/s"
                 )
                 print(
                     f"  queues round {round_no + 1} {label} Q={queues}: drain {drain}; idle {idle} "
