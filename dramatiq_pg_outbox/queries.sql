@@ -465,7 +465,8 @@ claimed AS (
     RETURNING m.queue_name, m.id, m.attempts, m.payload, m.priority,
               m.next_attempt_at AS due_at, m.concurrency_key IS NOT NULL AS keyed
 ),
-clock AS (
+-- Materialized: inlined into the join below, its probes ran once per claimed row.
+clock AS MATERIALIZED (
     SELECT q.queue_name,
            (extract(epoch FROM coalesce(
                 (SELECT at
