@@ -198,8 +198,8 @@ def measure(
             w1 = _proc_cpu_s(pid_out.value)
             b1 = sum(_proc_cpu_s(pid) for pid in backends)
             if stat0 is not None and stat1 is not None:
-                # The reading statement itself counts once.
-                result["idle_statements_s"] = (stat1[0] - stat0[0] - 1) / elapsed
+                # (Read from the admin database: the reading is not counted.)
+                result["idle_statements_s"] = (stat1[0] - stat0[0]) / elapsed
                 result["idle_claims_s"] = (stat1[1] - stat0[1]) / elapsed
             result["idle_worker_cpu_ms_s"] = (w1 - w0) * 1000 / elapsed
             result["idle_pg_cpu_ms_s"] = (b1 - b0) * 1000 / elapsed
