@@ -34,8 +34,14 @@ from .bench_common import OURS, db_name, postgres_for_benchmarks
 from .bench_systems import install
 
 
-def count_calls(url: str, n: int) -> tuple[float, float, float]:
-    """(Python calls, C calls, seconds) per drained message, for ``n`` messages on the database at ``url``."""
+def count_calls(
+    url: str, n: int, by_function: collections.Counter[str] | None = None
+) -> tuple[float, float, float]:
+    """(Python calls, C calls, seconds) per drained message, for ``n`` messages on the database at ``url``.
+
+    With ``by_function``, also counts every call by its function (``module:qualname`` for
+    Python functions, ``c:name`` for C functions) into it: slower, for ``--top``.
+    """
     import dramatiq
 
     from dramatiq_pg_outbox import PostgresBroker
@@ -57,9 +63,18 @@ def count_calls(url: str, n: int) -> tuple[float, float, float]:
         if event in ("call", "c_call"):
             counts[event] += 1
 
+    def hook_by_function(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            counts[event] += 1
+            code = frame.f_code
+            by_function[f"{'/'.join(code.co_filename.split('/')[-2:])}:{code.co_qualname}"] += 1
+        elif event == "c_call":
+            counts[event] += 1
+            by_function[f"c:{getattr(arg, '__qualname__', arg)}"] += 1
+
     worker = dramatiq.Worker(broker, worker_threads=8, worker_timeout=100)
-    threading.setprofile(hook)
-    sys.setprofile(hook)
+    threading.setprofile(hook if by_function is None else hook_by_function)
+    sys.setprofile(hook if by_function is None else hook_by_function)
     started = time.monotonic()
     try:
         worker.start()
@@ -82,8 +97,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--pg-url", default=None, help="admin URL of a server to use (default: a private one)"
     )
+    parser.add_argument(
+        "--top",
+        type=int,
+        default=0,
+        help="also print the K functions called most per message, over all runs (slower; default 0: none)",
+    )
     args = parser.parse_args(argv)
     totals = []
+    by_function: collections.Counter[str] | None = collections.Counter() if args.top else None
     with postgres_for_benchmarks(args.pg_url) as admin_url:
         dbname = db_name(OURS, "calls")
         url = admin_url.rsplit("/", 1)[0] + "/" + dbname
@@ -93,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---|---|---|---|")
         for run in range(1, args.runs + 1):
             install(OURS, admin_url, dbname, url)
-            python_calls, c_calls, seconds = count_calls(url, args.n)
+            python_calls, c_calls, seconds = count_calls(url, args.n, by_function)
             totals.append(python_calls + c_calls)
             row = (
                 run,
@@ -105,6 +127,12 @@ def main(argv: list[str] | None = None) -> None:
             print("| " + " | ".join(map(str, row)) + " |")
     print()
     print(f"median of all calls per message: {statistics.median(totals):.1f}")
+    if by_function:
+        print()
+        print(f"| function (the {args.top} called most) | calls per message |")
+        print("|---|---|")
+        for name, calls in by_function.most_common(args.top):
+            print(f"| `{name}` | {calls / (args.n * args.runs):.2f} |")
 
 
 if __name__ == "__main__":

@@ -125,3 +125,76 @@ def test_a_custom_encoder_round_trips(pickle_encoder: Any, broker: PostgresBroke
     start_worker(broker)
     broker.join("default", timeout=10_000)
     assert seen == [value]
+
+
+class _Recorder(dramatiq.Middleware):
+    """Records the hooks it overrides; its ``before_ack`` fails once, as a faulty middleware would."""
+
+    def __init__(self, name: str, events: list[str]) -> None:
+        self.name, self.events = name, events
+        self.failed = False
+
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        self.events.append(f"{self.name}:before_process_message:{message.actor_name}")
+
+    def after_process_message(
+        self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
+    ) -> None:
+        self.events.append(f"{self.name}:after_process_message")
+
+    def before_ack(self, broker: Any, message: Any) -> None:
+        self.events.append(f"{self.name}:before_ack")
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a faulty middleware")
+
+
+def test_only_the_hooks_a_middleware_overrides_run_in_dramatiqs_order(
+    broker: PostgresBroker, start_worker: Any
+) -> None:
+    """The broker runs each signal's hooks as Dramatiq's emit_before/emit_after do (list order
+    before, reverse order after, a failing hook logged and skipped), but never Middleware's
+    empty default hooks (found once per middleware list); a middleware added later is seen."""
+    import sys
+    import threading
+
+    events: list[str] = []
+    broker.add_middleware(_Recorder("a", events))
+    broker.add_middleware(_Recorder("b", events))
+    defaults = {
+        getattr(dramatiq.Middleware, name).__code__
+        for name in dir(dramatiq.Middleware)
+        if name.startswith(("before_", "after_"))
+    }
+    default_calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in defaults:
+            default_calls.append(frame.f_code.co_name)
+
+    @dramatiq.actor(broker=broker, queue_name="hooks-order")
+    def step() -> None:
+        pass
+
+    threading.setprofile(profile)
+    try:
+        start_worker(broker)
+        step.send()
+        wait_for(lambda: "a:after_process_message" in events, 10, "the first message's hooks")
+        broker.add_middleware(_Recorder("c", events))
+        step.send()
+        wait_for(lambda: "c:after_process_message" in events, 10, "the hooks of a middleware added later")
+    finally:
+        threading.setprofile(None)
+        sys.setprofile(None)
+    first = events[: events.index("a:before_ack") + 2]
+    assert first == [
+        "a:before_process_message:step",
+        "b:before_process_message:step",
+        "b:after_process_message",
+        "a:after_process_message",
+        "a:before_ack",  # it raised: logged, and b's hook still runs
+        "b:before_ack",
+    ]
+    assert "c:before_process_message:step" in events
+    assert default_calls == [], f"Middleware's empty hooks were called: {sorted(set(default_calls))}"

@@ -181,6 +181,16 @@ class PostgresMessage(MessageProxy):
         self, message: Message[Any], row_id: int, lease: uuid.UUID, attempts: int, consumer: PostgresConsumer
     ) -> None:
         super().__init__(message)
+        # Message's fields as attributes of the proxy: Dramatiq's worker and middleware read
+        # them about 21 times per message, each through MessageProxy.__getattr__ (a Python
+        # call).  Message is frozen, so these stay its fields (the options dict is the same one).
+        self.queue_name = message.queue_name
+        self.actor_name = message.actor_name
+        self.args = message.args
+        self.kwargs = message.kwargs
+        self.options = message.options
+        self.message_id = message.message_id
+        self.message_timestamp = message.message_timestamp
         #: The consumer that claimed it: its buffer slot is freed on ack, even when
         #: Dramatiq acks through a consumer restarted after a connection error.
         self.consumer = consumer
