@@ -224,3 +224,45 @@ def test_each_queue_claimed_together_gets_at_most_its_own_limit(make_broker: Any
             "SELECT id FROM dramatiq.messages WHERE queue_name = %s ORDER BY id LIMIT %s", (name, len(ids))
         ).fetchall()
         assert sorted(ids) == [row[0] for row in first]
+
+
+def test_each_consumer_claimed_for_by_others_holds_no_more_than_its_own_bound(
+    make_broker: Any, start_worker: Any
+) -> None:
+    # Given an idle process of 4 queues whose consumers are pinned to Dramatiq's prefetch
+    # (overfetch_factor 1: 2 threads -> 4 messages each), polling every 200 ms (no LISTEN)
+    broker = make_broker(overfetch_factor=1.0, listen=False)
+    names = queue_names(4)
+    done: list[int] = []
+    actors = [
+        dramatiq.actor(
+            lambda i: (time.sleep(0.005), done.append(i)),
+            broker=broker,
+            queue_name=name,
+            actor_name=f"b_{name}",
+        )
+        for name in names
+    ]
+    peak: dict[str, int] = {}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            for consumer in consumers(broker):
+                peak[consumer.queue_name] = max(peak.get(consumer.queue_name, 0), consumer.outstanding)
+            time.sleep(0.001)
+
+    start_worker(broker, worker_threads=2)
+    time.sleep(1.0)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    # When 40 messages per queue are stored at once, and its polls claim them
+    broker.enqueue_many([actor.message(i) for i in range(40) for actor in actors])
+    try:
+        wait_for(lambda: len(done) == 160, SOON * 2, "every message")
+    finally:
+        stop.set()
+        sampler.join(5)
+    # Then no consumer ever held more than its bound, though others claimed for it
+    assert 1 <= max(peak[name] for name in names) <= 4
+    assert sum(c.claimed_by_others for c in consumers(broker) if c.queue_name in names) > 0
