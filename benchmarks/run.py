@@ -11,7 +11,8 @@ Scenarios (issue 5): drain (+ connections), enqueue, latency, backlog, sustained
 (issue 35): concurrency (the keyed drain against the unkeyed one and Dramatiq's
 ConcurrentRateLimiter; fair claims: small keys behind one big key's backlog);
 (issue 37): outbox_send (one send() in an application transaction against the bare
-transaction, for each notify mode: wall ratio, CPU and round trips per transaction);
+transaction, for each notify mode: wall ratio, CPU and round trips per transaction), queues (one
+worker process of 1, 4 and 16 queues: drain, and the statements and CPU of its idle polls);
 (issue 21): spark (the data source's batch write against a JDBC append, on local[2] and on a
 standalone cluster; a rate stream's rows per second and latency).
 Every system of a scenario is measured in the same run, on the same machine,
@@ -54,6 +55,7 @@ SCENARIOS = (
     "spark",
     "concurrency",
     "outbox_send",
+    "queues",
 )
 
 
@@ -80,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         "--history-rows", type=int, default=None, help="history rows of history_search (10000000)"
     )
     parser.add_argument("--drain-messages", type=int, default=None, help="messages per drain (20000)")
+    parser.add_argument(
+        "--queues-messages", type=int, default=None, help="messages per drain of queues (20000; smoke 480)"
+    )
     parser.add_argument("--migrate-rows", type=int, default=None, help="history rows of migrate (1000000)")
     parser.add_argument("--spark-rows", type=int, default=None, help="rows of spark's batch (1000000)")
     parser.add_argument(
@@ -108,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BENCH_SUSTAINED_RATE"] = str(args.sustained_rate)
     if args.drain_messages:
         os.environ["BENCH_DRAIN_MESSAGES"] = str(args.drain_messages)
+    if args.queues_messages:
+        os.environ["BENCH_QUEUES_MESSAGES"] = str(args.queues_messages)
     if args.migrate_rows:
         os.environ["BENCH_MIGRATE_ROWS"] = str(args.migrate_rows)
     if args.spark_rows:

@@ -419,6 +419,87 @@ SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, cloc
        clock.prioritized, claimed.due_at, clock.keyed, claimed.keyed AS row_keyed
 FROM clock LEFT JOIN claimed ON true;
 
+-- name: claim_queues --
+-- The plain claim (see claim) of several queues of one worker process in one
+-- statement (issue 37, part 3): one element of the arrays per queue, each
+-- with its own limit, watermark and rank, so no queue takes another's slots.
+-- Each queue's rows are its own LATERAL index scan of messages_ready_idx,
+-- the same as claim's (due order, FOR UPDATE SKIP LOCKED, no concurrency
+-- key, the pause probe); the consumers of keyed or prioritized queues claim
+-- alone.  The queue names must be distinct (a row locked by this statement
+-- is not skipped by its next LATERAL).  One row per queue carries the
+-- queue's clock columns (claim_clock's, per queue: the consumer's next due
+-- time, prioritized and keyed pending), with the claimed rows of that queue
+-- or one row whose id is NULL.  All rows take one lease: the lease fences a
+-- delivery by row id, and a row is claimed once.
+WITH q AS (
+    SELECT *
+    FROM unnest(%(queue_names)s::text[], %(limits)s::bigint[], %(from_ats)s::timestamptz[],
+                %(from_ids)s::bigint[], %(consumers)s::bigint[], %(ranks)s::bigint[])
+         AS q(queue_name, lim, from_at, from_id, consumers, rank)
+),
+candidates AS (
+    SELECT c.id
+    FROM q CROSS JOIN LATERAL (
+        SELECT id
+        FROM {schema}.messages
+        WHERE queue_name = q.queue_name
+          AND state = 'pending'
+          AND next_attempt_at <= now()
+          AND (next_attempt_at, id) > (coalesce(q.from_at, '-infinity'::timestamptz), coalesce(q.from_id, 0))
+          AND concurrency_key IS NULL
+          AND NOT EXISTS (SELECT 1 FROM {schema}.queue_pauses p WHERE p.queue_name = q.queue_name)
+        ORDER BY next_attempt_at, id
+        LIMIT q.lim
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+),
+claimed AS (
+    UPDATE {schema}.messages AS m
+    SET state = 'processing',
+        attempts = m.attempts + 1,
+        lease = %(lease)s,
+        owner = %(owner)s,
+        acquired_at = now()
+    WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
+    RETURNING m.queue_name, m.id, m.attempts, m.payload, m.priority,
+              m.next_attempt_at AS due_at, m.concurrency_key IS NOT NULL AS keyed
+),
+-- Materialized: inlined into the join below, its probes ran once per claimed row.
+clock AS MATERIALIZED (
+    SELECT q.queue_name,
+           (extract(epoch FROM coalesce(
+                (SELECT at
+                 FROM (SELECT next_attempt_at AS at
+                       FROM {schema}.messages
+                       WHERE queue_name = q.queue_name
+                         AND state = 'pending'
+                         AND next_attempt_at > now()
+                       ORDER BY next_attempt_at
+                       LIMIT %(look_ahead)s) AS upcoming
+                 WHERE floor(extract(epoch FROM at) * 1000)::bigint %% q.consumers = q.rank
+                 LIMIT 1),
+                (SELECT next_attempt_at
+                 FROM {schema}.messages
+                 WHERE queue_name = q.queue_name
+                   AND state = 'pending'
+                   AND next_attempt_at > now()
+                 ORDER BY next_attempt_at
+                 OFFSET %(look_ahead)s - 1
+                 LIMIT 1)
+            ) - now()) * 1000)::float8 AS next_due_in_ms,
+           EXISTS (SELECT 1 FROM {schema}.messages
+                   WHERE queue_name = q.queue_name AND state = 'pending' AND priority > 0) AS prioritized,
+           EXISTS (SELECT 1 FROM {schema}.messages
+                   WHERE queue_name = q.queue_name AND state = 'pending'
+                     AND concurrency_key IS NOT NULL) AS keyed
+    FROM q
+)
+SELECT clock.queue_name, claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms,
+       (extract(epoch FROM now()) * 1000)::float8 AS db_now_ms, claimed.priority,
+       clock.prioritized, claimed.due_at, clock.keyed, claimed.keyed AS row_keyed
+FROM clock LEFT JOIN claimed ON claimed.queue_name = clock.queue_name;
+
 -- name: claim_keys --
 -- The first statement of a keyed claim (claim_keyed, in one READ COMMITTED
 -- transaction): up to %(keys)s concurrency keys of the queue that have a due
@@ -572,6 +653,19 @@ SELECT count(*)::int AS consumers,
 FROM {schema}.workers AS w
 WHERE %(queue_name)s = ANY (w.queues)
   AND {worker_alive};
+
+-- name: consumer_ranks --
+-- consumer_rank for several queues in one statement (the consumers of one
+-- process that claimed together, see claim_queues): one row per queue name.
+SELECT q.queue_name,
+       count(w.id)::int AS consumers,
+       count(w.id) FILTER (WHERE w.id < %(worker_id)s::uuid)::int AS rank,
+       coalesce(bool_or(w.id = %(worker_id)s::uuid), false) AS listed
+FROM unnest(%(queue_names)s::text[]) AS q(queue_name)
+LEFT JOIN {schema}.workers AS w
+       ON q.queue_name = ANY (w.queues)
+      AND {worker_alive}
+GROUP BY q.queue_name;
 
 -- name: ack --
 -- Archives completed messages: the DELETE and the INSERT into history are one

@@ -267,6 +267,11 @@ class ProcessRuntime:
         with self._lock:
             self.consumers[consumer.queue_name].discard(consumer)
 
+    def registered(self) -> list[Wakeable]:
+        """Every consumer registered now, of every queue (a snapshot)."""
+        with self._lock:
+            return [consumer for group in self.consumers.values() for consumer in group]
+
     def queue_names(self) -> list[str]:
         with self._lock:
             return sorted(name for name, group in self.consumers.items() if group)

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from dramatiq import Message
 from dramatiq.broker import Consumer, MessageProxy
@@ -26,7 +26,7 @@ from dramatiq.logging import get_logger
 
 from .._runtime import SLOT_FREED, Conditional, ProcessRuntime, RuntimeHost, StoredMessage, format_error
 from .._runtime.watermark import Watermark
-from ..store.messages import ClaimRow, Statement
+from ..store.messages import Claim, ClaimRow, QueueClaim, Statement
 
 
 class ConsumerHost(RuntimeHost, Protocol):
@@ -43,6 +43,10 @@ LOOK_AHEAD = 64
 #: Seconds a consumer's keyed claims skip the messages without a key after one found none
 #: (a notification of a stored message, or one of its due times, ends it sooner).
 UNKEYED_RECHECK_S = 1.0
+
+#: Most consumers one claim serves: the consumer whose claim is due and that many others
+#: of its process at most (see PostgresConsumer._partners).
+MAX_CLAIMED_TOGETHER = 32
 
 #: Per thread: the claimed message whose outcome this thread is deciding, if any.
 _deciding = threading.local()
@@ -155,6 +159,19 @@ def claim_limit(
 def _hand_off_order(row: ClaimRow) -> tuple[int, int]:
     """Highest ``broker_priority`` first, then oldest (lowest row id)."""
     return -row.priority, row.id
+
+
+class _ClaimStart(NamedTuple):
+    """What a consumer's claim was started with (see PostgresConsumer._start): its finish needs it."""
+
+    limit: int
+    on_time: bool
+    sent: float
+    held: int
+    sweep: bool
+    bound: dict[str, Any]
+    scan_unkeyed: bool
+    prioritize_calls: int
 
 
 class PostgresMessage(MessageProxy):
@@ -284,6 +301,13 @@ class PostgresConsumer(Consumer):
         #: Claims made, and claims that returned no message (see docs/design.md, "Delays").
         self.claims = 0
         self.empty_claims = 0
+        #: Of ``claims``: those another consumer of this process made for this one in its own
+        #: statement (see _partners); and the statements of this one's that claimed for others too.
+        self.claimed_by_others = 0
+        self.claims_together = 0
+        #: Held by whoever claims for this consumer: its own thread, or another consumer of the
+        #: process claiming for it in the same statement (acquired without waiting, see _partners).
+        self._claim_lock = threading.Lock()
         #: Deliveries from which a message runs alone (see _isolate).
         self._suspect_at = min(SUSPECT_AT_DELIVERY, broker.options.max_deliveries)
         #: Row id of a redelivered message running alone (see _isolate).
@@ -356,18 +380,29 @@ class PostgresConsumer(Consumer):
             # Cleared before the conditions are read: a notify, notify_due or
             # release that lands after this line interrupts the wait below.
             self._wakeup.clear()
+            claims = self.claims
             free = self.limit - self._outstanding
             can_fetch = free >= self._threshold() and self._isolated is None
             due_at = min(self._due_at, self._due_hint)
             fetch_at = min(self._poll_at, due_at, self.watermark.wake_at())
             now = time.monotonic()
             if can_fetch and (self._notified or now >= fetch_at):
-                on_time = not self._notified and now >= due_at
-                self._notified = False
-                # Whatever was announced so far is committed, so this claim sees it.
-                with self._lock:
-                    self._due_hint = math.inf
-                self._fetch(free, on_time)
+                if not self._claim_lock.acquire(blocking=False):
+                    # Another consumer of this process is claiming for this one: wait, look again.
+                    with self._claim_lock:
+                        pass
+                    continue
+                try:
+                    if self.claims != claims:
+                        continue  # Claimed for since the conditions were read: read them again.
+                    on_time = not self._notified and now >= due_at
+                    self._notified = False
+                    # Whatever was announced so far is committed, so this claim sees it.
+                    with self._lock:
+                        self._due_hint = math.inf
+                    self._fetch(free, on_time)
+                finally:
+                    self._claim_lock.release()
                 continue
             wait_until = min(deadline, fetch_at) if can_fetch else deadline
             remaining = wait_until - time.monotonic()
@@ -385,6 +420,10 @@ class PostgresConsumer(Consumer):
     def _fetch(self, limit: int, on_time: bool = False) -> int:
         """Claim up to ``limit`` messages into the buffer and plan the next claim.
 
+        A plain claim (not keyed, not prioritized) also claims, in the same statement
+        (``claim_queues``), for the other consumers of the process whose own claim is due
+        (see :meth:`_partners`).  Called with ``_claim_lock`` held.
+
         Parameters:
           limit(int): Most messages to claim.
           on_time(bool): Whether a due time of ours, not a poll or a notification, started this claim.
@@ -392,15 +431,12 @@ class PostgresConsumer(Consumer):
         Returns:
           int: Messages claimed (including any handed back by ``_isolate``).
         """
+        partners = self._partners() if self._plain() else []
+        if partners:
+            return self._fetch_together(limit, on_time, partners)
+        start = self._start(limit, on_time)
         lease = uuid.uuid4()
-        sent = time.monotonic()
-        metrics = self.broker._metrics
-        with self._lock:
-            held = self._outstanding
-        sweep, bound = self.watermark.start(sent)
         runtime = self.runtime
-        scan_unkeyed = on_time or sent >= self._skip_unkeyed_until
-        prioritize_calls = self._prioritize_calls
         with runtime.connection() as conn:
             claim = runtime.store.claim(
                 conn,
@@ -412,12 +448,134 @@ class PostgresConsumer(Consumer):
                 consumers=self._consumers,
                 rank=self._rank,
                 look_ahead=LOOK_AHEAD,
-                from_at=bound["from_at"],
-                from_id=bound["from_id"],
+                from_at=start.bound["from_at"],
+                from_id=start.bound["from_id"],
                 keyed=self._keyed,
                 after_key=self._next_key,
-                unkeyed=scan_unkeyed,
+                unkeyed=start.scan_unkeyed,
             )
+        return self._finish(start, claim, lease)
+
+    def _plain(self) -> bool:
+        """Whether this consumer's next claim is the plain one (``claim``): no keys, no priorities."""
+        return not self._keyed and not self._prioritized and self._isolated is None and not self._closed
+
+    def _claim_due(self, now: float) -> bool:
+        """Whether this consumer would claim at ``now``, or its poll is less than half an interval away.
+
+        Read by another consumer's thread (see _partners): a stale value costs a claim of
+        nothing or a claim left to this consumer's own thread, never a slot.
+        """
+        free = self.limit - self._outstanding
+        if free < self._threshold() or self._isolated is not None:
+            return False
+        if self._notified or now >= min(self._due_at, self._due_hint, self.watermark.wake_at()):
+            return True
+        # An idle poll that is soon due rides along, so the polls of a process's consumers
+        # fall together; a backlog's refill is due at _poll_at itself (min_fetch_interval).
+        slack = 0.0 if self._more else self.broker.options.max_fetch_interval / 2000
+        return now + slack >= self._poll_at
+
+    def _partners(self) -> list[tuple[PostgresConsumer, int, bool]]:
+        """The other consumers of this process to claim for in this claim, their claim locks held.
+
+        Each is plain, of another queue, and its own claim is due (see _claim_due); its
+        claim lock is taken without waiting (one whose own thread, or another consumer,
+        is claiming for it is left alone).  Its notification and due-time hint are taken
+        as its own thread takes them before a claim.  Returns (consumer, limit, on_time).
+        """
+        chosen: list[tuple[PostgresConsumer, int, bool]] = []
+        names = {self.queue_name}
+        now = time.monotonic()
+        for other in self.runtime.registered():
+            if not isinstance(other, PostgresConsumer) or other.queue_name in names or not other._plain():
+                continue
+            if other.runtime is not self.runtime or not other._claim_due(now):
+                continue
+            if not other._claim_lock.acquire(blocking=False):
+                continue
+            if not other._plain() or not other._claim_due(now):
+                other._claim_lock.release()
+                continue
+            on_time = not other._notified and now >= min(other._due_at, other._due_hint)
+            other._notified = False
+            with other._lock:
+                other._due_hint = math.inf
+            chosen.append((other, other.limit - other._outstanding, on_time))
+            names.add(other.queue_name)
+            if len(chosen) >= MAX_CLAIMED_TOGETHER:
+                break
+        return chosen
+
+    def _fetch_together(
+        self, limit: int, on_time: bool, partners: list[tuple[PostgresConsumer, int, bool]]
+    ) -> int:
+        """This consumer's plain claim and its partners' in one statement (``claim_queues``).
+
+        Each queue gets its own limit (the free slots of its consumer), watermark and rank,
+        and each consumer's state is then updated as its own claim would (see _finish).
+        Releases the partners' claim locks.
+        """
+        runtime = self.runtime
+        done = False
+        try:
+            starts = [(self, self._start(limit, on_time))]
+            starts += [(other, other._start(free, other_on_time)) for other, free, other_on_time in partners]
+            lease = uuid.uuid4()
+            queues = [
+                QueueClaim(
+                    c.queue_name, s.limit, s.bound["from_at"], s.bound["from_id"], c._consumers, c._rank
+                )
+                for c, s in starts
+            ]
+            with runtime.connection() as conn:
+                claims = runtime.store.claim_queues(
+                    conn, queues, lease=lease, owner=runtime.worker_id, look_ahead=LOOK_AHEAD
+                )
+            done = True
+            self.claims_together += 1
+            claimed = 0
+            for consumer, start in starts:
+                count = consumer._finish(start, claims[consumer.queue_name], lease, rank=False)
+                if consumer is self:
+                    claimed = count
+                else:
+                    consumer.claimed_by_others += 1
+                    if count:
+                        consumer._wakeup.set()  # Its rows are in its buffer: hand them on now.
+            now = time.monotonic()
+            due = [consumer for consumer, _ in starts if consumer._rank_due(now)]
+            if len(due) == 1:
+                due[0].refresh_rank()
+            elif due:
+                self._refresh_ranks(due)
+            return claimed
+        finally:
+            for other, _, _ in partners:
+                if not done:
+                    other._notified = True  # Its claim failed here: its own thread claims.
+                other._claim_lock.release()
+                other._wakeup.set()
+
+    def _start(self, limit: int, on_time: bool) -> _ClaimStart:
+        """What a claim of up to ``limit`` messages starts from: the watermark's bound, what is held."""
+        sent = time.monotonic()
+        with self._lock:
+            held = self._outstanding
+        sweep, bound = self.watermark.start(sent)
+        scan_unkeyed = on_time or sent >= self._skip_unkeyed_until
+        return _ClaimStart(limit, on_time, sent, held, sweep, bound, scan_unkeyed, self._prioritize_calls)
+
+    def _finish(self, start: _ClaimStart, claim: Claim, lease: uuid.UUID, *, rank: bool = True) -> int:
+        """Take the rows of a claim into the buffer and plan the next claim (the rest of _fetch).
+
+        ``rank``: refresh the rank here when it is due (False: the caller refreshes it, see
+        _fetch_together).
+        """
+        limit, on_time, sent, held = start.limit, start.on_time, start.sent, start.held
+        sweep, scan_unkeyed, prioritize_calls = start.sweep, start.scan_unkeyed, start.prioritize_calls
+        metrics = self.broker._metrics
+        runtime = self.runtime
         next_due_in_ms = claim.next_due_in_ms
         # Messages with a concurrency key appeared since the last (plain) claim: claim again at once.
         newly_keyed = claim.keyed and not self._keyed
@@ -463,7 +621,7 @@ class PostgresConsumer(Consumer):
         options = self.broker.options
         interval = options.min_fetch_interval if self._more else options.max_fetch_interval
         self._poll_at = now if newly_keyed else now + interval / 1000
-        if not self._more and now >= self._rank_at:
+        if rank and self._rank_due(now):
             self.refresh_rank()
         # The claim returned our next due time (see _mine), relative to its now(),
         # which is ~one-way latency after `sent`: sent at sent + next_due_in, the
@@ -517,6 +675,29 @@ class PostgresConsumer(Consumer):
         queue).  Learnt once per ``heartbeat_interval``, or by :meth:`refresh_rank`.
         """
         return self._consumers, self._rank
+
+    def _rank_due(self, now: float) -> bool:
+        """Whether this consumer's rank is to be learnt again (idle, once per heartbeat_interval)."""
+        return not self._more and now >= self._rank_at
+
+    def _refresh_ranks(self, consumers: list[PostgresConsumer]) -> None:
+        """:meth:`refresh_rank` of several consumers of this process, in one statement."""
+        options = self.broker.options
+        rank_at = time.monotonic() + options.heartbeat_interval / 1000
+        with self.runtime.connection() as conn:
+            found = self.runtime.store.consumer_ranks(
+                conn,
+                queue_names=[c.queue_name for c in consumers],
+                worker_id=self.runtime.worker_id,
+                heartbeat_timeout_ms=options.heartbeat_timeout,
+            )
+        for consumer in consumers:
+            rank = found.get(consumer.queue_name)
+            consumer._rank_at = rank_at
+            # Not listed yet (the heartbeat that names this queue is still to come): wake for all.
+            consumer._consumers, consumer._rank = (
+                (rank.consumers, rank.rank) if rank and rank.listed else (1, 0)
+            )
 
     def refresh_rank(self) -> None:
         """Learn how many live processes consume this queue and this one's rank (see ``_mine``)."""
@@ -654,7 +835,9 @@ class PostgresConsumer(Consumer):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        # Not while another consumer claims for this one: its rows would land in a closed buffer.
+        with self._claim_lock:
+            self._closed = True
         self.runtime.unregister(self)
         unstarted = list(self._buffer)
         self._buffer.clear()

@@ -107,6 +107,36 @@ class ClaimRow(NamedTuple):
     row_keyed: bool | None
 
 
+class QueueClaimRow(NamedTuple):
+    """A row of :meth:`MessageStore.claim_queues`: a :class:`ClaimRow` of the queue ``queue_name``."""
+
+    queue_name: str
+    id: int | None
+    attempts: int
+    payload: bytes
+    next_due_in_ms: float | None
+    db_now_ms: float
+    priority: int
+    prioritized: bool
+    due_at: dt.datetime
+    keyed: bool
+    row_keyed: bool | None
+
+
+class QueueClaim(NamedTuple):
+    """One queue's part of :meth:`MessageStore.claim_queues`: what to claim, from where."""
+
+    queue_name: str
+    #: Most rows to claim for it.
+    limit: int
+    #: Its consumer's watermark (both None: a sweep).
+    from_at: dt.datetime | None
+    from_id: int | None
+    #: Its consumer's (consumers, rank) (see ``consumer_rank``).
+    consumers: int
+    rank: int
+
+
 class Claim(NamedTuple):
     """What one claim returned: the rows claimed and when to claim next."""
 
@@ -191,6 +221,7 @@ class SchemaRevision(NamedTuple):
 
 
 _CLAIM_ROWS = named_rows(ClaimRow)
+_QUEUE_CLAIM_ROWS = named_rows(QueueClaimRow)
 _FENCES = named_rows(Fence)
 
 
@@ -218,6 +249,7 @@ class MessageStore(SchemaStore):
         # The hot path's statements, looked up once.
         self._claim = queries["claim"]
         self._claim_prioritized = queries["claim_prioritized"]
+        self._claim_queues = queries["claim_queues"]
         self._claim_keys = queries["claim_keys"]
         self._claim_keyed = queries["claim_keyed"]
         #: The advisory lock space of this schema's concurrency keys (claim_keys).
@@ -383,6 +415,43 @@ class MessageStore(SchemaStore):
         rows = conn.cursor(row_factory=_CLAIM_ROWS).execute(query, params).fetchall()
         return self._claim_of(rows)
 
+    def claim_queues(
+        self,
+        conn: psycopg.Connection[Any],
+        queues: Sequence[QueueClaim],
+        *,
+        lease: uuid.UUID,
+        owner: uuid.UUID,
+        look_ahead: int,
+    ) -> dict[str, Claim]:
+        """The plain claim of several queues in one statement (``claim_queues``), one lease for all.
+
+        Parameters:
+          queues(Sequence[QueueClaim]): One per queue, distinct queue names.
+          lease(uuid.UUID): The lease of every row claimed.
+          owner(uuid.UUID): This process's worker id.
+          look_ahead(int): Upcoming delayed rows read at most per queue for its next due time.
+
+        Returns:
+          dict[str, Claim]: Each queue's claim, by queue name (``next_key`` None).
+        """
+        params = {
+            "queue_names": [q.queue_name for q in queues],
+            "limits": [q.limit for q in queues],
+            "from_ats": [q.from_at for q in queues],
+            "from_ids": [q.from_id for q in queues],
+            "consumers": [q.consumers for q in queues],
+            "ranks": [q.rank for q in queues],
+            "lease": lease,
+            "owner": owner,
+            "look_ahead": look_ahead,
+        }
+        rows = conn.cursor(row_factory=_QUEUE_CLAIM_ROWS).execute(self._claim_queues, params).fetchall()
+        by_queue: dict[str, list[ClaimRow]] = {}
+        for row in rows:
+            by_queue.setdefault(row.queue_name, []).append(ClaimRow._make(row[1:]))
+        return {name: self._claim_of(found) for name, found in by_queue.items()}
+
     @staticmethod
     def _claim_of(rows: list[ClaimRow], next_key: str | None = None) -> Claim:
         # Every row carries the clock columns; a claim of nothing is one row with a NULL id.
@@ -436,6 +505,23 @@ class MessageStore(SchemaStore):
         found = row.fetchone()
         assert found is not None  # an aggregate: always one row
         return found
+
+    def consumer_ranks(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        queue_names: Sequence[str],
+        worker_id: uuid.UUID,
+        heartbeat_timeout_ms: int,
+    ) -> dict[str, ConsumerRank]:
+        """:meth:`consumer_rank` of each of ``queue_names``, in one statement, by queue name."""
+        params = {
+            "queue_names": list(queue_names),
+            "worker_id": worker_id,
+            "heartbeat_timeout_ms": heartbeat_timeout_ms,
+        }
+        rows = conn.execute(self.queries["consumer_ranks"], params).fetchall()
+        return {str(name): ConsumerRank(int(n), int(rank), bool(listed)) for name, n, rank, listed in rows}
 
     # -- decisions ----------------------------------------------------------------------------
     def ack(self, conn: psycopg.Connection[Any], *, ids: Sequence[int], fences: Sequence[str]) -> int:
