@@ -266,3 +266,35 @@ def test_each_consumer_claimed_for_by_others_holds_no_more_than_its_own_bound(
     # Then no consumer ever held more than its bound, though others claimed for it
     assert 1 <= max(peak[name] for name in names) <= 4
     assert sum(c.claimed_by_others for c in consumers(broker) if c.queue_name in names) > 0
+
+
+def test_a_consumer_closed_while_another_claims_for_it_hands_those_rows_back(
+    make_broker: Any, db: Any
+) -> None:
+    # Given a consumer of a queue with 10 messages waiting
+    broker = make_broker()
+    (name,) = queue_names(1)
+    dramatiq.actor(lambda i: None, broker=broker, queue_name=name, actor_name=f"c_{name}")
+    for i in range(10):
+        broker.actors[f"c_{name}"].send(i)
+    consumer = broker.consume(name)
+    assert isinstance(consumer, PostgresConsumer)
+    # And another consumer of its process claiming for it (it holds its claim lock)
+    consumer._claim_lock.acquire()
+    closer = threading.Thread(target=consumer.close)
+    try:
+        # When Dramatiq closes the consumer meanwhile
+        closer.start()
+        closer.join(0.3)
+        # Then close() waits for that claim
+        assert closer.is_alive()
+        assert consumer._fetch(10) == 10
+    finally:
+        consumer._claim_lock.release()
+    closer.join(SOON)
+    assert not closer.is_alive()
+    # And the rows that claim brought are handed back, not left processing in a closed buffer
+    pending = (
+        "SELECT count(*) FROM dramatiq.messages WHERE queue_name = %s AND state = 'pending' AND attempts = 0"
+    )
+    wait_for(lambda: count(db, pending, [name]) == 10, SOON, "the 10 rows handed back")
