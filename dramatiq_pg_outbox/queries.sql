@@ -39,7 +39,8 @@ AND (%(search)s::text IS NULL
 (m.id::text || '/' || m.lease::text) = ANY(%(fences)s::text[])
 
 -- fragment: claim_update --
--- The update of claim and claim_prioritized: the rows of their candidates CTE
+-- The update of claim, claim_prioritized, claim_keyed and claim_queues (which
+-- joins its rows to their queue by queue_name): the rows of their candidates CTE
 -- become this consumer's, under a fresh lease, attempts charged (see claim).
 UPDATE {schema}.messages AS m
 SET state = 'processing',
@@ -48,7 +49,7 @@ SET state = 'processing',
     owner = %(owner)s,
     acquired_at = now()
 WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
-RETURNING m.id, m.attempts, m.payload, m.priority,
+RETURNING m.queue_name, m.id, m.attempts, m.payload, m.priority,
           m.next_attempt_at AS due_at, m.concurrency_key IS NOT NULL AS keyed
 
 -- fragment: claim_from --
@@ -454,17 +455,7 @@ candidates AS (
         FOR UPDATE SKIP LOCKED
     ) AS c
 ),
-claimed AS (
-    UPDATE {schema}.messages AS m
-    SET state = 'processing',
-        attempts = m.attempts + 1,
-        lease = %(lease)s,
-        owner = %(owner)s,
-        acquired_at = now()
-    WHERE m.id = ANY (ARRAY(SELECT id FROM candidates))
-    RETURNING m.queue_name, m.id, m.attempts, m.payload, m.priority,
-              m.next_attempt_at AS due_at, m.concurrency_key IS NOT NULL AS keyed
-),
+claimed AS {claim_update},
 -- Materialized: inlined into the join below, its probes ran once per claimed row.
 clock AS MATERIALIZED (
     SELECT q.queue_name,
@@ -639,24 +630,15 @@ SELECT claimed.id, claimed.attempts, claimed.payload, clock.next_due_in_ms, cloc
 FROM clock LEFT JOIN claimed ON true;
 
 -- name: consumer_rank --
--- Which due times a consumer of %(queue_name)s wakes for (see the claim and
--- docs/design.md, "Delays"): of the live worker processes that consume the
--- queue, how many there are and how many have a smaller id than
--- %(worker_id)s.  The consumer wakes for a due time d (epoch ms) only when
--- d mod consumers = rank, so one process, not all of them, claims at each due
--- time; the others find the row at their next poll if that one could not.
--- listed is false until this process's heartbeat names the queue; the
--- consumer then wakes for every due time.
-SELECT count(*)::int AS consumers,
-       count(*) FILTER (WHERE id < %(worker_id)s::uuid)::int AS rank,
-       coalesce(bool_or(id = %(worker_id)s::uuid), false) AS listed
-FROM {schema}.workers AS w
-WHERE %(queue_name)s = ANY (w.queues)
-  AND {worker_alive};
-
--- name: consumer_ranks --
--- consumer_rank for several queues in one statement (the consumers of one
--- process that claimed together, see claim_queues): one row per queue name.
+-- Which due times a consumer wakes for (see the claim and docs/design.md,
+-- "Delays"), for each of %(queue_names)s (one queue, or the consumers of one
+-- process that claimed together, see claim_queues): of the live worker
+-- processes that consume the queue, how many there are and how many have a
+-- smaller id than %(worker_id)s.  The consumer wakes for a due time d (epoch
+-- ms) only when d mod consumers = rank, so one process, not all of them,
+-- claims at each due time; the others find the row at their next poll if that
+-- one could not.  listed is false until this process's heartbeat names the
+-- queue; the consumer then wakes for every due time.  One row per queue name.
 SELECT q.queue_name,
        count(w.id)::int AS consumers,
        count(w.id) FILTER (WHERE w.id < %(worker_id)s::uuid)::int AS rank,

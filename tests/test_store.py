@@ -67,8 +67,8 @@ def test_the_statements_of_the_hot_path_return_the_columns_of_their_row_types(
     assert store.archive_fenced(db, **fence, state="failed", **errors) == []
     assert store.requeue(db, **fence, notify=False, channel="c") == []
     assert store.notify_committed(db, channel="c", xids=[], payloads=[]) == []
-    rank = store.consumer_rank(db, queue_name="default", worker_id=owner, heartbeat_timeout_ms=1_000)
-    assert (rank.consumers, rank.rank, rank.listed) == (0, 0, False)
+    ranks = store.consumer_rank(db, queue_names=["default"], worker_id=owner, heartbeat_timeout_ms=1_000)
+    assert {name: (r.consumers, r.rank, r.listed) for name, r in ranks.items()} == {"default": (0, 0, False)}
     reclaimed = store.reclaim_messages(
         db, rotate_ms=60_000, park_after_ms=60_000, max_slots=8, channel="c", max_moved=10
     )

@@ -545,9 +545,7 @@ class PostgresConsumer(Consumer):
                         consumer._wakeup.set()  # Its rows are in its buffer: hand them on now.
             now = time.monotonic()
             due = [consumer for consumer, _ in starts if consumer._rank_due(now)]
-            if len(due) == 1:
-                due[0].refresh_rank()
-            elif due:
+            if due:
                 self._refresh_ranks(due)
             return claimed
         finally:
@@ -681,11 +679,11 @@ class PostgresConsumer(Consumer):
         return not self._more and now >= self._rank_at
 
     def _refresh_ranks(self, consumers: list[PostgresConsumer]) -> None:
-        """:meth:`refresh_rank` of several consumers of this process, in one statement."""
+        """:meth:`refresh_rank` of one or several consumers of this process, in one statement."""
         options = self.broker.options
         rank_at = time.monotonic() + options.heartbeat_interval / 1000
         with self.runtime.connection() as conn:
-            found = self.runtime.store.consumer_ranks(
+            found = self.runtime.store.consumer_rank(
                 conn,
                 queue_names=[c.queue_name for c in consumers],
                 worker_id=self.runtime.worker_id,
@@ -701,16 +699,7 @@ class PostgresConsumer(Consumer):
 
     def refresh_rank(self) -> None:
         """Learn how many live processes consume this queue and this one's rank (see ``_mine``)."""
-        self._rank_at = time.monotonic() + self.broker.options.heartbeat_interval / 1000
-        with self.runtime.connection() as conn:
-            found = self.runtime.store.consumer_rank(
-                conn,
-                queue_name=self.queue_name,
-                worker_id=self.runtime.worker_id,
-                heartbeat_timeout_ms=self.broker.options.heartbeat_timeout,
-            )
-        # Not listed yet (the heartbeat that names this queue is still to come): wake for all.
-        self._consumers, self._rank = (found.consumers, found.rank) if found.listed else (1, 0)
+        self._refresh_ranks([self])
 
     def _isolate(self, suspect: ClaimRow, others: list[ClaimRow], lease: uuid.UUID) -> list[ClaimRow]:
         """Run a message alone from its third (or its last allowed) delivery.

@@ -70,7 +70,7 @@ class DriverCursor:
 _schema_checked: weakref.WeakKeyDictionary[PostgresBroker, set[object]] = weakref.WeakKeyDictionary()
 
 
-def _check_schema(conn: Connection, broker: PostgresBroker) -> None:
+def check_schema(conn: Connection, broker: PostgresBroker) -> None:
     """Raise :class:`SchemaNotReady` if the broker's tables are missing or old on ``conn``'s database."""
     url = conn.engine.url
     checked = _schema_checked.setdefault(broker, set())
@@ -89,16 +89,11 @@ def _check_schema(conn: Connection, broker: PostgresBroker) -> None:
     checked.update((key, url))
 
 
-def check_schema(conn: Connection, broker: PostgresBroker) -> None:
-    """Raise :class:`SchemaNotReady` if ``broker``'s tables are missing or old (checked once per database)."""
-    _check_schema(conn, broker)
-
-
 def write_items(
     conn: Connection, broker: PostgresBroker, items: list[StoredMessage], return_ids: bool = False
 ) -> OutboxWrite:
     """Insert ``items`` through ``conn``, in its transaction, with one statement."""
-    _check_schema(conn, broker)
+    check_schema(conn, broker)
     twophase = isinstance(conn.get_transaction(), TwoPhaseTransaction)
     statement = enqueue_statement(
         items,

@@ -491,36 +491,21 @@ class MessageStore(SchemaStore):
         self,
         conn: psycopg.Connection[Any],
         *,
-        queue_name: str,
-        worker_id: uuid.UUID,
-        heartbeat_timeout_ms: int,
-    ) -> ConsumerRank:
-        """How many live processes consume ``queue_name`` and this one's rank among them."""
-        params = {
-            "queue_name": queue_name,
-            "worker_id": worker_id,
-            "heartbeat_timeout_ms": heartbeat_timeout_ms,
-        }
-        row = conn.cursor(row_factory=named_rows(ConsumerRank)).execute(self.queries["consumer_rank"], params)
-        found = row.fetchone()
-        assert found is not None  # an aggregate: always one row
-        return found
-
-    def consumer_ranks(
-        self,
-        conn: psycopg.Connection[Any],
-        *,
         queue_names: Sequence[str],
         worker_id: uuid.UUID,
         heartbeat_timeout_ms: int,
     ) -> dict[str, ConsumerRank]:
-        """:meth:`consumer_rank` of each of ``queue_names``, in one statement, by queue name."""
+        """How many live processes consume each of ``queue_names`` and this one's rank among them.
+
+        Returns:
+          dict[str, ConsumerRank]: By queue name, one per name.
+        """
         params = {
             "queue_names": list(queue_names),
             "worker_id": worker_id,
             "heartbeat_timeout_ms": heartbeat_timeout_ms,
         }
-        rows = conn.execute(self.queries["consumer_ranks"], params).fetchall()
+        rows = conn.execute(self.queries["consumer_rank"], params).fetchall()
         return {str(name): ConsumerRank(int(n), int(rank), bool(listed)) for name, n, rank, listed in rows}
 
     # -- decisions ----------------------------------------------------------------------------
