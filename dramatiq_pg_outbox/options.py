@@ -70,7 +70,7 @@ MAX_LEASE_MS: int | None = None
 NOTIFY: NotifyMode = "transaction"
 LISTEN = True
 CHECK_SCHEMA = True
-PREPARE_THRESHOLD: int | None = 5
+PREPARE_THRESHOLD: int | None = 0
 #: 1 MiB, as many brokers (Amazon SQS allows 256 KiB, RabbitMQ's default frame limit is larger).
 MAX_MESSAGE_BYTES: int | None = 1_048_576
 
@@ -318,7 +318,9 @@ class BrokerOptions:
         PREPARE_THRESHOLD,
         Rule("`None`, or integer >= 0", _prepare_threshold),
         "executions of one statement on one pooled connection after which psycopg prepares it "
-        "on the server (psycopg's `prepare_threshold`, same default); `None` never prepares: "
+        "on the server (psycopg's `prepare_threshold`; its default is 5, ours 0: a pooled "
+        "connection plans each statement once, and the claims before the first message waits on "
+        "them); `None` never prepares: "
         "pass it behind PgBouncer in transaction pooling without `max_prepared_statements` "
         "(before 1.21), where the next transaction may run on a server connection on which the "
         "statement's name is missing or is another client's ([Behind PgBouncer](pgbouncer.md)); "

@@ -212,13 +212,20 @@ class ProcessRuntime:
                     step = remaining
 
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
-        """Prepared statements run generic plans (``generic_plans`` in queries.sql).
+        """A new pooled connection: generic plans, the claims planned.
 
-        Not behind PgBouncer's transaction pooling (``prepare_threshold=None``): nothing is
-        prepared there, and a session setting would reach other clients of the server connection.
+        Unless behind PgBouncer's transaction pooling (``prepare_threshold=None``: nothing is
+        prepared there, and a session setting would reach other clients of the server
+        connection), prepared statements run generic plans and the plain claims are
+        planned now, not in a message's wake-up (``MessageStore.warm_claims``); a schema not
+        migrated yet fails that quietly here and clearly at the schema check.
         """
         if self.broker.options.prepare_threshold is not None:
             self.store.generic_plans(conn)
+            try:
+                self.store.warm_claims(conn, owner=self.worker_id)
+            except psycopg.Error as e:
+                self.logger.debug("Claims not planned ahead on a new connection: %s", e)
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
         # The fix names the database when its URL shows whole, else $DATABASE_URL (see schema_not_ready).

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from ..store.messages import LOOK_AHEAD
 from .broker import FOLLOW_UP_SIGNALS, PostgresBroker, broker_for_backend
 from .consumer import (
-    LOOK_AHEAD,
     SUSPECT_AT_DELIVERY,
     ConsumerHost,
     PostgresConsumer,

@@ -26,7 +26,7 @@ from dramatiq.logging import get_logger
 
 from .._runtime import SLOT_FREED, Conditional, ProcessRuntime, RuntimeHost, StoredMessage, format_error
 from .._runtime.watermark import Watermark
-from ..store.messages import Claim, ClaimRow, QueueClaim, Statement
+from ..store.messages import LOOK_AHEAD, Claim, ClaimRow, QueueClaim, Statement
 
 
 class ConsumerHost(RuntimeHost, Protocol):
@@ -38,8 +38,6 @@ class ConsumerHost(RuntimeHost, Protocol):
 
 #: Delivery number from which a message runs alone in its consumer (or at its last allowed delivery).
 SUSPECT_AT_DELIVERY = 3
-#: Upcoming delayed rows a claim reads to find the next due time of its consumer (see _mine).
-LOOK_AHEAD = 64
 #: Seconds a consumer's keyed claims skip the messages without a key after one found none
 #: (a notification of a stored message, or one of its due times, ends it sooner).
 UNKEYED_RECHECK_S = 1.0

@@ -22,10 +22,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import psycopg
+from psycopg.types.numeric import Int8
 
 from .._queries import raw_queries, with_identifiers
 from ..names import quote_ident
 from .base import SchemaStore, named_rows
+
+# psycopg types a Python int by its size (smallint, integer, bigint, and their arrays) and keys
+# its prepared statements by the parameters' types: a claim whose watermark id or limit crossed
+# 32,767 was a statement of its own, prepared and planned again (see warm_claims). The claims'
+# integers are sent as psycopg's Int8 (bigint), whatever their size.
+
+#: Upcoming delayed rows a claim reads at most to find its consumer's next due time
+#: (``look_ahead`` of ``claim``).
+LOOK_AHEAD = 64
 
 #: The names of the enqueue statements (see :class:`EnqueueStatement`).
 ENQUEUE_STATEMENTS = frozenset({"enqueue", "enqueue_unkeyed", "enqueue_one"})
@@ -396,16 +406,17 @@ class MessageStore(SchemaStore):
           look_ahead(int): Upcoming delayed rows read at most to find it.
           from_at(datetime|None), from_id(int|None): The watermark (both None: a sweep).
         """
+        # Integers as bigint: one prepared statement whatever their size (see LOOK_AHEAD's comment).
         params = {
             "queue_name": queue_name,
-            "limit": limit,
+            "limit": Int8(limit),
             "lease": lease,
             "owner": owner,
-            "consumers": consumers,
-            "rank": rank,
-            "look_ahead": look_ahead,
+            "consumers": Int8(consumers),
+            "rank": Int8(rank),
+            "look_ahead": Int8(look_ahead),
             "from_at": from_at,
-            "from_id": from_id,
+            "from_id": None if from_id is None else Int8(from_id),
         }
         if keyed:
             return self._keyed_claim(
@@ -437,20 +448,45 @@ class MessageStore(SchemaStore):
         """
         params = {
             "queue_names": [q.queue_name for q in queues],
-            "limits": [q.limit for q in queues],
+            "limits": [Int8(q.limit) for q in queues],
             "from_ats": [q.from_at for q in queues],
-            "from_ids": [q.from_id for q in queues],
-            "consumers": [q.consumers for q in queues],
-            "ranks": [q.rank for q in queues],
+            "from_ids": [None if q.from_id is None else Int8(q.from_id) for q in queues],
+            "consumers": [Int8(q.consumers) for q in queues],
+            "ranks": [Int8(q.rank) for q in queues],
             "lease": lease,
             "owner": owner,
-            "look_ahead": look_ahead,
+            "look_ahead": Int8(look_ahead),
         }
         rows = conn.cursor(row_factory=_QUEUE_CLAIM_ROWS).execute(self._claim_queues, params).fetchall()
         by_queue: dict[str, list[ClaimRow]] = {}
         for row in rows:
             by_queue.setdefault(row.queue_name, []).append(ClaimRow._make(row[1:]))
         return {name: self._claim_of(found) for name, found in by_queue.items()}
+
+    def warm_claims(self, conn: psycopg.Connection[Any], *, owner: uuid.UUID) -> None:
+        """Run the plain claims once each way their parameters are typed, claiming nothing.
+
+        ``claim`` and ``claim_queues`` with a limit of 0 (no row is locked or changed), as a
+        sweep (no watermark: NULL bounds) and bounded: psycopg keys a prepared statement by
+        its parameters' types, so each is a statement of its own.  On a connection that
+        prepares at the first run with generic plans (the runtime's pool), this plans them
+        before a message waits on it: planning a claim over the partitions of ``messages``
+        took 3-9 ms on a 2-CPU machine, most of the slowest wake-ups of an idle worker
+        (benchmarks/README.md, section 28).
+
+        Parameters:
+          owner(uuid.UUID): This process's worker id (typed as the real claims' owner).
+
+        Raises:
+          psycopg.Error: If the schema lacks what the claims read (not migrated yet).
+        """
+        lease = uuid.uuid4()
+        for from_at, from_id in ((None, None), (dt.datetime.now(dt.timezone.utc), 0)):
+            self.claim(conn, prioritized=False, queue_name="", limit=0, lease=lease, owner=owner,
+                       consumers=1, rank=0, look_ahead=LOOK_AHEAD,
+                       from_at=from_at, from_id=from_id)  # fmt: skip
+            queue = QueueClaim("", 0, from_at, from_id, 1, 0)
+            self.claim_queues(conn, [queue], lease=lease, owner=owner, look_ahead=LOOK_AHEAD)
 
     @staticmethod
     def _claim_of(rows: list[ClaimRow], next_key: str | None = None) -> Claim:
