@@ -204,6 +204,7 @@ def postgres_for_benchmarks(url: str | None) -> Iterator[str]:
         "synchronous_commit": "on",
         "shared_buffers": "256MB",
         "max_wal_size": "2GB",
+        "track_wal_io_timing": "on",
     }
     with ThrowawayPostgres(settings) as server:
         yield server.url

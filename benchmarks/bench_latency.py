@@ -5,7 +5,9 @@ messages one at a time, ``SPACING_MS`` apart, and records ``time.time()`` the
 moment each send (for ours: each ``Session.commit()``) returns.  The actor
 records ``time.time()`` when it starts; both run on this machine's clock.
 A latency can be slightly negative when the actor starts before the
-producer's commit call has returned.
+producer's commit call has returned.  Each run also notes the server's mean WAL
+sync meanwhile (``pg_stat_wal``, with ``track_wal_io_timing``): a claim commits
+before its actor runs, so a slow disk minute shows in the tail of every system.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any
+
+import psycopg
 
 from .bench_common import (
     DRAMATIQ_PG,
@@ -93,7 +97,28 @@ def _send_all(system: str, url: str, opts: dict[str, Any], how: str, k: int) -> 
     return committed
 
 
-def latency_once(ctx: Context, system: str, opts: dict[str, Any], how: str, k: int) -> list[float]:
+def wal_syncs(url: str) -> tuple[int, float] | None:
+    """(WAL syncs, their total ms) of the whole server so far, or None (before PostgreSQL 14).
+
+    The ms are 0 unless the server runs with ``track_wal_io_timing`` (the private server does).
+    """
+    with psycopg.connect(url, autocommit=True) as conn:
+        if conn.info.server_version < 140000:
+            return None
+        row = conn.execute("SELECT wal_sync, wal_sync_time FROM pg_stat_wal").fetchone()
+    assert row is not None
+    return int(row[0]), float(row[1])
+
+
+def latency_once(
+    ctx: Context,
+    system: str,
+    opts: dict[str, Any],
+    how: str,
+    k: int,
+    wal: list[tuple[int, float]] | None = None,
+) -> list[float]:
+    """``k`` wake-ups of an idle 1 x 8 worker, in ms; ``wal`` gets the server's (WAL syncs, ms) meanwhile."""
     dbname = "bench_latency_" + system.replace("-", "_").lower()
     url = ctx.db_url(dbname)
     install(system, ctx.admin_url, dbname, url)
@@ -102,29 +127,42 @@ def latency_once(ctx: Context, system: str, opts: dict[str, Any], how: str, k: i
         group.start()
         group.go()
         time.sleep(1.5)  # the worker is up and idle
+        before = wal_syncs(url)
         committed = _send_all(system, url, opts, how, k)
         if group.wait_for(k, 30.0) is None:
             raise RuntimeError(f"only {group.done} of {k} messages ran within 30 s")
+        after = wal_syncs(url)
+        if wal is not None and before is not None and after is not None:
+            wal.append((after[0] - before[0], after[1] - before[1]))
         started = list(group.shared.started)
         return [(started[i] - committed[i]) * 1000 for i in range(k)]
     finally:
         group.close()
 
 
+def _sync_note(wal: list[tuple[int, float]]) -> str:
+    """The server's mean WAL sync during these sends (the disk's share of a claim's commit)."""
+    count = sum(n for n, _ in wal)
+    ms = sum(t for _, t in wal)
+    return f"; WAL sync {ms / count:.2f} ms mean" if count and ms else ""
+
+
 def run(ctx: Context) -> dict[str, Any]:
     k = 10 if ctx.smoke else 100 if ctx.quick else 200
     samples: dict[str, list[float]] = {}
+    syncs: dict[str, list[tuple[int, float]]] = {}
     errors: dict[str, list[str]] = {}
     for run_no in range(ctx.runs):
         for label, system, opts, how in CASES:
             if system not in ctx.systems:
                 continue
             try:
-                lat = latency_once(ctx, system, opts, how, k)
+                wal = syncs.setdefault(label, [])
+                lat = latency_once(ctx, system, opts, how, k, wal)
                 samples.setdefault(label, []).extend(lat)
                 print(
                     f"  latency run {run_no + 1} {label}: p50 {percentile(lat, 50):.2f} ms "
-                    f"p99 {percentile(lat, 99):.2f} ms",
+                    f"p99 {percentile(lat, 99):.2f} ms{_sync_note(wal[-1:])}",
                     flush=True,
                 )
             except Exception as e:
@@ -143,7 +181,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 f"{percentile(lat, 50):.2f}",
                 f"{percentile(lat, 95):.2f}",
                 f"{percentile(lat, 99):.2f}",
-                f"max {max(lat):.1f}",
+                f"max {max(lat):.1f}{_sync_note(syncs.get(label, []))}",
             ]
         )
     table = markdown_table(["system / mode", "samples", "p50 ms", "p95 ms", "p99 ms", "note"], rows)

@@ -58,6 +58,9 @@ class _PoolConnection(psycopg.Connection[Any]):
     whatever the defaults (``_isolation.read_committed``).
     """
 
+    #: Whether the plain claims are prepared and planned on it (``ProcessRuntime._plan_claims``).
+    claims_planned = False
+
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> _PoolConnection:
         try:
@@ -212,20 +215,35 @@ class ProcessRuntime:
                     step = remaining
 
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
-        """A new pooled connection: generic plans, the claims planned.
+        """A new pooled connection: generic plans; in a consuming process, the claims planned.
 
         Unless behind PgBouncer's transaction pooling (``prepare_threshold=None``: nothing is
         prepared there, and a session setting would reach other clients of the server
-        connection), prepared statements run generic plans and the plain claims are
-        planned now, not in a message's wake-up (``MessageStore.warm_claims``); a schema not
-        migrated yet fails that quietly here and clearly at the schema check.
+        connection), prepared statements run generic plans, and once the process has a
+        consumer the plain claims are planned now, not in a message's wake-up
+        (:meth:`_plan_claims`).
         """
         if self.broker.options.prepare_threshold is not None:
             self.store.generic_plans(conn)
-            try:
-                self.store.warm_claims(conn, owner=self.worker_id)
-            except psycopg.Error as e:
-                self.logger.debug("Claims not planned ahead on a new connection: %s", e)
+            if any(self.consumers.values()):
+                self._plan_claims(conn)
+
+    def _plan_claims(self, conn: psycopg.Connection[Any]) -> None:
+        """Prepare and plan the plain claims on ``conn``, once (``MessageStore.warm_claims``).
+
+        A producer's connections never claim, so they skip this: the first consumer's
+        registration plans the connection the pool holds then, and :meth:`_configure` each
+        one opened later.  A schema not migrated yet fails it quietly here, and clearly at
+        the schema check.
+        """
+        if getattr(conn, "claims_planned", True):
+            return
+        try:
+            self.store.warm_claims(conn, owner=self.worker_id)
+        except psycopg.Error as e:
+            self.logger.debug("Claims not planned ahead on a pooled connection: %s", e)
+            return
+        conn.claims_planned = True  # type: ignore[attr-defined]
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
         # The fix names the database when its URL shows whole, else $DATABASE_URL (see schema_not_ready).
@@ -261,6 +279,9 @@ class ProcessRuntime:
                     raise
                 self.maintenance = maintenance
                 self.maintenance.start()
+                if self.broker.options.prepare_threshold is not None:
+                    with self.connection() as conn:
+                        self._plan_claims(conn)
                 if self.broker.options.rotate_interval:
                     self.reclaimer = Reclaimer(self)
                     self.reclaimer.start()
