@@ -28,14 +28,21 @@ from .._queries import raw_queries, with_identifiers
 from ..names import quote_ident
 from .base import SchemaStore, named_rows
 
-# psycopg types a Python int by its size (smallint, integer, bigint, and their arrays) and keys
-# its prepared statements by the parameters' types: a claim whose watermark id or limit crossed
-# 32,767 was a statement of its own, prepared and planned again (see warm_claims). The claims'
-# integers are sent as psycopg's Int8 (bigint), whatever their size.
-
 #: Upcoming delayed rows a claim reads at most to find its consumer's next due time
 #: (``look_ahead`` of ``claim``).
 LOOK_AHEAD = 64
+
+
+def _bigint(value: int) -> Int8:
+    """``value`` sent as ``bigint`` whatever its size (the claims' integers).
+
+    psycopg types a Python ``int`` by its size (smallint, integer, bigint, and so their
+    arrays) and keys its prepared statements by their parameters' types: a claim whose
+    watermark id or limit crossed 32,767 was a statement of its own, prepared and planned
+    again (see :meth:`MessageStore.warm_claims`).
+    """
+    return Int8(value)
+
 
 #: The names of the enqueue statements (see :class:`EnqueueStatement`).
 ENQUEUE_STATEMENTS = frozenset({"enqueue", "enqueue_unkeyed", "enqueue_one"})
@@ -406,17 +413,16 @@ class MessageStore(SchemaStore):
           look_ahead(int): Upcoming delayed rows read at most to find it.
           from_at(datetime|None), from_id(int|None): The watermark (both None: a sweep).
         """
-        # Integers as bigint: one prepared statement whatever their size (see LOOK_AHEAD's comment).
         params = {
             "queue_name": queue_name,
-            "limit": Int8(limit),
+            "limit": _bigint(limit),
             "lease": lease,
             "owner": owner,
-            "consumers": Int8(consumers),
-            "rank": Int8(rank),
-            "look_ahead": Int8(look_ahead),
+            "consumers": _bigint(consumers),
+            "rank": _bigint(rank),
+            "look_ahead": _bigint(look_ahead),
             "from_at": from_at,
-            "from_id": None if from_id is None else Int8(from_id),
+            "from_id": None if from_id is None else _bigint(from_id),
         }
         if keyed:
             return self._keyed_claim(
@@ -448,14 +454,14 @@ class MessageStore(SchemaStore):
         """
         params = {
             "queue_names": [q.queue_name for q in queues],
-            "limits": [Int8(q.limit) for q in queues],
+            "limits": [_bigint(q.limit) for q in queues],
             "from_ats": [q.from_at for q in queues],
-            "from_ids": [None if q.from_id is None else Int8(q.from_id) for q in queues],
-            "consumers": [Int8(q.consumers) for q in queues],
-            "ranks": [Int8(q.rank) for q in queues],
+            "from_ids": [None if q.from_id is None else _bigint(q.from_id) for q in queues],
+            "consumers": [_bigint(q.consumers) for q in queues],
+            "ranks": [_bigint(q.rank) for q in queues],
             "lease": lease,
             "owner": owner,
-            "look_ahead": Int8(look_ahead),
+            "look_ahead": _bigint(look_ahead),
         }
         rows = conn.cursor(row_factory=_QUEUE_CLAIM_ROWS).execute(self._claim_queues, params).fetchall()
         by_queue: dict[str, list[ClaimRow]] = {}
