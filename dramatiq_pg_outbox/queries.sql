@@ -779,16 +779,23 @@ DELETE FROM {schema}.workers WHERE id = %(id)s;
 -- other's way.  Dead worker rows are dropped in the same statement.  A row
 -- an operator asked to cancel (cancel_requested_at, migration 0022) is not
 -- released: it goes to history as canceled (its worker died before it could
--- stop it).
+-- stop it).  The rescuing process (%(worker_id)s) is alive: its own claims and
+-- row are left to it (its orphans: release_orphans).  Its heartbeat runs on the
+-- thread that runs this statement, and now() can be read after a wait: psycopg
+-- prepares a statement in a transaction of its own, and a Parse that waited on a
+-- lock (the history table, held by an operator) left this statement a now()
+-- later than its process's last heartbeat by that wait, which released the
+-- process's running messages (tests/test_flush_window.py, with prepare_threshold 0).
 WITH stuck AS (
     SELECT m.id
     FROM {schema}.messages AS m
     WHERE m.state = 'processing'
       AND (
-        NOT EXISTS (
+        (m.owner IS DISTINCT FROM %(worker_id)s::uuid
+         AND NOT EXISTS (
             SELECT 1 FROM {schema}.workers AS w
             WHERE w.id = m.owner AND {worker_alive}
-        )
+         ))
         OR m.acquired_at < now() - %(max_lease_ms)s::bigint * interval '1 millisecond'
       )
     FOR UPDATE OF m SKIP LOCKED
@@ -853,7 +860,7 @@ released AS (
 ),
 dead_workers AS (
     DELETE FROM {schema}.workers AS w
-    WHERE NOT ({worker_alive})
+    WHERE NOT ({worker_alive}) AND w.id <> %(worker_id)s::uuid
     RETURNING id
 ),
 woken AS (

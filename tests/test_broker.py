@@ -247,10 +247,11 @@ def test_messages_of_a_dead_worker_are_released_and_quarantined_after_max_delive
         message = next(consumer)
         assert message is not None and message.attempts == delivery
         first_tick_done(broker)
-        # The worker "dies": its heartbeat row is gone and nothing is acked (closing the
-        # consumer hands back only the messages it has not handed out).
+        # The worker "dies": its claim belongs to a process with no heartbeat and nothing is
+        # acked (closing the consumer hands back only the messages it has not handed out; a
+        # process never judges itself dead, so the claim is handed to a gone owner).
         consumer.close()
-        db.execute("DELETE FROM dramatiq.workers")
+        db.execute("UPDATE dramatiq.messages SET owner = %s", (uuid.uuid4(),))
         maintenance = broker.runtime.maintenance
         assert maintenance is not None
         result = maintenance.rescue()
@@ -282,6 +283,23 @@ def claim_one_by_hand(make_broker: Any) -> tuple[PostgresBroker, Any, Any]:
     assert next(consumer) is not None
     first_tick_done(broker)
     return broker, consumer, broker.runtime.maintenance
+
+
+def test_a_process_never_judges_itself_dead_whatever_its_heartbeat_says(make_broker: Any, db: Any) -> None:
+    # Given a process that holds a claim, and whose heartbeat reads a day old (its rescue can read
+    # now() after a wait that also held its heartbeat back: the statement's comment in queries.sql)
+    _, consumer, maintenance = claim_one_by_hand(make_broker)
+    db.execute("UPDATE dramatiq.workers SET heartbeat_at = now() - interval '1 day'")
+    # When its own rescue runs
+    result = maintenance.rescue()
+    # Then its claim is not released and its worker row is kept
+    assert (result.released, result.dead_workers) == (0, 0)
+    assert db.execute("SELECT state FROM dramatiq.messages").fetchone() == ("processing",)
+    assert db.execute("SELECT count(*) FROM dramatiq.workers").fetchone() == (1,)
+    # But a claim of another process with no heartbeat is released by the same rescue
+    db.execute("UPDATE dramatiq.messages SET owner = %s", (uuid.uuid4(),))
+    assert maintenance.rescue().released == 1
+    consumer.close()
 
 
 def test_a_live_workers_long_task_is_never_released(make_broker: Any, db: Any) -> None:

@@ -156,6 +156,7 @@ class Maintenance(Service):
         with self.runtime.connection() as conn:
             counts = self.runtime.store.rescue(
                 conn,
+                worker_id=self.runtime.worker_id,
                 heartbeat_timeout_ms=broker.options.heartbeat_timeout,
                 max_lease_ms=broker.options.max_lease,
                 max_deliveries=broker.options.max_deliveries,

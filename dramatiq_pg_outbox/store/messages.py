@@ -648,13 +648,20 @@ class MessageStore(SchemaStore):
         self,
         conn: psycopg.Connection[Any],
         *,
+        worker_id: uuid.UUID,
         heartbeat_timeout_ms: int,
         max_lease_ms: int | None,
         max_deliveries: int,
         channel: str,
     ) -> RescueCounts:
-        """Release (or quarantine) the claims of dead workers and those older than ``max_lease_ms``."""
+        """Release (or quarantine) the claims of dead workers and those older than ``max_lease_ms``.
+
+        Parameters:
+          worker_id(uuid.UUID): The rescuing process: never judged dead, whatever its heartbeat
+            (see the statement).
+        """
         params = {
+            "worker_id": worker_id,
             "heartbeat_timeout_ms": heartbeat_timeout_ms,
             "max_lease_ms": max_lease_ms,
             "max_deliveries": max_deliveries,
