@@ -100,6 +100,9 @@ def _send_all(system: str, url: str, opts: dict[str, Any], how: str, k: int) -> 
 def wal_syncs(url: str) -> tuple[int, float] | None:
     """(WAL syncs, their total ms) of the whole server so far, or None (before PostgreSQL 14).
 
+    ``url``: the admin URL (``pg_stat_wal`` is the server's; a system that is not on PostgreSQL,
+    RedisBroker, has no database of its own there).
+
     The ms are 0 unless the server runs with ``track_wal_io_timing`` (the private server does).
     """
     with psycopg.connect(url, autocommit=True) as conn:
@@ -127,11 +130,11 @@ def latency_once(
         group.start()
         group.go()
         time.sleep(1.5)  # the worker is up and idle
-        before = wal_syncs(url)
+        before = wal_syncs(ctx.admin_url)
         committed = _send_all(system, url, opts, how, k)
         if group.wait_for(k, 30.0) is None:
             raise RuntimeError(f"only {group.done} of {k} messages ran within 30 s")
-        after = wal_syncs(url)
+        after = wal_syncs(ctx.admin_url)
         if wal is not None and before is not None and after is not None:
             wal.append((after[0] - before[0], after[1] - before[1]))
         started = list(group.shared.started)
