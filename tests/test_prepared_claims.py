@@ -1,7 +1,7 @@
 """A pooled connection plans the plain claims when it opens, not in a message's wake-up.
 
-Planning a claim over the partitions of ``messages`` takes milliseconds (3-9 ms on a 2-CPU
-machine): psycopg's default prepares a statement at its sixth run on a connection, and keys
+Planning a claim over the partitions of ``messages`` takes milliseconds:
+psycopg's default prepares a statement at its sixth run on a connection, and keys
 it by its parameters' types, which follow the size of each integer.  The runtime's pool
 prepares at the first run, sends the claims' integers as bigint, and runs the plain claims
 once, claiming nothing, on each connection of a process that consumes (benchmarks/README.md,

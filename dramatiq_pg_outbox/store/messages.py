@@ -477,7 +477,7 @@ class MessageStore(SchemaStore):
         its parameters' types, so each is a statement of its own.  On a connection that
         prepares at the first run with generic plans (the runtime's pool), this plans them
         before a message waits on it: planning a claim over the partitions of ``messages``
-        took 3-9 ms on a 2-CPU machine, most of the slowest wake-ups of an idle worker
+        takes milliseconds, the slowest wake-ups of an idle worker
         (benchmarks/README.md, section 28).
 
         Parameters:
