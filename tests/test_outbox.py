@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -403,6 +404,48 @@ def test_after_commit_mode_notifies_from_the_broker_after_the_commit(
                 task.send()
             session.rollback()
         assert list(listener.notifies(timeout=0.5)) == []
+
+
+@pytest.mark.parametrize("bind", ["session", "connection"])
+def test_an_after_commit_broker_readies_its_flush_thread_before_the_commit(
+    database_url: str, engine: Any, make_broker: Any, db: Any, bind: str
+) -> None:
+    # The commit hands its NOTIFY to the flush thread: the first send starts that thread,
+    # which waits for the pool's first connection and checks the schema while the
+    # transaction is still open, so the first wake-up waits for neither.
+    broker = make_broker(notify="after_commit")
+
+    @dramatiq.actor(broker=broker)
+    def task() -> None:
+        pass
+
+    broker.close()
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute(f'LISTEN "{broker.channel}"')
+        with contextlib.ExitStack() as stack:
+            if bind == "session":
+                target: Any = stack.enter_context(Session(engine))
+            else:
+                target = stack.enter_context(engine.connect())
+            with outbox(target):
+                task.send()
+            assert broker.has_runtime, "the first send did not open the broker's runtime"
+            runtime = broker.runtime
+            assert runtime.flusher.warmed.wait(5.0), "the flush thread did not warm a connection"
+            assert runtime.flusher.running
+            before = runtime.pool.get_stats()
+            assert before["pool_available"] >= 1
+            # Nothing was sent ahead: the commit decides.
+            assert list(listener.notifies(timeout=0.2)) == []
+            target.commit()
+        notes = list(listener.notifies(timeout=2.0, stop_after=1))
+        assert [n.payload for n in notes] == ["default"]
+    after = runtime.pool.get_stats()
+    # The commit's NOTIFY opened no connection and waited for none.
+    assert after["connections_num"] == before["connections_num"]
+    assert after.get("requests_waiting", 0) == 0
+    assert after.get("requests_queued", 0) == before.get("requests_queued", 0)
+    assert stored(db) == ["task"]
 
 
 def test_the_outbox_path_opens_no_broker_connection(db: Any, engine: Any, actor: Any) -> None:

@@ -155,6 +155,10 @@ class Flusher(Service):
         #: How many outcomes at the head of ``outcomes`` are written one at a time: those of a
         #: batch that failed with an :data:`UNWRITABLE` error, to find the one to quarantine.
         self._suspects = 0
+        #: Whether the thread opens a pooled connection before its first wait (see :meth:`start_ahead`).
+        self._warm = False
+        #: Set once :meth:`warm_up` has run (a test signal).
+        self.warmed = threading.Event()
 
     # Called from worker threads: lock-free appends, then a cheap signal.
     def ack(self, row_id: int, lease: uuid.UUID) -> None:
@@ -242,6 +246,34 @@ class Flusher(Service):
         self.commit_notifications.extend((xid, p) for p in payloads)
         self._urgent.set()
         self._signal(1)
+
+    def start_ahead(self) -> None:
+        """Start the flush thread before a commit hands it a NOTIFY (``notify="after_commit"``).
+
+        Called at each message a binding buffers for an after-commit broker: the first call
+        starts the thread, which waits for the pool's first connection and checks the
+        schema on it while the application's transaction is still open, so the first
+        commit's wake-up waits for neither (nor for a thread start).  Later calls cost one
+        attribute read.
+        """
+        if self._thread is None:
+            self._warm = True
+            self.start()
+
+    def warm_up(self) -> None:
+        """After :meth:`start_ahead`: the pool's first connection taken, with the schema check.
+
+        A failure (the database unreachable, the schema not migrated) is left to the first
+        flush, which reports it.
+        """
+        if not self._warm:
+            return
+        try:
+            with self.runtime.connection():
+                pass
+        except Exception as e:
+            self.logger.debug("The flush thread could not warm a connection ahead: %s", e)
+        self.warmed.set()
 
     def _signal(self, size: int) -> None:
         if not self.started:

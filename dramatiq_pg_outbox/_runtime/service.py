@@ -71,6 +71,9 @@ class Service:
         """One pass; returns what it did (counts).  Raise to be retried with backoff."""
         raise NotImplementedError
 
+    def warm_up(self) -> None:
+        """Run once in the thread before anything else (before ``pause_first``'s wait); nothing by default."""
+
     def tick(self) -> Any:
         """One iteration of the loop: :meth:`run_once` unless the service does more per iteration."""
         return self.run_once()
@@ -135,6 +138,7 @@ class Service:
         self._run()
 
     def _run(self) -> None:
+        self.warm_up()
         if self.pause_first:
             self.pause(self.next_delay())
         while not self._stopping.is_set():

@@ -333,6 +333,9 @@ class PostgresBroker(Broker):
                 finishing.sending_to.extend(stored)
             elif binding is not None:
                 binding.add(self, stored)
+                if self.options.notify == "after_commit":
+                    # The commit hands its NOTIFY to the flush thread: have it ready by then.
+                    self.runtime.flusher.start_ahead()
             else:
                 for item in self.runtime.enqueue(stored, notify=self.options.notify != "off"):
                     self.emit_after("enqueue", item.message, item.delay or None)
