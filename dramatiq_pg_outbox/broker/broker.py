@@ -484,7 +484,6 @@ class PostgresBroker(Broker):
             message.deferred = False
             if message.outcome is not None:
                 message.consumer.submit(message)
-            message.claim_after_submit()
 
     @staticmethod
     def _canceled(message: PostgresMessage, signal: str, kwargs: dict[str, Any]) -> dict[str, Any]:

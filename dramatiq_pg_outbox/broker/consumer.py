@@ -213,17 +213,9 @@ class PostgresMessage(MessageProxy):
         self.outcome: tuple[str, str | None, str | None] | None = None
         #: Whether it has a concurrency key: its end frees a slot, and wakes the queue's consumers.
         self.keyed = False
-        #: Set when its decision made the consumer's refill claim due (see PostgresConsumer.claim_ahead).
-        self.claim_owed = False
         #: Set by the runtime when an operator's cancel of this delivery reached the process
         #: (see ProcessRuntime.request_cancel): its outcome is ``cancel``, whatever the actor did.
         self.cancel_requested = False
-
-    def claim_after_submit(self) -> None:
-        """After its decision was handed to the flusher: the refill claim it made due, if any."""
-        if self.claim_owed:
-            self.claim_owed = False
-            self.consumer.claim_ahead()
 
     @contextlib.contextmanager
     def sending_if(self, statement: Statement) -> Iterator[None]:
@@ -733,13 +725,8 @@ class PostgresConsumer(Consumer):
         self._isolated = suspect.id
         return [suspect]
 
-    def _release(self, row_id: int, *, claim_here: bool = False) -> bool:
-        """Free the buffer slot of a message this consumer claimed (ack, nack or requeue).
-
-        Returns True when the slot crossed the refill threshold of a backlog and
-        ``claim_here`` is set: the caller then claims, with :meth:`claim_ahead`, instead of
-        waking the consumer thread.
-        """
+    def _release(self, row_id: int) -> None:
+        """Free the buffer slot of a message this consumer claimed (ack, nack or requeue)."""
         with self._lock:
             self._outstanding -= 1
             free = self.limit - self._outstanding
@@ -747,45 +734,7 @@ class PostgresConsumer(Consumer):
             self._isolated = None
             self._wakeup.set()
         elif free == self._threshold():
-            if claim_here and self._more:
-                return True
             # Just crossed the refill threshold: let __next__ claim now.
-            self._wakeup.set()
-        return False
-
-    def claim_ahead(self) -> None:
-        """The refill claim of a backlog, on the worker thread whose decision made it due.
-
-        Waking the consumer thread for it would start it only once that thread gets the
-        GIL back from the worker threads, by which time they have often run through what
-        the buffer still held (benchmarks/README.md section 30).  Claims as ``__next__``
-        would, then wakes the consumer thread to hand the rows off.  Leaves the claim to
-        the consumer thread when another claim for this consumer is under way, its
-        ``min_fetch_interval`` has not passed, or the claim fails here (that thread
-        claims again and reports the error as its own).
-        """
-        if not self._claim_lock.acquire(blocking=False):
-            self._wakeup.set()
-            return
-        try:
-            free = self.limit - self._outstanding
-            if (
-                self._closed
-                or self._isolated is not None
-                or free < self._threshold()
-                or time.monotonic() < self._poll_at
-            ):
-                return
-            self._notified = False
-            with self._lock:
-                self._due_hint = math.inf
-            try:
-                self._fetch(free)
-            except Exception:
-                self.logger.debug("Claim ahead for queue %r failed; the consumer claims", self.queue_name)
-                self._notified = True
-        finally:
-            self._claim_lock.release()
             self._wakeup.set()
 
     def ack(self, message: MessageProxy) -> None:
@@ -830,7 +779,7 @@ class PostgresConsumer(Consumer):
             self.broker._metrics.nacked.labels(self.queue_name).inc()
 
     def _decided(self, message: PostgresMessage) -> None:
-        message.claim_owed = message.consumer._release(message.row_id, claim_here=True)
+        message.consumer._release(message.row_id)
         if message.keyed:
             # A slot of its key frees when this decision is written: the flusher sends this
             # notification after it, and the queue's consumers claim what waited for the slot
@@ -839,7 +788,6 @@ class PostgresConsumer(Consumer):
         if not message.deferred:
             # Called outside Dramatiq's worker (no emit_before): write it now.
             self.submit(message)
-            message.claim_after_submit()
 
     def submit(self, message: PostgresMessage) -> None:
         """Hand a decided message, with its follow-ups, to the flusher.
