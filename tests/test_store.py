@@ -103,3 +103,57 @@ def test_the_periodic_statements_return_the_columns_of_their_row_types(db: psyco
         assert store.remove(db, removed_after=3_600_000, retention=3_600_000) == (0, 0)
         assert store.next_due_in(db, rules=rules) is not None
         raise psycopg.Rollback()
+
+
+def test_the_fenced_statements_send_ids_and_fences_that_postgresql_reads_back_as_the_lists(
+    db: psycopg.Connection[Any],
+) -> None:
+    # Given ids across the int sizes (smallint to bigint) and fences of real leases
+    ids = [1, 32_768, 2**31 + 5, 2**62]
+    fences = [f"{i}/{uuid.uuid4()}" for i in ids]
+    # When the store builds a fenced statement's parameters (array literals, not lists)
+    params = MessageStore._fence(ids, fences)
+    assert all(isinstance(value, str) for value in params.values())
+    # Then PostgreSQL reads them as the same arrays, in order
+    row = db.execute("SELECT %(ids)s::bigint[], %(fences)s::text[]", params).fetchone()
+    assert row == (ids, fences)
+    empty = db.execute("SELECT %(ids)s::bigint[], %(fences)s::text[]", MessageStore._fence([], [])).fetchone()
+    assert empty == ([], [])
+
+
+def test_a_fenced_ack_archives_the_rows_whose_lease_holds_and_no_other(db: psycopg.Connection[Any]) -> None:
+    # Given three claimed messages of one claim
+    store = MessageStore("dramatiq")
+    lease, owner = uuid.uuid4(), uuid.uuid4()
+    db.execute(
+        "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, payload) "
+        "SELECT 'fence_q', 'a', gen_random_uuid(), '\\x7b7d' FROM generate_series(1, 3)"
+    )
+    claim = store.claim(
+        db,
+        prioritized=False,
+        queue_name="fence_q",
+        limit=3,
+        lease=lease,
+        owner=owner,
+        consumers=1,
+        rank=0,
+        look_ahead=64,
+        from_at=None,
+        from_id=None,
+    )
+    ids = sorted(row.id for row in claim.rows)
+    assert len(ids) == 3
+    # When an ack names all three, one of them with a stale lease
+    stale = uuid.uuid4()
+    leases = [lease, stale, lease]
+    fences = [f"{i}/{held}" for i, held in zip(ids, leases, strict=True)]
+    archived = store.ack_fenced(db, ids=ids, fences=fences)
+    # Then the two whose lease holds are archived, the third stays claimed
+    assert sorted(archived) == [Fence(ids[0], lease), Fence(ids[2], lease)]
+    left = db.execute("SELECT id, state FROM dramatiq.messages WHERE queue_name = 'fence_q'").fetchall()
+    assert left == [(ids[1], "processing")]
+    states = db.execute(
+        "SELECT id, state FROM dramatiq.history WHERE queue_name = 'fence_q' ORDER BY id"
+    ).fetchall()
+    assert states == [(ids[0], "completed"), (ids[2], "completed")]
