@@ -157,3 +157,15 @@ def test_a_fenced_ack_archives_the_rows_whose_lease_holds_and_no_other(db: psyco
         "SELECT id, state FROM dramatiq.history WHERE queue_name = 'fence_q' ORDER BY id"
     ).fetchall()
     assert states == [(ids[0], "completed"), (ids[2], "completed")]
+
+
+def test_fence_params_pair_each_id_with_its_own_lease_whatever_the_order_of_the_leases() -> None:
+    from dramatiq_pg_outbox._runtime import fence_params
+
+    # Given decisions of three claims, interleaved, one lease also present as an equal copy
+    a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    items = [(1, a), (2, a), (3, b), (4, a), (5, uuid.UUID(str(b))), (6, b), (7, c), (8, c)]
+    # When their fence is built (the text of a lease is reused within a run of one lease)
+    params = fence_params(items)
+    # Then each fence is its own id and its own lease, in order
+    assert params == {"ids": [1, 2, 3, 4, 5, 6, 7, 8], "fences": [f"{i}/{lease}" for i, lease in items]}
