@@ -129,3 +129,20 @@ def test_a_process_with_file_descriptors_above_1024_sends_and_consumes(database_
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("OK"), done.stdout + done.stderr[-3000:]
     assert db.execute("SELECT state FROM dramatiq.history").fetchall() == [("completed",)]
+
+
+def test_untrack_forgets_a_claim_by_the_value_of_its_lease_and_keeps_a_claim_of_another(
+    make_broker: Any,
+) -> None:
+    import uuid
+
+    # Given three rows claimed in memory, two under one lease and one under another
+    runtime = make_broker().runtime
+    first, second = uuid.uuid4(), uuid.uuid4()
+    runtime.track([1, 2], first)
+    runtime.track([3], second)
+    # When decisions are written for all three: one with an equal copy of its lease, one with the
+    # claim's own lease object, one with a stale lease
+    runtime.untrack([(1, uuid.UUID(str(first))), (2, first), (3, uuid.uuid4())])
+    # Then the first two are forgotten and the claim under the other lease stays
+    assert runtime.inflight == {3: second}

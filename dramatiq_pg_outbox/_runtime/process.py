@@ -371,11 +371,15 @@ class ProcessRuntime:
         Only an entry with that same lease goes: after a stale decision, the
         entry may belong to a newer claim of the same row by this process.
         """
+        inflight, discard = self.inflight, self.cancel_before_start.discard
         with self._inflight_lock:
             for item in items:
-                if self.inflight.get(item[0]) == item[1]:
-                    del self.inflight[item[0]]
-                    self.cancel_before_start.discard(item[0])
+                row_id, lease = item[0], item[1]
+                held = inflight.get(row_id)
+                # The decision carries the claim's own lease object: `is` spares UUID.__eq__ (Python).
+                if held is lease or held == lease:
+                    del inflight[row_id]
+                    discard(row_id)
 
     def started(self, row_id: int, delivery: Cancelable, *, interrupt: bool = True) -> None:
         """The actor of row ``row_id`` starts on this thread (Dramatiq's ``before_process_message``).
