@@ -24,6 +24,32 @@ class Pair(NamedTuple):
     b: int
 
 
+def claim_queue(
+    store: MessageStore,
+    db: psycopg.Connection[Any],
+    queue_name: str,
+    limit: int,
+    lease: uuid.UUID,
+    owner: uuid.UUID,
+    *,
+    prioritized: bool = False,
+) -> Any:
+    """One plain claim (or claim_prioritized) of ``queue_name`` by the only consumer, as a sweep."""
+    return store.claim(
+        db,
+        prioritized=prioritized,
+        queue_name=queue_name,
+        limit=limit,
+        lease=lease,
+        owner=owner,
+        consumers=1,
+        rank=0,
+        look_ahead=64,
+        from_at=None,
+        from_id=None,
+    )
+
+
 def test_a_row_type_takes_its_statements_columns_by_name(db: psycopg.Connection[Any]) -> None:
     # Given a row type of two fields
     rows = named_rows(Pair)
@@ -43,21 +69,9 @@ def test_the_statements_of_the_hot_path_return_the_columns_of_their_row_types(
     # Given the messages store of the test schema and an empty queue
     store = MessageStore("dramatiq")
     lease, owner = uuid.uuid4(), uuid.uuid4()
-    bound: dict[str, Any] = {"from_at": None, "from_id": None}
     # When each statement runs once (named_rows checks the column names of each)
     for prioritized in (False, True):
-        claim = store.claim(
-            db,
-            prioritized=prioritized,
-            queue_name="default",
-            limit=8,
-            lease=lease,
-            owner=owner,
-            consumers=1,
-            rank=0,
-            look_ahead=64,
-            **bound,
-        )
+        claim = claim_queue(store, db, "default", 8, lease, owner, prioritized=prioritized)
         # Then a claim of nothing is no row, with the clock
         assert claim.rows == [] and claim.next_due_in_ms is None and claim.prioritized is False
         assert claim.db_now_ms > 0
@@ -129,19 +143,7 @@ def test_a_fenced_ack_archives_the_rows_whose_lease_holds_and_no_other(db: psyco
         "INSERT INTO dramatiq.messages (queue_name, actor_name, message_id, payload) "
         "SELECT 'fence_q', 'a', gen_random_uuid(), '\\x7b7d' FROM generate_series(1, 3)"
     )
-    claim = store.claim(
-        db,
-        prioritized=False,
-        queue_name="fence_q",
-        limit=3,
-        lease=lease,
-        owner=owner,
-        consumers=1,
-        rank=0,
-        look_ahead=64,
-        from_at=None,
-        from_id=None,
-    )
+    claim = claim_queue(store, db, "fence_q", 3, lease, owner)
     ids = sorted(row.id for row in claim.rows)
     assert len(ids) == 3
     # When an ack names all three, one of them with a stale lease
