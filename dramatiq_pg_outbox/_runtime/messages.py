@@ -386,6 +386,10 @@ def parse_notification(payload: str) -> tuple[str, int | None]:
         return queue_name, None
 
 
+#: The lease fence_params saw last before its first item: no lease is this object.
+_NO_LEASE = object()
+
+
 def fence_params(items: Sequence[Sequence[Any]]) -> dict[str, Any]:
     """The parameters of a fenced statement for ``(row id, lease, ...)`` items.
 
@@ -400,11 +404,11 @@ def fence_params(items: Sequence[Sequence[Any]]) -> dict[str, Any]:
     """
     ids: list[int] = []
     fences: list[str] = []
-    last: object = None
+    last: object = _NO_LEASE
     suffix = ""
     for item in items:
         row_id, lease = item[0], item[1]
-        if lease is not last or not suffix:
+        if lease is not last:
             last, suffix = lease, f"/{lease}"
         ids.append(row_id)
         fences.append(f"{row_id}{suffix}")
