@@ -78,9 +78,9 @@ def test_several_queues_drained_by_one_process_run_each_message_once_in_each_que
         ).fetchall()
         ids = [row[0] for row in rows]
         assert ids == sorted(ids), name
-    # And the consumers claimed for one another: fewer statements than claims
-    claims, statements = together(broker)
-    assert statements < claims
+    # And the consumers claimed for one another: fewer statements than claims (while draining, or
+    # in the polls that follow it, whichever the machine's pace gives first)
+    wait_for(lambda: together(broker)[1] < together(broker)[0], SOON, "a claim made for another queue")
 
 
 def test_the_idle_polls_of_a_process_fall_into_few_statements(make_broker: Any, start_worker: Any) -> None:

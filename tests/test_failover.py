@@ -57,6 +57,7 @@ def test_a_primary_killed_9_and_its_synchronous_standby_promoted_lose_no_committ
         "messages without a business row: 0",
         "not run: 0",
         "worker restarts: 0",
+        "producers that failed: 0",
         "the periodic job ran again",
     ):
         assert fact in notes, row

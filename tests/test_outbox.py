@@ -751,3 +751,37 @@ def test_the_package_imports_its_names_on_first_use_and_outbox_stays_the_functio
         done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
         # Then the package imported nothing heavy by itself, and its outbox is the function
         assert done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("kind", ["Session", "Connection"])
+def test_a_connection_lost_before_the_commit_raises_the_drivers_error_and_commits_nothing(
+    kind: str, db: Any, engine: Any, actor: Any
+) -> None:
+    # Given a transaction with a business row and a message, whose server connection is then ended
+    # (a primary killed, a proxy cut) before its commit
+    db.execute("CREATE TABLE IF NOT EXISTS lost_orders (id int)")
+    try:
+        with contextlib.ExitStack() as stack:
+            bind: Any = stack.enter_context(Session(engine) if kind == "Session" else engine.connect())
+            with outbox(bind):
+                bind.execute(text("INSERT INTO lost_orders VALUES (1)"))
+                actor.send(1)
+            pid = bind.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            db.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            # When it commits, then Then the error is SQLAlchemy's DBAPIError (what a caller's retry
+            # catches), not one raised by the outbox's cleanup on the dead connection
+            with pytest.raises(DBAPIError) as raised:
+                bind.commit()
+            assert raised.value.connection_invalidated, raised.value
+            bind.rollback()
+            # And nothing of the transaction is committed, and the bind goes on (a retry commits both)
+            assert stored(db) == []
+            assert db.execute("SELECT count(*) FROM lost_orders").fetchone()[0] == 0
+            with outbox(bind):
+                bind.execute(text("INSERT INTO lost_orders VALUES (2)"))
+                actor.send(2)
+            bind.commit()
+        assert stored(db) == ["welcome"]
+        assert [r[0] for r in db.execute("SELECT id FROM lost_orders")] == [2]
+    finally:
+        db.execute("DROP TABLE lost_orders")

@@ -244,6 +244,8 @@ def _run(
                 )
                 relay_ok = relay.moved() >= relay.sent
             stats = [producer_stats(p) for p in producers]
+            # A producer that raised what its retry does not catch stopped short of its count
+            failed = [p.returncode for p in producers if p.returncode != 0]
             orders = {r[0] for r in new.rows("SELECT key FROM chaos_orders")}
             wait_until(
                 lambda: orders <= _ledger_keys(ctx), 600, "every business row of the new primary to run"
@@ -277,7 +279,10 @@ def _run(
     errors = sum(s.get("errors", 0) for s in stats)
     outage = max((s.get("outage_s", 0.0) for s in stats), default=0.0)
     consistent = not without_message and not without_row and not not_run
-    ok = consistent and restarts == 0 and (not lost or not synchronous) and len(killed) > 1 and relay_ok
+    ok = (
+        consistent and restarts == 0 and (not lost or not synchronous) and len(killed) > 1 and relay_ok
+        and not failed
+    )  # fmt: skip
     return Result(
         label,
         len(orders),
@@ -290,6 +295,7 @@ def _run(
         f"without a business row: {len(without_row)}, not run: {len(not_run)}; ran although the "
         f"failover lost their transaction: {len(ran_but_lost)}; {len(killed)} server processes killed; "
         f"producers retried {errors} transactions (longest outage {outage:.1f} s); "
+        f"producers that failed: {len(failed)} (see producer-failover.log); "
         f"LISTEN connections on the new primary: {listeners}; the periodic job ran again "
         f"{first_tick:.1f} s after the first ack; {relay_note}; worker restarts: {restarts}",
         ok,

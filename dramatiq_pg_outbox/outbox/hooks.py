@@ -551,9 +551,13 @@ def _connection_commit(conn: Connection) -> None:
         # An exception raised by a commit event leaves SQLAlchemy's transaction closed but
         # the database transaction open, with the business rows in it: roll it back so
         # nothing of it can be committed by a later statement on this connection.
+        # A connection SQLAlchemy invalidated (the server ended it: the transaction is gone with
+        # it, and the pool clears its ``info`` before reconnecting) is left alone, so the caller
+        # sees the DBAPIError that a retry catches, not an error of this cleanup.
         buffer.reset()
-        _take_after_commit(conn.connection)
-        conn.connection.dbapi_connection.rollback()  # type: ignore[union-attr]
+        if not conn.invalidated:
+            _take_after_commit(conn.connection)
+            conn.connection.dbapi_connection.rollback()  # type: ignore[union-attr]
         raise
     if announced:
         # Run by do_commit once this database transaction's COMMIT succeeded; appended to, since
