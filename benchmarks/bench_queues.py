@@ -172,10 +172,10 @@ def measure(
             t0 = time.perf_counter()
             shared.go.set()
             deadline = t0 + DRAIN_CAP_S
-            while shared.counter.value < n and time.perf_counter() < deadline and proc.is_alive():
+            while shared.done < n and time.perf_counter() < deadline and proc.is_alive():
                 time.sleep(0.002)
             t1 = time.perf_counter()
-            done = int(shared.counter.value)
+            done = shared.done
             busy = busy_jiffies() - busy0
             result["drain_msgs_s"] = done / (t1 - t0) if done else None
             result["drain_cpu_ms"] = cpu_ms_per_message(busy, done) if done >= n else None
