@@ -196,8 +196,8 @@ class Shared:
 
     @property
     def done(self) -> int:
-        """Actor runs counted so far, over every worker process."""
-        return sum(self.counts)
+        """Actor runs counted so far, over every worker process (the slots taken so far)."""
+        return sum(self.counts[: self.next_slot.value])
 
 
 #: This thread's slot in ``Shared.counts`` (worker processes are spawned: no slot crosses a fork).
