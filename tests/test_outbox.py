@@ -768,8 +768,9 @@ def test_a_connection_lost_before_the_commit_raises_the_drivers_error_and_commit
                 actor.send(1)
             pid = bind.execute(text("SELECT pg_backend_pid()")).scalar_one()
             db.execute("SELECT pg_terminate_backend(%s)", (pid,))
-            # When it commits, then Then the error is SQLAlchemy's DBAPIError (what a caller's retry
-            # catches), not one raised by the outbox's cleanup on the dead connection
+            # When it commits
+            # Then the error is SQLAlchemy's DBAPIError (what a caller's retry catches), not one
+            # raised by the outbox's cleanup on the dead connection
             with pytest.raises(DBAPIError) as raised:
                 bind.commit()
             assert raised.value.connection_invalidated, raised.value
