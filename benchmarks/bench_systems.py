@@ -200,7 +200,9 @@ class Shared:
         return sum(self.counts[: self.next_slot.value])
 
 
-#: This thread's slot in ``Shared.counts`` (worker processes are spawned: no slot crosses a fork).
+#: This thread's slot (``slot``) in the ``counts`` of one ``Shared`` (``shared``): a thread that
+#: counts for another channel takes a slot of that one (worker processes are spawned: no slot
+#: crosses a fork).
 _counting = threading.local()
 
 
@@ -208,12 +210,11 @@ def record_start(shared: Shared, i: int) -> None:
     """Note the start time of message ``i`` (if the run tracks it) and count one actor run."""
     if 0 <= i < len(shared.started):
         shared.started[i] = time.time()
-    slot: int | None = getattr(_counting, "slot", None)
-    if slot is None:
+    if getattr(_counting, "shared", None) is not shared:
         with shared.next_slot.get_lock():
-            slot = _counting.slot = shared.next_slot.value
+            _counting.shared, _counting.slot = shared, shared.next_slot.value
             shared.next_slot.value += 1
-    shared.counts[slot] += 1
+    shared.counts[_counting.slot] += 1
 
 
 def worker_process(

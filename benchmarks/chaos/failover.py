@@ -245,7 +245,7 @@ def _run(
                 relay_ok = relay.moved() >= relay.sent
             stats = [producer_stats(p) for p in producers]
             # A producer that raised what its retry does not catch stopped short of its count
-            failed = [p.returncode for p in producers if p.returncode != 0]
+            failed = sum(p.returncode != 0 for p in producers)
             orders = {r[0] for r in new.rows("SELECT key FROM chaos_orders")}
             wait_until(
                 lambda: orders <= _ledger_keys(ctx), 600, "every business row of the new primary to run"
@@ -295,7 +295,7 @@ def _run(
         f"without a business row: {len(without_row)}, not run: {len(not_run)}; ran although the "
         f"failover lost their transaction: {len(ran_but_lost)}; {len(killed)} server processes killed; "
         f"producers retried {errors} transactions (longest outage {outage:.1f} s); "
-        f"producers that failed: {len(failed)} (see producer-failover.log); "
+        f"producers that failed: {failed} (see producer-failover.log); "
         f"LISTEN connections on the new primary: {listeners}; the periodic job ran again "
         f"{first_tick:.1f} s after the first ack; {relay_note}; worker restarts: {restarts}",
         ok,
