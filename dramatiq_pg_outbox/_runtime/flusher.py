@@ -14,6 +14,7 @@ database refuses for good is quarantined alone (see :data:`UNWRITABLE`).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from .messages import (
     enqueue_statement,
     fence_params,
 )
+from .notifier import Notifier
 from .service import Service
 
 #: Errors that writing the same values again can never fix: SQLSTATE class 22 (data
@@ -45,6 +47,10 @@ from .service import Service
 #: ``Flusher._quarantine``).  Any other error (a lost connection, a missing grant, a
 #: schema not migrated yet) keeps the batch for a retry, as it may pass.
 UNWRITABLE = (psycopg.DataError, psycopg.IntegrityError)
+
+#: Longest wait for the reply of a NOTIFY written by :meth:`Flusher.notify_later`, in seconds: the
+#: connection is then closed and the payloads sent again on a pooled one.
+NOTIFY_REPLY_TIMEOUT = 5.0
 
 #: The ``error_type`` in history of a message quarantined because its follow-ups can never be written.
 FOLLOW_UP_NOT_WRITABLE = "FollowUpNotWritable"
@@ -159,6 +165,9 @@ class Flusher(Service):
         self._warm = False
         #: Set once :meth:`warm_up` has run (a test signal).
         self.warmed = threading.Event()
+        #: The wake-ups' own connection, opened by :meth:`warm_up` after :meth:`start_ahead`
+        #: (an after-commit broker's outbox): ``notify_later`` writes on it at once.
+        self.notifier: Notifier | None = None
 
     # Called from worker threads: lock-free appends, then a cheap signal.
     def ack(self, row_id: int, lease: uuid.UUID) -> None:
@@ -236,8 +245,16 @@ class Flusher(Service):
             self.logger.warning("Requeue of %d message(s) deferred to the flush loop: %s", len(rows), e)
 
     def notify_later(self, payloads: Sequence[str]) -> None:
-        """Send these NOTIFY payloads soon, from the broker's own connection."""
-        self.notifications.extend(payloads)
+        """Send these NOTIFY payloads soon, from the broker's own connection.
+
+        Written at once, without waiting for the reply, on the :attr:`notifier`'s connection
+        when the process has one and no statement is in flight on it (the flush thread
+        reads the reply); otherwise buffered for the flush thread, which sends them on a
+        pooled connection.
+        """
+        notifier = self.notifier
+        if notifier is None or not notifier.send(payloads):
+            self.notifications.extend(payloads)
         self._urgent.set()
         self._signal(1)
 
@@ -271,9 +288,22 @@ class Flusher(Service):
         try:
             with self.runtime.connection():
                 pass
+            self._open_notifier()
         except Exception as e:
             self.logger.debug("The flush thread could not warm a connection ahead: %s", e)
         self.warmed.set()
+
+    def _open_notifier(self) -> None:
+        """Open the :attr:`notifier`'s connection (after :meth:`start_ahead`), unless it is open."""
+        if self.notifier is None:
+            broker = self.runtime.broker
+            kwargs = {
+                "autocommit": True,
+                "application_name": f"dramatiq-pg-outbox:{os.getpid()}",
+                "prepare_threshold": None,
+            }
+            self.notifier = Notifier(broker.conninfo, self.runtime.channel, kwargs)
+        self.notifier.open()
 
     def _signal(self, size: int) -> None:
         if not self.started:
@@ -518,6 +548,10 @@ class Flusher(Service):
                     "expired and the message was released (it will be, or was, delivered again)",
                     stale,
                 )
+        notifier = self.notifier
+        if notifier is not None:
+            # A NOTIFY that failed, or whose connection broke, goes on a pooled connection.
+            self.notifications.extend(notifier.collect(NOTIFY_REPLY_TIMEOUT))
         if self.notifications:
             queues = sorted({self.notifications.popleft() for _ in range(len(self.notifications))})
             try:
@@ -526,6 +560,11 @@ class Flusher(Service):
             except Exception:
                 self.notifications.extend(queues)
                 raise
+            if notifier is not None and not notifier.connected:
+                try:
+                    notifier.open()  # the server is back: the next wake-up is written at once again
+                except psycopg.Error as e:
+                    self.logger.debug("The wake-ups' connection could not be opened again: %s", e)
         if self.commit_notifications:
             self._notify_committed()
         for key, value in done.items():
@@ -733,6 +772,17 @@ class Flusher(Service):
                 break
             if self.commit_notifications:
                 time.sleep(0.01)
+        # A wake-up written on the notifier's connection: its reply, then the connection closed.
+        notifier, self.notifier = self.notifier, None
+        if notifier is not None:
+            leftover = notifier.collect(max(0.0, grace - time.monotonic()))
+            notifier.close()
+            if leftover:
+                self.notifications.extend(leftover)
+                try:
+                    self.flush_once()
+                except Exception as e:
+                    self.logger.debug("Wake-ups not sent before shutdown: %s", e)
         if self.pending():
             self.logger.error(
                 "%d ack/nack/requeue decisions could not be written before shutdown; "

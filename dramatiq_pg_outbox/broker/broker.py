@@ -334,7 +334,8 @@ class PostgresBroker(Broker):
             elif binding is not None:
                 binding.add(self, stored)
                 if self.options.notify == "after_commit":
-                    # The commit hands its NOTIFY to the flush thread: have it ready by then.
+                    # The commit writes its NOTIFY on the notifier's connection (else the flush
+                    # thread sends it): have both ready by then.
                     self.runtime.flusher.start_ahead()
             else:
                 for item in self.runtime.enqueue(stored, notify=self.options.notify != "off"):
