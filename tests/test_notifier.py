@@ -12,7 +12,7 @@ from urllib.parse import quote
 import dramatiq
 import psycopg
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, event
 from sqlalchemy.orm import Session
 
 from dramatiq_pg_outbox import outbox
@@ -112,6 +112,34 @@ def test_a_session_commit_writes_its_wake_up_without_the_flush_thread(
     notifier = flusher.notifier
     assert notifier is not None
     wait_for(lambda: notifier._sent is None, 5.0, "the reply read")
+
+
+def test_a_connection_commit_writes_its_wake_up_once_the_commit_returned(
+    database_url: str, make_broker: Any, engine: Any
+) -> None:
+    broker, task = warm_after_commit_broker(make_broker, engine)
+    flusher = broker.runtime.flusher
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute(f'LISTEN "{broker.channel}"')
+        # Given the flush thread held up (a long flush pass)
+        with flusher._flush_lock:
+            # When a Connection commits one message
+            with engine.connect() as conn:
+                with outbox(conn, broker):
+                    task.send()
+                conn.commit()
+            # Then its wake-up arrives while the flush thread is still held up
+            notes = [n.payload for n in listener.notifies(timeout=2.0, stop_after=1)]
+            assert notes == ["q0"]
+    # And the transaction ran no statement for the wake-up (its transaction id is not needed)
+    assert any("INSERT" in s for s in statements)
+    assert not [s for s in statements if "xact" in s], statements
 
 
 def test_wake_ups_go_through_the_pool_while_the_notifier_connection_is_broken(

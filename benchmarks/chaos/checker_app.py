@@ -55,7 +55,7 @@ QUEUE = "chk"
 RECORD_URL = os.environ.get("CHECK_RECORD_URL", os.environ.get("CHECK_URL", ""))
 
 
-def make_broker(url: str, **settings: int) -> PostgresBroker:
+def make_broker(url: str, **settings: Any) -> PostgresBroker:
     """A broker with the middleware the checker's actors use: CurrentMessage, results, group callbacks."""
     made = PostgresBroker(url=url, **settings)
     made.add_middleware(CurrentMessage())

@@ -72,9 +72,10 @@ Not covered: a ``Session`` that joined a transaction it does not commit
 ``after_enqueue`` at ``session.commit()``, before that transaction commits.
 
 With ``notify="after_commit"`` the wake-up is sent from the broker's own
-connection after the commit (for sessions: written by the committing thread,
-without waiting for the reply, on a connection the broker keeps for wake-ups;
-for connections: once ``pg_xact_status`` reports the transaction committed).
+connection once the COMMIT returned: written by the committing thread,
+without waiting for the reply, on a connection the broker keeps for wake-ups
+(two-phase transactions: once ``pg_xact_status`` reports the transaction
+committed, see below).
 
 Savepoints must be made through SQLAlchemy (``begin_nested()``): a
 ``SAVEPOINT`` sent as raw SQL is invisible to the buffer.

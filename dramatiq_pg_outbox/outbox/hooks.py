@@ -410,7 +410,10 @@ def _hook_commit(dialect: Dialect) -> None:
         else:
             commit(dbapi_connection)  # raises if the COMMIT fails: ``stored`` is dropped
         for written in stored:
-            emit_after_enqueue(written)
+            if written.notify_at_commit:
+                written.broker.runtime.flusher.notify_later(written.payloads)
+            if written.announce:
+                emit_after_enqueue(written)
 
     def do_rollback(dbapi_connection: PoolProxiedConnection) -> None:
         _take_after_commit(dbapi_connection)
@@ -424,7 +427,8 @@ def _hook_commit(dialect: Dialect) -> None:
         stored = _take_after_commit(connection.connection)
         commit_twophase(connection, xid, is_prepared, recover)
         for written in stored:
-            emit_after_enqueue(written)
+            if written.announce:  # its wake-up waits for pg_xact_status (OutboxWrite.xid)
+                emit_after_enqueue(written)
 
     def do_rollback_twophase(
         connection: Connection, xid: Any, is_prepared: bool = True, recover: bool = False
@@ -528,7 +532,7 @@ def _connection_commit(conn: Connection) -> None:
     buffer = _current_buffer(conn)
     if buffer is None:
         return
-    announced: list[OutboxWrite] = []
+    announced: list[OutboxWrite] = []  # run by do_commit: after_enqueue, the wake-ups
     try:
         buffer.write(conn)
         written, buffer.written = buffer.written, []
@@ -543,9 +547,15 @@ def _connection_commit(conn: Connection) -> None:
                 )
                 surviving = {message_id for row_id, message_id in w.ids if row_id in alive}
                 w.stored = [item for item in w.stored if item.message.message_id in surviving]
+            w.announce = announce and bool(w.stored)
             if after_commit_notify and w.payloads and w.stored:
-                w.xid = message_store(w.broker.schema).current_xact_id(DriverCursor(conn))
-            if announce and w.stored:
+                if w.twophase:
+                    # COMMIT PREPARED may come from another session: the flush loop waits for
+                    # pg_xact_status of this transaction id.
+                    w.xid = message_store(w.broker.schema).current_xact_id(DriverCursor(conn))
+                else:
+                    w.notify_at_commit = True
+            if w.announce or w.notify_at_commit:
                 announced.append(w)
     except BaseException:
         # An exception raised by a commit event leaves SQLAlchemy's transaction closed but

@@ -32,8 +32,14 @@ class OutboxWrite:
     #: (row id, message id) of the rows, when they were written inside a savepoint that
     #: may still roll back (connections only): checked at commit.
     ids: list[tuple[int, str]] = field(default_factory=list)
-    #: The transaction id, for ``notify="after_commit"`` (or two-phase) on a Connection.
+    #: The transaction id, for a two-phase transaction's wake-up on a Connection.
     xid: str | None = None
+    #: A Connection's ``notify="after_commit"`` wake-up: sent by the dialect's ``do_commit`` once
+    #: the COMMIT returned.
+    notify_at_commit: bool = False
+    #: Whether ``after_enqueue`` runs for ``stored`` after the commit (a Connection's: only when a
+    #: middleware of the broker overrides it).
+    announce: bool = True
     #: Written in a two-phase transaction: PostgreSQL cannot PREPARE a transaction that ran
     #: NOTIFY, so the wake-up is sent after the second phase, from the broker's connection.
     twophase: bool = False
