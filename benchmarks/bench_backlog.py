@@ -115,6 +115,21 @@ def autovacuums(url: str) -> int:
     return int(row[0]) if row else 0
 
 
+def wal_position(url: str) -> int:
+    """The server's current WAL write position, in bytes (``pg_current_wal_lsn()``).
+
+    A backlog's due rows each on a page of their own make every claim dirty one page per
+    row, and the first change of a page after a checkpoint writes the whole page to the WAL
+    (``full_page_writes``): the WAL written per message tells what the drain cost the disk.
+    Read from the position, not ``pg_stat_wal``, whose counters a backend reports at most
+    once a second.
+    """
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def backlog_once(ctx: Context, size: int, *, record_explain: bool) -> dict[str, Any]:
     due = min(5_000, size // 2) if size <= 10_000 else 10_000
     dbname = "bench_backlog_ours"
@@ -131,9 +146,12 @@ def backlog_once(ctx: Context, size: int, *, record_explain: bool) -> dict[str, 
     try:
         group.start()
         vacuums = autovacuums(url)
+        wal_before = wal_position(ctx.admin_url)
         t0 = group.go()
         t1 = group.wait_for(due, DEFAULT_CAP_S)
         result["rate"] = due / (t1 - t0) if t1 else None
+        if t1:
+            result["wal_bytes_per_message"] = round((wal_position(ctx.admin_url) - wal_before) / due)
         # Autovacuum passes over the partitions that ended during the drain (they share its CPUs).
         result["autovacuums"] = autovacuums(url) - vacuums
     finally:
@@ -171,7 +189,8 @@ def run(ctx: Context) -> dict[str, Any]:
                     explains[size] = res
                 print(
                     f"  backlog run {run_no + 1} size {size:,}: {fmt_rate(res['rate'])} msgs/s "
-                    f"(autovacuum passes ended during the drain: {res.get('autovacuums')})",
+                    f"(autovacuum passes ended during the drain: {res.get('autovacuums')}; "
+                    f"WAL written per message: {res.get('wal_bytes_per_message')} bytes)",
                     flush=True,
                 )
             except Exception as e:

@@ -153,6 +153,8 @@ class Record:
     #: (time.time(), kind, pid or None for every worker process)
     faults: list[tuple[float, str, int | None]] = field(default_factory=list)
     spark_keys: dict[str, str] = field(default_factory=dict)  # key -> outcome
+    #: After-commit wake-ups the committing threads wrote on the notifier's connection.
+    written_at_commit: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, *items: Sent) -> None:
@@ -247,6 +249,7 @@ class Report:
     anomalies: Counter[str]
     examples: dict[str, list[str]]
     messages: int
+    written_at_commit: int = 0
 
     def line(self) -> str:
         ops = ",".join(f"{k}={v}" for k, v in sorted(self.ops.items()))
@@ -255,7 +258,8 @@ class Report:
         return (
             f"history-check seed={self.seed} isolation={SHORT[self.isolation]} {self.seconds:.0f}s "
             f"operations={sum(self.ops.values())} ({ops}) messages={self.messages} "
-            f"faults={sum(self.faults.values())} ({faults}) anomalies={anomalies} | again: python -m "
+            f"faults={sum(self.faults.values())} ({faults}) wake-ups written at commit="
+            f"{self.written_at_commit} anomalies={anomalies} | again: python -m "
             f"benchmarks.chaos.checker --seed {self.seed} --isolation {SHORT[self.isolation]} "
             f"--duration {self.duration:g}"
         )
@@ -341,6 +345,10 @@ class Run:
             loop.run_until_complete(async_engine.dispose())
             loop.close()
             engine.dispose()
+            notifier = broker.runtime.flusher.notifier if broker.has_runtime else None
+            if notifier is not None:
+                with self.record.lock:
+                    self.record.written_at_commit += notifier.sent
             checker_app.close_broker(broker)
 
     def _mode(self, rng: random.Random, slow: int = 5) -> tuple[str, int]:
@@ -757,7 +765,7 @@ class Run:
         faults = Counter(k for _, k, _ in self.record.faults if not k.endswith("_end"))
         seconds = time.monotonic() - started
         return Report(self.seed, self.isolation, self.duration, seconds, self.record.ops, faults, anomalies,
-                      examples, messages)  # fmt: skip
+                      examples, messages, self.record.written_at_commit)  # fmt: skip
 
 
 def _serialization_failure(e: BaseException) -> bool:

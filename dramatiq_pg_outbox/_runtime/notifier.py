@@ -1,11 +1,12 @@
 """The wake-ups' own connection, written on without waiting: :class:`Notifier`.
 
 With ``notify="after_commit"`` an outbox transaction's NOTIFY is sent by the broker once
-the application's ``commit()`` has returned.  Handed to the flush thread, it waited for
-that thread to wake, for the GIL (held by the application's thread until it blocks), for
-a pool checkout, and only then left the process: 0.54 ms at the median from ``commit()``
-returning to a listener holding it, against 0.11 ms for the statement's round trip alone
-(a trace of 550 commits, benchmarks/README.md section 32).
+the application's COMMIT has returned.  Handed to the flush thread, it waited for that
+thread to wake, for the GIL (held by the application's thread until it blocks) and for a
+pool checkout before it left the process: from ``commit()`` returning to a listener of the
+same process holding it, 0.42-0.56 ms at the median, against 0.09-0.11 ms written at once
+as below (``python -m benchmarks.wake_up_trace``, 2 x 1,000 commits a side,
+benchmarks/README.md section 32).
 
 The notifier keeps one connection of its own, in libpq's non-blocking mode, and the
 committing thread *writes* the statement on it and goes on without waiting for the
