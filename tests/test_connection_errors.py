@@ -23,6 +23,8 @@ from dramatiq_pg_outbox import PostgresBroker, upgrade
 from dramatiq_pg_outbox.errors import ConnectionRejected
 from dramatiq_pg_outbox.testing import ThrowawayPostgres
 
+from .helpers import Proxy
+
 ROOT = Path(__file__).resolve().parent.parent
 #: A pool_timeout far longer than any of these tests may take to see the error.
 LONG_WAIT = 60_000
@@ -83,6 +85,25 @@ def test_a_send_fails_at_once_with_the_cause_when_the_server_refuses_for_good(
         assert isinstance(raised.value, ConnectionFailed)
     finally:
         broker.close()
+
+
+def test_a_refusal_after_a_slow_first_attempt_fails_at_once(password_server: ThrowawayPostgres) -> None:
+    # Given a link on which the pool's first connection attempt takes longer than the 50 ms
+    # between two looks for a refusal (each forwarded chunk waits 100 ms)
+    proxy = Proxy(("127.0.0.1", password_server.port), latency=(0.1, 0.1))
+    url = f"postgresql://app:wrong-password@127.0.0.1:{proxy.port}/app"
+    broker = PostgresBroker(url=url, pool_timeout=LONG_WAIT)
+    try:
+        started = time.monotonic()
+        # When a message is sent
+        with pytest.raises(ConnectionRejected) as raised:
+            broker.queue_size("default")
+        # Then the refusal still comes at once, not after pool_timeout
+        assert time.monotonic() - started < LONG_WAIT / 1000 / 4
+        assert "password authentication failed" in str(raised.value)
+    finally:
+        broker.close()
+        proxy.close()
 
 
 def test_the_right_password_still_works_and_a_closed_port_is_still_waited_for(

@@ -153,6 +153,8 @@ class ProcessRuntime:
         self.reclaimer: Reclaimer | None = None
         #: This runtime's subscription to the process's LISTEN connection (consumers only).
         self.listener: Subscription | None = None
+        #: Set once the pool has opened a connection (see _configure and _checkout).
+        self._pool_connected = False
         self.closed = False
 
     # -- connections --------------------------------------------------------
@@ -204,14 +206,17 @@ class ProcessRuntime:
                 raise ConnectionRejected(reason)
             remaining = deadline - time.monotonic()
             try:
-                # Short waits while the pool has no connection, so that a refusal recorded
-                # meanwhile is seen within 50 ms; a pool whose connections are all busy is
-                # waited on for the rest of pool_timeout, in its queue.
+                # Short waits until the pool has opened a connection, so that a refusal
+                # recorded meanwhile is seen within 50 ms; once it has, a pool whose
+                # connections are all busy is waited on for the rest of pool_timeout, in its
+                # queue.  (Not the pool's "pool_size": it counts an attempt in progress, and a
+                # first attempt slower than 50 ms, then refused, was waited on for
+                # pool_timeout.)
                 return self.pool.getconn(timeout=max(0.001, min(remaining, step)))
             except PoolTimeout:
                 if time.monotonic() >= deadline:
                     raise
-                if self.pool.get_stats().get("pool_size", 0) > 0:
+                if self._pool_connected:
                     step = remaining
 
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
@@ -223,6 +228,7 @@ class ProcessRuntime:
         consumer the plain claims are planned now, not in a message's wake-up
         (:meth:`_plan_claims`).
         """
+        self._pool_connected = True
         if self.broker.options.prepare_threshold is not None:
             self.store.generic_plans(conn)
             if any(self.consumers.values()):
