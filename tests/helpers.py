@@ -11,9 +11,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 # The TCP proxy lives with the chaos suite, which cuts connections with it too.
 from benchmarks.chaos.harness import Proxy as Proxy
+
+#: The default isolation levels a database, a role or a URL may set (issue 31).
+ISOLATION_LEVELS = ("read committed", "repeatable read", "serializable")
+
+
+def with_url_default(url: str, level: str) -> str:
+    """``url`` whose sessions default to ``level`` by its ``options`` parameter."""
+    options = "-c default_transaction_isolation=" + level.replace(" ", "\\ ")
+    return f"{url}{'&' if '?' in url else '?'}options={quote(options, safe='')}"
 
 
 def reachable(host: str, port: int) -> bool:

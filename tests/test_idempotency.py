@@ -22,11 +22,9 @@ from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
 from dramatiq_pg_outbox.partitions import prune
 from dramatiq_pg_outbox.store.messages import MessageStore
 
-from .helpers import wait_for
+from .helpers import ISOLATION_LEVELS, wait_for
 
 QUERIES = queries_for_schema("dramatiq")
-#: The default isolation levels a database, a role or a URL may set (issue 31).
-ISOLATION_LEVELS = ("read committed", "repeatable read", "serializable")
 
 
 def keys(db: Any, table: str = "messages") -> list[Any]:

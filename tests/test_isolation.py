@@ -18,7 +18,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import quote
 
 import dramatiq
 import psycopg
@@ -38,7 +37,7 @@ from dramatiq_pg_outbox.migrations import downgrade, normalize_sqlalchemy_url
 from dramatiq_pg_outbox.testing import scratch_database
 
 from .conftest import FAST, SCHEMA
-from .helpers import wait_for
+from .helpers import wait_for, with_url_default
 from .pgbouncer import PgBouncer, pgbouncer_binary
 
 LEVELS = ("repeatable read", "serializable")
@@ -68,12 +67,6 @@ def set_database_default(url: str, level: str | None) -> None:
                     sql.Identifier(name), sql.Literal(level)
                 )
             )
-
-
-def with_url_default(url: str, level: str) -> str:
-    """``url`` whose sessions default to ``level`` by its ``options`` parameter."""
-    options = "-c default_transaction_isolation=" + level.replace(" ", "\\ ")
-    return f"{url}{'&' if '?' in url else '?'}options={quote(options, safe='')}"
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import threading
 import time
 from collections import defaultdict
 from typing import Any
-from urllib.parse import quote
 
 import dramatiq
 import psycopg
@@ -19,9 +18,8 @@ from dramatiq_pg_outbox import outbox
 from dramatiq_pg_outbox._runtime.notifier import Notifier, text_array
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
 
-from .helpers import wait_for
+from .helpers import ISOLATION_LEVELS, wait_for, with_url_default
 
-ISOLATION_LEVELS = ("read committed", "repeatable read", "serializable")
 ALIVE = "SELECT 1 FROM pg_stat_activity WHERE pid = %s"
 
 
@@ -180,8 +178,7 @@ def test_no_wake_up_is_lost_to_concurrent_commits_and_a_killed_connection(
     """Eight threads commit in turn on queues of their own, each waiting for its wake-up before
     its next commit, while the notifier's connection is terminated at random times: every commit's
     wake-up arrives (written by the committing thread, by the flush thread, or sent again)."""
-    level = isolation.replace(" ", "\\ ")
-    url = f"{database_url}?options={quote(f'-c default_transaction_isolation={level}')}"
+    url = with_url_default(database_url, isolation)
     engine = create_engine(normalize_sqlalchemy_url(url))
     try:
         broker, _ = warm_after_commit_broker(make_broker, engine, url)

@@ -14,7 +14,6 @@ database refuses for good is quarantined alone (see :data:`UNWRITABLE`).
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 import uuid
@@ -296,13 +295,8 @@ class Flusher(Service):
     def _open_notifier(self) -> None:
         """Open the :attr:`notifier`'s connection (after :meth:`start_ahead`), unless it is open."""
         if self.notifier is None:
-            broker = self.runtime.broker
-            kwargs = {
-                "autocommit": True,
-                "application_name": f"dramatiq-pg-outbox:{os.getpid()}",
-                "prepare_threshold": None,
-            }
-            self.notifier = Notifier(broker.conninfo, self.runtime.channel, kwargs)
+            runtime = self.runtime
+            self.notifier = Notifier(runtime.broker.conninfo, runtime.channel, runtime.connect_kwargs)
         self.notifier.open()
 
     def _signal(self, size: int) -> None:

@@ -62,6 +62,8 @@ class Runtime(Protocol):
     store: MessageStore
     channel: str
     worker_id: uuid.UUID
+    #: ``psycopg.Connection.connect`` keyword arguments of the process's connections.
+    connect_kwargs: dict[str, Any]
 
     def connection(self) -> AbstractContextManager[psycopg.Connection[Any]]: ...
 

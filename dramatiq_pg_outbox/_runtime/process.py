@@ -110,19 +110,21 @@ class ProcessRuntime:
         self.channel = broker.channel
         self.worker_id = uuid.uuid4()
         _rejected.pop(broker.conninfo, None)
+        #: How this process connects (the pool, and the flusher's notifier). The application
+        #: name tells operators (pg_stat_activity) which process holds which connection:
+        #: "dramatiq-pg-outbox:<pid>". prepare_threshold=None behind PgBouncer's transaction
+        #: pooling (docs/guides/pgbouncer.md).
+        self.connect_kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "application_name": f"dramatiq-pg-outbox:{self.pid}",
+            "prepare_threshold": broker.options.prepare_threshold,
+        }
         self.pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
             broker.conninfo,
             connection_class=_PoolConnection,
             min_size=1,
             max_size=broker.options.pool_size,
-            # The application name tells operators (pg_stat_activity) which
-            # process holds which connection: "dramatiq-pg-outbox:<pid>".
-            # prepare_threshold=None behind PgBouncer's transaction pooling (docs/guides/pgbouncer.md).
-            kwargs={
-                "autocommit": True,
-                "application_name": f"dramatiq-pg-outbox:{self.pid}",
-                "prepare_threshold": broker.options.prepare_threshold,
-            },
+            kwargs=self.connect_kwargs,
             timeout=broker.options.pool_timeout / 1000,
             name=f"dramatiq-pg-outbox-{self.pid}",
             open=False,

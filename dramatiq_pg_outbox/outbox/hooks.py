@@ -548,13 +548,10 @@ def _connection_commit(conn: Connection) -> None:
                 surviving = {message_id for row_id, message_id in w.ids if row_id in alive}
                 w.stored = [item for item in w.stored if item.message.message_id in surviving]
             w.announce = announce and bool(w.stored)
-            if after_commit_notify and w.payloads and w.stored:
-                if w.twophase:
-                    # COMMIT PREPARED may come from another session: the flush loop waits for
-                    # pg_xact_status of this transaction id.
-                    w.xid = message_store(w.broker.schema).current_xact_id(DriverCursor(conn))
-                else:
-                    w.notify_at_commit = True
+            if w.twophase and after_commit_notify and w.payloads and w.stored:
+                # COMMIT PREPARED may come from another session: the flush loop waits for
+                # pg_xact_status of this transaction id.
+                w.xid = message_store(w.broker.schema).current_xact_id(DriverCursor(conn))
             if w.announce or w.notify_at_commit:
                 announced.append(w)
     except BaseException:

@@ -34,9 +34,6 @@ class OutboxWrite:
     ids: list[tuple[int, str]] = field(default_factory=list)
     #: The transaction id, for a two-phase transaction's wake-up on a Connection.
     xid: str | None = None
-    #: A Connection's ``notify="after_commit"`` wake-up: sent by the dialect's ``do_commit`` once
-    #: the COMMIT returned.
-    notify_at_commit: bool = False
     #: Whether ``after_enqueue`` runs for ``stored`` after the commit (a Connection's: only when a
     #: middleware of the broker overrides it).
     announce: bool = True
@@ -49,6 +46,13 @@ class OutboxWrite:
         """Whether the wake-up is sent after the commit (never in the transaction)."""
         notify = self.broker.options.notify
         return notify == "after_commit" or (self.twophase and notify != "off")
+
+    @property
+    def notify_at_commit(self) -> bool:
+        """Whether a Connection's wake-up is sent by the dialect's ``do_commit`` once the COMMIT
+        returned: after commit, not two-phase (whose COMMIT PREPARED may come from another
+        session: see ``xid``), and a message stored."""
+        return self.notify_after_commit and not self.twophase and bool(self.payloads and self.stored)
 
 
 class DriverCursor:
