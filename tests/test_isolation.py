@@ -32,6 +32,7 @@ from dramatiq_pg_outbox import PostgresBroker, outbox, upgrade
 from dramatiq_pg_outbox import rate_limits as rate_limits_module
 from dramatiq_pg_outbox import results as results_module
 from dramatiq_pg_outbox._runtime.listener import subscribe
+from dramatiq_pg_outbox._runtime.notifier import Notifier
 from dramatiq_pg_outbox._runtime.reclaimer import Reclaimer
 from dramatiq_pg_outbox.migrations import downgrade, normalize_sqlalchemy_url
 from dramatiq_pg_outbox.testing import scratch_database
@@ -484,6 +485,16 @@ def _listener_level(url: str) -> str:
         sub.close()
 
 
+def _notifier_level(url: str) -> str:
+    notifier = Notifier(url, "iso_channel", {"autocommit": True})
+    notifier.open()
+    try:
+        assert notifier._conn is not None
+        return _show(notifier._conn)
+    finally:
+        notifier.close()
+
+
 def _results_level(url: str) -> str:
     backend = results_module.PostgresBackend(url=url)
     try:
@@ -605,6 +616,7 @@ def _alembic_env_level(url: str) -> str:
     [
         _broker_level,
         _listener_level,
+        _notifier_level,
         _results_level,
         _rate_limits_level,
         _relay_level,
@@ -732,7 +744,7 @@ def test_no_connection_of_the_package_is_opened_without_read_committed() -> None
             # Then none opens a bare psycopg connection (only _isolation.connect does, and sets it up),
             # every pool sets its connections up, and every engine names its isolation level
             if (
-                name in ("psycopg.connect", "psycopg.AsyncConnection.connect")
+                name in ("psycopg.connect", "psycopg.Connection.connect", "psycopg.AsyncConnection.connect")
                 and path.name != "_isolation.py"
             ):
                 found.append(where)

@@ -31,6 +31,8 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
+from .._isolation import connect
+
 #: The statement, with the channel and a ``text[]`` of payloads as text parameters.
 QUERY = b"SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p"
 
@@ -57,8 +59,8 @@ class Notifier:
     Parameters:
       conninfo(str): The broker's connection string.
       channel(str): The channel of every NOTIFY.
-      kwargs(dict[str, Any]): Passed to ``psycopg.Connection.connect`` (the pool's:
-        ``autocommit``, ``application_name``, ``prepare_threshold``).
+      kwargs(dict[str, Any]): Passed to ``psycopg.connect`` (the pool's: ``autocommit``,
+        ``application_name``, ``prepare_threshold``), through ``_isolation.connect``.
 
     Thread safety: :meth:`send` may be called from any thread; :meth:`open`,
     :meth:`collect` and :meth:`close` from the flush thread (or on stop).  A lock guards
@@ -94,7 +96,7 @@ class Notifier:
         """Open the connection, unless it is open.  Raises psycopg's error when the server refuses it."""
         if self.connected:
             return
-        conn = psycopg.Connection.connect(self.conninfo, **self.kwargs)
+        conn = connect(self.conninfo, **self.kwargs)  # at READ COMMITTED, as every connection of ours
         conn.pgconn.nonblocking = 1
         with self._lock:
             self._drop()
