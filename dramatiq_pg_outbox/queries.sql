@@ -786,6 +786,14 @@ DELETE FROM {schema}.workers WHERE id = %(id)s;
 -- lock (the history table, held by an operator) left this statement a now()
 -- later than its process's last heartbeat by that wait, which released the
 -- process's running messages (tests/test_flush_window.py, with prepare_threshold 0).
+-- The rows are then found by "m.id = ANY (ARRAY(SELECT id FROM stuck))", an
+-- InitPlan and a primary-key probe of each partition, not by a join with the
+-- CTE: on a table with no statistics (freshly filled, not yet analyzed) the
+-- join was a hash join that reads its outer side, a sequential scan of
+-- messages, before it looks at the (empty) CTE; with nothing stuck, the usual
+-- case, every pass read the whole table: 1.27 s and 25,542 pages written out
+-- for a backlog of 1,000,000 rows, during the drain (benchmarks/README.md,
+-- section 33).  release_orphans is written the same way.
 WITH stuck AS (
     SELECT m.id
     FROM {schema}.messages AS m
@@ -802,8 +810,7 @@ WITH stuck AS (
 ),
 canceled AS (
     DELETE FROM {schema}.messages AS m
-    USING stuck
-    WHERE m.id = stuck.id AND m.cancel_requested_at IS NOT NULL
+    WHERE m.id = ANY (ARRAY(SELECT id FROM stuck)) AND m.cancel_requested_at IS NOT NULL
     RETURNING m.*
 ),
 canceled_archived AS (
@@ -824,8 +831,8 @@ canceled_counted AS (
 ),
 quarantined AS (
     DELETE FROM {schema}.messages AS m
-    USING stuck
-    WHERE m.id = stuck.id AND m.attempts >= %(max_deliveries)s AND m.cancel_requested_at IS NULL
+    WHERE m.id = ANY (ARRAY(SELECT id FROM stuck)) AND m.attempts >= %(max_deliveries)s
+      AND m.cancel_requested_at IS NULL
     RETURNING m.*
 ),
 archived AS (
@@ -854,8 +861,8 @@ finished AS (
 released AS (
     UPDATE {schema}.messages AS m
     SET state = 'pending', lease = NULL, owner = NULL
-    FROM stuck
-    WHERE m.id = stuck.id AND m.attempts < %(max_deliveries)s AND m.cancel_requested_at IS NULL
+    WHERE m.id = ANY (ARRAY(SELECT id FROM stuck)) AND m.attempts < %(max_deliveries)s
+      AND m.cancel_requested_at IS NULL
     RETURNING m.queue_name
 ),
 dead_workers AS (
@@ -891,14 +898,12 @@ WITH orphans AS (
 released AS (
     UPDATE {schema}.messages AS m
     SET state = 'pending', attempts = greatest(m.attempts - 1, 0), lease = NULL, owner = NULL
-    FROM orphans
-    WHERE m.id = orphans.id AND m.cancel_requested_at IS NULL
+    WHERE m.id = ANY (ARRAY(SELECT id FROM orphans)) AND m.cancel_requested_at IS NULL
     RETURNING m.queue_name
 ),
 canceled AS (
     DELETE FROM {schema}.messages AS m
-    USING orphans
-    WHERE m.id = orphans.id AND m.cancel_requested_at IS NOT NULL
+    WHERE m.id = ANY (ARRAY(SELECT id FROM orphans)) AND m.cancel_requested_at IS NOT NULL
     RETURNING m.*
 ),
 archived AS (
