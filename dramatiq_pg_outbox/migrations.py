@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 #: Name of the alembic version table of our own environment.
 VERSION_TABLE = "dramatiq_pg_outbox_version"
 #: Revision number of the newest migration; the broker requires it.
-SCHEMA_REVISION = 23
+SCHEMA_REVISION = 24
 #: Isolation level of the migrations' own connections (``upgrade(url)``, ``migrate``): the revisions'
 #: statements were written for it, whatever the database's default (docs/guarantees.md, "Isolation
 #: levels").  psycopg begins each transaction with it, which holds behind PgBouncer too.

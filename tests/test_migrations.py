@@ -382,3 +382,36 @@ def test_the_upgrade_to_0023_keeps_limits_for_every_queue_and_the_downgrade_drop
             ).fetchall() == [("c:", 2)]
     finally:
         drop_schema(database_url, schema)
+
+
+def test_the_upgrade_to_0024_plans_the_ring_slot_once_per_session_and_the_downgrade_restores_it(
+    database_url: str,
+) -> None:
+    # Given a schema at revision 0023, whose message_slot() is a SQL function (re-planned in
+    # every statement that calls it: PostgreSQL cannot inline a SECURITY DEFINER function)
+    schema = "ring_slot_0024"
+    drop_schema(database_url, schema)
+    upgrade(database_url, schema=schema, revision="0023")
+    function = f"SELECT l.lanname, p.prosecdef, p.provolatile, p.proconfig FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang WHERE p.oid = '{schema}.message_slot'::regproc"  # noqa: E501
+    ring = f"SELECT {schema}.message_slot(), (SELECT slot FROM {schema}.message_ring)"
+    try:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            before = conn.execute(function).fetchone()
+            assert before is not None and before[0] == "sql"
+        # When it is upgraded to 0024
+        upgrade(database_url, schema=schema, revision="0024")
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            # Then the function is PL/pgSQL (its statement's plan kept for the session), with the
+            # same rights, volatility and search_path, and reads the ring's slot, after a turn too
+            assert conn.execute(function).fetchone() == ("plpgsql", *before[1:])
+            conn.execute(f"UPDATE {schema}.message_ring SET slot = 1")
+            assert conn.execute(ring).fetchone() == (1, 1)
+            conn.execute(f"UPDATE {schema}.message_ring SET slot = 0")
+            assert conn.execute(ring).fetchone() == (0, 0)
+        # And the downgrade restores the SQL function
+        downgrade(database_url, schema=schema, revision="0023")
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            assert conn.execute(function).fetchone() == before
+            assert conn.execute(ring).fetchone() == (0, 0)
+    finally:
+        drop_schema(database_url, schema)
