@@ -7,7 +7,9 @@ three other queues, written interleaved in id order.  A 1 x 8 ``Worker``
 drains ``dpo_bench`` until its M due messages have run.  The table is freshly
 filled (no ANALYZE, autovacuum off for its partitions during the fill) so the claim
 runs with no planner statistics, which is where a peer drains 3x slower;
-``EXPLAIN`` of the claim is recorded then, and again after ``ANALYZE``.
+``EXPLAIN`` of the claim is recorded then, and again after ``ANALYZE``.  Each run prints
+the WAL written per message and, where ``pg_stat_statements`` is loaded (the private
+server), the server's time in the worker's statements during the drain.
 """
 
 from __future__ import annotations
@@ -130,6 +132,50 @@ def wal_position(url: str) -> int:
     return int(row[0])
 
 
+#: Statements named in a drain's server-time summary, by a fragment of their text.
+STATEMENTS = (
+    ("claim", "WITH candidates AS"),
+    ("ack", "WITH done AS"),
+    ("rescue", "WITH stuck AS"),
+    ("orphan check", "WITH orphans AS"),
+)
+
+
+def reset_statements(url: str) -> bool:
+    """Empty ``pg_stat_statements`` (created in the database if needed); False without it."""
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            conn.execute("SELECT pg_stat_statements_reset()")
+    except psycopg.Error:  # not in shared_preload_libraries (a server given by --pg-url)
+        return False
+    return True
+
+
+def drain_statements(url: str) -> str:
+    """The server's time in the worker's statements since :func:`reset_statements`, costliest first.
+
+    Per statement: calls, total and mean execution ms, and the shared blocks read from outside
+    shared buffers, dirtied and written out (``pg_stat_statements``): where a drain among many
+    pending rows spends the server's time that a drain among few does not.
+    """
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT s.query, s.calls, s.total_exec_time, s.shared_blks_read, s.shared_blks_dirtied, "
+            "s.shared_blks_written FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
+            "WHERE d.datname = current_database() ORDER BY s.total_exec_time DESC"
+        ).fetchall()
+    parts = []
+    for query, calls, total, read, dirtied, written in rows:
+        name = next((n for n, fragment in STATEMENTS if fragment in query), None)
+        if name is not None:
+            parts.append(
+                f"{name} {calls:,} calls {total:,.0f} ms ({total / max(calls, 1):.2f} ms each; "
+                f"blocks read {read:,}, dirtied {dirtied:,}, written {written:,})"
+            )
+    return "; ".join(parts)
+
+
 def backlog_once(ctx: Context, size: int, *, record_explain: bool) -> dict[str, Any]:
     due = min(5_000, size // 2) if size <= 10_000 else 10_000
     dbname = "bench_backlog_ours"
@@ -147,11 +193,14 @@ def backlog_once(ctx: Context, size: int, *, record_explain: bool) -> dict[str, 
         group.start()
         vacuums = autovacuums(url)
         wal_before = wal_position(ctx.admin_url)
+        profiled = reset_statements(url)
         t0 = group.go()
         t1 = group.wait_for(due, DEFAULT_CAP_S)
         result["rate"] = due / (t1 - t0) if t1 else None
         if t1:
             result["wal_bytes_per_message"] = round((wal_position(ctx.admin_url) - wal_before) / due)
+        if profiled:
+            result["statements"] = drain_statements(url)
         # Autovacuum passes over the partitions that ended during the drain (they share its CPUs).
         result["autovacuums"] = autovacuums(url) - vacuums
     finally:
@@ -193,6 +242,8 @@ def run(ctx: Context) -> dict[str, Any]:
                     f"WAL written per message: {res.get('wal_bytes_per_message')} bytes)",
                     flush=True,
                 )
+                if res.get("statements"):
+                    print(f"    server time during the drain: {res['statements']}", flush=True)
             except Exception as e:
                 s.errors.append(ctx.failed(f"backlog run {run_no + 1} size {size:,}", e))
     base = series.get(sizes[0])
