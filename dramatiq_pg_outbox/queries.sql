@@ -267,16 +267,26 @@ LISTEN {channel};
 -- Ends the LISTEN of the listener's pooling probe (_runtime/listener.py, probe_listen).
 UNLISTEN {channel};
 
--- name: generic_plans --
--- Set on each connection of a broker's pool (unless prepare_threshold is None):
--- its prepared statements run one generic plan, never a custom plan per
+-- name: session_settings --
+-- Set on each connection of a broker's pool (unless prepare_threshold is None,
+-- PgBouncer's transaction pooling, where a session setting would reach other
+-- clients of the server connection).
+-- jit = off: the planner's estimates for the worker's statements grow with the
+-- table, not with the rows they touch (an id array from an InitPlan, a table
+-- with no statistics yet), and past jit_above_cost (100,000) PostgreSQL
+-- compiled each execution's expressions with LLVM: the rescuer's statement,
+-- which found nothing to do in 0.1 ms, took 72 ms a pass with 1,000,000 rows
+-- pending (161 functions compiled every time; benchmarks/README.md, section
+-- 33), and the ack's estimate was 95,000 there.  Statements that touch a few
+-- rows by index gain nothing from JIT.
+-- plan_cache_mode: its prepared statements run one generic plan, never a custom plan per
 -- execution.  Postgres chose custom plans for the claim, and planning it over
 -- the partitions of messages (migration 0013) cost 1.6 ms of a 1.6 ms claim of
 -- 64: with generic plans a claim took 0.83 ms (300 claims on one connection;
 -- 1.0 ms on the table before it was partitioned).  Every statement of the hot
 -- path has the same best plan whatever its parameters (index scans bounded by
 -- queue, due time and watermark; probes by id).
-SET plan_cache_mode = force_generic_plan;
+SELECT set_config('plan_cache_mode', 'force_generic_plan', false), set_config('jit', 'off', false);
 
 -- name: current_xact_id --
 -- The transaction's id (the outbox sends a prepared transaction's wake-ups after its commit).

@@ -20,10 +20,14 @@ from benchmarks.chaos.harness import Proxy as Proxy
 ISOLATION_LEVELS = ("read committed", "repeatable read", "serializable")
 
 
+def with_options(url: str, options: str) -> str:
+    """``url`` whose sessions start with the server settings ``options`` (``"-c name=value"``)."""
+    return f"{url}{'&' if '?' in url else '?'}options={quote(options, safe='')}"
+
+
 def with_url_default(url: str, level: str) -> str:
     """``url`` whose sessions default to ``level`` by its ``options`` parameter."""
-    options = "-c default_transaction_isolation=" + level.replace(" ", "\\ ")
-    return f"{url}{'&' if '?' in url else '?'}options={quote(options, safe='')}"
+    return with_options(url, "-c default_transaction_isolation=" + level.replace(" ", "\\ "))
 
 
 def reachable(host: str, port: int) -> bool:

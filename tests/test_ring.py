@@ -18,7 +18,7 @@ import pytest
 from dramatiq_pg_outbox import downgrade, upgrade
 from dramatiq_pg_outbox._runtime.reclaimer import Reclaimer, ReclaimResult
 from dramatiq_pg_outbox.dashboard.store import Store
-from tests.helpers import count, wait_for
+from tests.helpers import count, wait_for, with_options
 
 #: Generous bound for things that take milliseconds, in seconds (a loaded 2-core machine).
 SOON = 15
@@ -173,16 +173,46 @@ def test_a_partition_that_a_transaction_holds_is_skipped(reclaimer: Any, db: Any
     assert filenode(db, held) != node
 
 
-def test_the_pools_prepared_statements_run_generic_plans(make_broker: Any) -> None:
+def test_the_pools_prepared_statements_run_generic_plans_without_jit(make_broker: Any) -> None:
     # Given a broker, and one configured for PgBouncer's transaction pooling (nothing prepared)
     broker = make_broker()
     pooled = make_broker(prepare_threshold=None)
     # Then its connections plan a prepared statement once (planning the claim over the partitions
-    # cost as much as running it), and the other's carry no session setting to a shared server
+    # cost as much as running it) and compile none with JIT, and the other's carry no session
+    # setting to a shared server
     with broker.runtime.connection() as conn:
         assert conn.execute("SHOW plan_cache_mode").fetchone() == ("force_generic_plan",)
+        assert conn.execute("SHOW jit").fetchone() == ("off",)
     with pooled.runtime.connection() as conn:
         assert conn.execute("SHOW plan_cache_mode").fetchone() == ("auto",)
+        assert conn.execute(
+            "SELECT current_setting('jit') = reset_val FROM pg_settings WHERE name = 'jit'"
+        ).fetchone() == (True,)
+
+
+def test_the_rescuer_compiles_nothing_with_jit_however_costly_its_plan_looks(
+    make_broker: Any, database_url: str, db: Any
+) -> None:
+    from dramatiq_pg_outbox._queries import queries_for_schema
+
+    if not db.execute("SELECT pg_jit_available()").fetchone()[0]:
+        pytest.skip("this server has no JIT (PostgreSQL built without LLVM)")
+    # Given a broker whose sessions start with JIT at any plan cost (what a large table with no
+    # statistics made of the rescuer's plan: an estimate of 170,000 for 1,000,000 rows pending,
+    # past the default jit_above_cost of 100,000, and 72 ms of compiling a pass that found nothing)
+    broker = make_broker(url=with_options(database_url, "-c jit_above_cost=0"))
+    # When the rescuer's statement runs on one of its connections
+    params = {
+        "worker_id": broker.runtime.worker_id, "heartbeat_timeout_ms": 10_000, "max_lease_ms": None,
+        "max_deliveries": 20, "channel": broker.channel,
+    }  # fmt: skip
+    with broker.runtime.connection() as conn, conn.transaction(force_rollback=True):
+        plan = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + queries_for_schema("dramatiq")["rescue"], params
+        )
+        found = plan.fetchone()[0][0]
+    # Then nothing was compiled (on the parent commit: "JIT": {"Functions": 161, ...})
+    assert "JIT" not in found, found["JIT"]
 
 
 # -- operator actions against a move in progress ---------------------------------------------

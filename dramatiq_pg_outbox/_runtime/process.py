@@ -222,17 +222,18 @@ class ProcessRuntime:
                     step = remaining
 
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
-        """A new pooled connection: generic plans; in a consuming process, the claims planned.
+        """A new pooled connection: generic plans, no JIT; in a consuming process, the claims planned.
 
         Unless behind PgBouncer's transaction pooling (``prepare_threshold=None``: nothing is
         prepared there, and a session setting would reach other clients of the server
-        connection), prepared statements run generic plans, and once the process has a
-        consumer the plain claims are planned now, not in a message's wake-up
-        (:meth:`_plan_claims`).
+        connection), prepared statements run generic plans, JIT is off (the statements'
+        estimates grow with a large table, and JIT compiled the rescuer's every pass: see
+        ``session_settings`` in queries.sql), and once the process has a consumer the
+        plain claims are planned now, not in a message's wake-up (:meth:`_plan_claims`).
         """
         self._pool_connected = True
         if self.broker.options.prepare_threshold is not None:
-            self.store.generic_plans(conn)
+            self.store.session_settings(conn)
             if any(self.consumers.values()):
                 self._plan_claims(conn)
 

@@ -313,9 +313,9 @@ class MessageStore(SchemaStore):
             conn.cursor().executemany(query, many)
 
     # -- connections ----------------------------------------------------------------------
-    def generic_plans(self, conn: psycopg.Connection[Any]) -> None:
-        """Make ``conn``'s prepared statements run one generic plan (``generic_plans``)."""
-        conn.execute(self.queries["generic_plans"])
+    def session_settings(self, conn: psycopg.Connection[Any]) -> None:
+        """Make ``conn``'s prepared statements run one generic plan, and no JIT (``session_settings``)."""
+        conn.execute(self.queries["session_settings"])
 
     def schema_revision(self, cursor: Cursor) -> SchemaRevision:
         """Whether the schema's ``messages`` table exists, and its comment (which holds the revision).
