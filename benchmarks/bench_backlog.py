@@ -141,6 +141,22 @@ STATEMENTS = (
 )
 
 
+#: The worker's statements in ``pg_stat_statements``, with their JIT counters (PostgreSQL 15 and later).
+STATEMENT_TIMES = (
+    "SELECT s.query, s.calls, s.total_exec_time, s.shared_blks_read, s.shared_blks_dirtied, "
+    "s.shared_blks_written, s.jit_functions, "
+    "s.jit_generation_time + s.jit_inlining_time + s.jit_optimization_time + s.jit_emission_time "
+    "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
+    "WHERE d.datname = current_database() ORDER BY s.total_exec_time DESC"
+)
+#: The same before PostgreSQL 15, which does not count JIT there.
+STATEMENT_TIMES_14 = STATEMENT_TIMES.replace(
+    "s.jit_functions, "
+    "s.jit_generation_time + s.jit_inlining_time + s.jit_optimization_time + s.jit_emission_time",
+    "NULL::bigint, NULL::float8",
+)
+
+
 def reset_statements(url: str) -> bool:
     """Empty ``pg_stat_statements`` (created in the database if needed); False without it."""
     try:
@@ -155,23 +171,25 @@ def reset_statements(url: str) -> bool:
 def drain_statements(url: str) -> str:
     """The server's time in the worker's statements since :func:`reset_statements`, costliest first.
 
-    Per statement: calls, total and mean execution ms, and the shared blocks read from outside
-    shared buffers, dirtied and written out (``pg_stat_statements``): where a drain among many
-    pending rows spends the server's time that a drain among few does not.
+    Read once the worker process has stopped, so that a statement that ran during the drain
+    and ended after it is counted (a pass of the rescuer that started during the drain).
+
+    Per statement: calls, total and mean execution ms, the shared blocks read from outside
+    shared buffers, dirtied and written out, and what JIT compiled, if anything
+    (``pg_stat_statements``): where a drain among many pending rows spends the server's time
+    that a drain among few does not.
     """
     with psycopg.connect(url, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT s.query, s.calls, s.total_exec_time, s.shared_blks_read, s.shared_blks_dirtied, "
-            "s.shared_blks_written FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
-            "WHERE d.datname = current_database() ORDER BY s.total_exec_time DESC"
-        ).fetchall()
+        query = STATEMENT_TIMES if conn.info.server_version >= 150000 else STATEMENT_TIMES_14
+        rows = conn.execute(query).fetchall()
     parts = []
-    for query, calls, total, read, dirtied, written in rows:
+    for query, calls, total, read, dirtied, written, jit_functions, jit_ms in rows:
         name = next((n for n, fragment in STATEMENTS if fragment in query), None)
         if name is not None:
+            compiled = f", JIT {jit_functions:,} functions {jit_ms:,.0f} ms" if jit_functions else ""
             parts.append(
                 f"{name} {calls:,} calls {total:,.0f} ms ({total / max(calls, 1):.2f} ms each; "
-                f"blocks read {read:,}, dirtied {dirtied:,}, written {written:,})"
+                f"blocks read {read:,}, dirtied {dirtied:,}, written {written:,}{compiled})"
             )
     return "; ".join(parts)
 
@@ -199,12 +217,12 @@ def backlog_once(ctx: Context, size: int, *, record_explain: bool) -> dict[str, 
         result["rate"] = due / (t1 - t0) if t1 else None
         if t1:
             result["wal_bytes_per_message"] = round((wal_position(ctx.admin_url) - wal_before) / due)
-        if profiled:
-            result["statements"] = drain_statements(url)
         # Autovacuum passes over the partitions that ended during the drain (they share its CPUs).
         result["autovacuums"] = autovacuums(url) - vacuums
     finally:
         group.close()
+    if profiled:  # once the worker has stopped: a statement still running at the drain's end counts
+        result["statements"] = drain_statements(url)
     if record_explain:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("ANALYZE dramatiq.messages")
@@ -243,7 +261,7 @@ def run(ctx: Context) -> dict[str, Any]:
                     flush=True,
                 )
                 if res.get("statements"):
-                    print(f"    server time during the drain: {res['statements']}", flush=True)
+                    print(f"    server time during the drain and the stop: {res['statements']}", flush=True)
             except Exception as e:
                 s.errors.append(ctx.failed(f"backlog run {run_no + 1} size {size:,}", e))
     base = series.get(sizes[0])
