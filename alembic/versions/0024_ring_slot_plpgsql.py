@@ -34,29 +34,27 @@ depends_on: Sequence[str] | None = None
 # ruff: noqa: S608 - the only interpolated name is the validated, quoted schema.
 
 
-def upgrade() -> None:
-    schema = schema_for_migration()
-    s = quote_ident(schema)
+def _create_message_slot(s: str, language: str, body: str) -> None:
+    """``CREATE OR REPLACE`` of ``message_slot()``: its owner's rights, search_path and grants kept."""
     op.execute(
         f"""
         CREATE OR REPLACE FUNCTION {s}.message_slot() RETURNS smallint
-        LANGUAGE plpgsql STABLE SECURITY DEFINER
+        LANGUAGE {language} STABLE SECURITY DEFINER
         SET search_path = pg_catalog, pg_temp
-        AS $fn$ BEGIN RETURN (SELECT slot FROM {s}.message_ring); END $fn$
+        AS $fn$ {body} $fn$
         """
     )
+
+
+def upgrade() -> None:
+    schema = schema_for_migration()
+    s = quote_ident(schema)
+    _create_message_slot(s, "plpgsql", f"BEGIN RETURN (SELECT slot FROM {s}.message_ring); END")
     set_schema_revision(op.execute, schema, 24)
 
 
 def downgrade() -> None:
     schema = schema_for_migration()
     s = quote_ident(schema)
-    op.execute(
-        f"""
-        CREATE OR REPLACE FUNCTION {s}.message_slot() RETURNS smallint
-        LANGUAGE sql STABLE SECURITY DEFINER
-        SET search_path = pg_catalog, pg_temp
-        AS $fn$ SELECT slot FROM {s}.message_ring $fn$
-        """
-    )
+    _create_message_slot(s, "sql", f"SELECT slot FROM {s}.message_ring")  # as migration 0013 made it
     set_schema_revision(op.execute, schema, 23)
