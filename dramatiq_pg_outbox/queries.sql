@@ -801,9 +801,10 @@ DELETE FROM {schema}.workers WHERE id = %(id)s;
 -- CTE: on a table with no statistics (freshly filled, not yet analyzed) the
 -- join was a hash join that reads its outer side, a sequential scan of
 -- messages, before it looks at the (empty) CTE; with nothing stuck, the usual
--- case, every pass read the whole table: 1.27 s and 25,542 pages written out
--- for a backlog of 1,000,000 rows, during the drain (benchmarks/README.md,
--- section 33).  release_orphans is written the same way.
+-- case, every pass read the whole table: 25,542 pages for a backlog of
+-- 1,000,000 rows, each dirtied and written out by the first pass, during the
+-- drain (benchmarks/README.md, section 33).  release_orphans is written the
+-- same way.
 WITH stuck AS (
     SELECT m.id
     FROM {schema}.messages AS m

@@ -392,7 +392,10 @@ def test_the_upgrade_to_0024_plans_the_ring_slot_once_per_session_and_the_downgr
     schema = "ring_slot_0024"
     drop_schema(database_url, schema)
     upgrade(database_url, schema=schema, revision="0023")
-    function = f"SELECT l.lanname, p.prosecdef, p.provolatile, p.proconfig FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang WHERE p.oid = '{schema}.message_slot'::regproc"  # noqa: E501
+    function = (
+        "SELECT l.lanname, p.prosecdef, p.provolatile, p.proconfig FROM pg_proc AS p "
+        f"JOIN pg_language AS l ON l.oid = p.prolang WHERE p.oid = '{schema}.message_slot'::regproc"
+    )
     ring = f"SELECT {schema}.message_slot(), (SELECT slot FROM {schema}.message_ring)"
     try:
         with psycopg.connect(database_url, autocommit=True) as conn:

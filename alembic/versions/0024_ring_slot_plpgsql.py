@@ -5,11 +5,11 @@ Every unkeyed message's row reads the ring's current partition through
 statements (migration 0013).  It was a SQL function, ``SECURITY DEFINER`` with
 its own ``search_path`` (the roles of docs/security.md need no privilege on
 ``message_ring``), which PostgreSQL cannot inline: the SQL-function executor then
-parses and plans its ``SELECT`` again in every statement that calls it.  That was
-about 40 us of the server's ~140 us for the outbox's one-message insert
-(``enqueue_one``, ``pgbench -M prepared``, one client: 313 against 277 us per
-transaction; benchmarks/README.md, section 33).  PL/pgSQL keeps the plan of its
-statement for the session.  The function stays ``STABLE``, so it reads the ring
+parses and plans its ``SELECT`` again in every statement that calls it.  PL/pgSQL
+keeps the plan of its statement for the session: a transaction of one business row
+and the outbox's one-message insert (``enqueue_one``) went from 301-305 to 286-290 us
+(``python -m benchmarks.profile_outbox_send --pgbench``: ``pgbench -M prepared``, one
+client; benchmarks/README.md, section 33).  The function stays ``STABLE``, so it reads the ring
 in the calling statement's snapshot as before (what migration 0016 relies on),
 and keeps its owner's rights, its ``search_path`` and its grants (``CREATE OR
 REPLACE``).  The downgrade restores 0013's SQL function.
