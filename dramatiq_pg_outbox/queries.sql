@@ -1274,6 +1274,19 @@ WITH counted AS (
 )
 SELECT NOT coalesce((SELECT counted FROM counted), false);
 
+-- name: rate_limit_lock_keys --
+-- Takes the window limiter's lock of each of %(keys)s for the transaction, in key
+-- order, as rate_limit_incr_and_sum() does (migration 0008, lock class 0x726C =
+-- 29292).  The backend takes them first, then asks the limiter for its window
+-- again and runs rate_limit_incr_and_sum() with that one in the same transaction:
+-- a window computed before a wait for these locks may end before a second that
+-- began during the wait, whose bucket another call filled meanwhile (one call
+-- over the limit, tests/test_rate_limits.py).  The later window's new buckets
+-- come after every key held here, so the locks are still taken in one order.
+SELECT count(*)
+FROM (SELECT pg_advisory_xact_lock(29292, hashtext(k))
+      FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS k ORDER BY k) AS ordered) AS locked;
+
 -- name: rate_limit_incr_and_sum --
 -- Adds %(amount)s to the key unless the key's new value, or %(amount)s plus the
 -- sum of the live %(keys)s, would exceed %(maximum)s (a window limiter: the key

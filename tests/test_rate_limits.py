@@ -190,6 +190,21 @@ def test_a_window_rate_limiter_admits_at_most_its_limit_per_window(backend: Post
     assert sum(calls) == 10
 
 
+def test_the_window_limiter_sums_the_window_as_of_when_it_holds_the_locks(backend: PostgresBackend) -> None:
+    # Given a limit of 10 reached over two one-second buckets: 9 calls in second 1, then one in
+    # second 2 by a caller whose window began in second 2
+    assert backend.incr_and_sum("w@1", lambda: ["w@1"], 9, maximum=10, ttl=60_000)
+    assert backend.incr_and_sum("w@2", lambda: ["w@2", "w@1"], 1, maximum=10, ttl=60_000)
+    # When a caller that asked in second 1 (its window: seconds 0 and 1), and waited for the
+    # window's locks until second 2 had begun, asks for one more
+    windows = iter([["w@1", "w@0"], ["w@2", "w@1"]])
+    admitted = backend.incr_and_sum("w@1", lambda: next(windows), 1, maximum=10, ttl=60_000)
+    # Then it is refused: the window summed is the one of when the locks are held (on the parent
+    # commit the window of before the wait was summed, 9 of 10, and an 11th call was admitted,
+    # as in one CI run of the 16-thread test of test_isolation.py)
+    assert not admitted
+
+
 def test_a_bucket_rate_limiter_admits_at_most_its_limit_per_bucket(backend: PostgresBackend) -> None:
     limiter = BucketRateLimiter(backend, "bucket", limit=2, bucket=5_000)
     # (start early in a bucket, so that the calls do not straddle two)

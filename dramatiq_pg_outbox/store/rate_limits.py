@@ -2,7 +2,9 @@
 
 Run by :class:`~dramatiq_pg_outbox.rate_limits.PostgresBackend` (Dramatiq's
 ``RateLimiterBackend``) and its :class:`~dramatiq_pg_outbox.rate_limits.JoinedGroupCallbacks`.
-Every operation is one statement on an autocommit connection; times are in milliseconds.
+Every operation is one statement on an autocommit connection, but the window limiter's
+(:meth:`RateLimitStore.lock_keys`, then :meth:`RateLimitStore.incr_and_sum`, in one
+transaction); times are in milliseconds.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class RateLimitStore(SchemaStore):
         """Add ``amount`` to ``key`` unless ``amount`` plus the sum of ``keys`` would exceed ``maximum``."""
         params = {"key": key, "keys": list(keys), "amount": amount, "maximum": maximum, "ttl": ttl}
         return self._applied(conn, self.queries["rate_limit_incr_and_sum"], params)
+
+    def lock_keys(self, conn: psycopg.Connection[Any], *, keys: Sequence[str]) -> None:
+        """Take the window limiter's lock of each of ``keys`` until ``conn``'s transaction ends."""
+        conn.execute(self.queries["rate_limit_lock_keys"], {"keys": list(keys)})
 
     def notify(self, conn: psycopg.Connection[Any], *, key: str, ttl: int, channel: str) -> None:
         """Publish an event on ``key`` that lives ``ttl`` ms, and announce it on ``channel``."""
