@@ -1,4 +1,4 @@
-"""Rate-limiter backends: acquisitions per second of Dramatiq's ``ConcurrentRateLimiter``.
+"""Rate-limiter backends: acquisitions per second of Dramatiq's concurrent and window limiters.
 
 ``python -m benchmarks.run --scenarios rate_limits`` (issue 19).  Backends, measured
 in the same run, in interleaved rounds:
@@ -10,9 +10,11 @@ in the same run, in interleaved rounds:
 - iddqueue 0.13's ``PostgresRateLimiterBackend`` (a transaction with advisory locks per
   operation), when installed.
 
-Two cases, 8 threads in one process each: ``free`` (limit 8: every acquisition succeeds;
-one acquisition is an ``incr`` and a ``decr``) and ``contended`` (limit 1: threads
-compete, ``raise_on_failure=False``; admitted acquisitions per second).  Every
+Three cases, 8 threads in one process each: ``free`` (limit 8: every acquisition succeeds;
+one acquisition is an ``incr`` and a ``decr``), ``contended`` (limit 1: threads
+compete, ``raise_on_failure=False``; admitted acquisitions per second), and ``window``
+(a ``WindowRateLimiter`` of 60 one-second buckets whose limit is never reached: one
+acquisition is an ``incr_and_sum`` over the window).  Every
 PostgreSQL backend gets a database of its own on the benchmark's durable server
 (fsync and synchronous_commit on).
 """
@@ -23,14 +25,14 @@ import threading
 import time
 from typing import Any
 
-from dramatiq.rate_limits import ConcurrentRateLimiter
+from dramatiq.rate_limits import ConcurrentRateLimiter, WindowRateLimiter
 
 from .bench_common import Context, Series, db_name, drop_database, fmt_rate, markdown_table, recreate_database
 
 #: Seconds each case runs per backend and round.
 SECONDS = 3.0
 THREADS = 8
-CASES = (("free", THREADS), ("contended", 1))
+CASES = (("free", THREADS), ("contended", 1), ("window", 10**9))
 
 
 def _backends(ctx: Context) -> dict[str, Any]:
@@ -79,8 +81,16 @@ def _backends(ctx: Context) -> dict[str, Any]:
 def acquisitions_per_second(
     backend: Any, key: str, limit: int, seconds: float = SECONDS
 ) -> tuple[float, float]:
-    """(admitted acquisitions/s, attempts/s) of THREADS threads for ``seconds`` on one limiter."""
-    limiter = ConcurrentRateLimiter(backend, key, limit=limit, ttl=60_000)
+    """(admitted acquisitions/s, attempts/s) of THREADS threads for ``seconds`` on one limiter.
+
+    The limiter is a ``ConcurrentRateLimiter``, or, for a ``key`` of the ``window`` case, a
+    ``WindowRateLimiter`` of 60 s.
+    """
+    limiter: Any = (
+        WindowRateLimiter(backend, key, limit=limit, window=60)
+        if key.startswith("bench-window")
+        else ConcurrentRateLimiter(backend, key, limit=limit, ttl=60_000)
+    )
     stop = time.monotonic() + seconds
     counts = [[0, 0] for _ in range(THREADS)]
 
