@@ -276,9 +276,9 @@ UNLISTEN {channel};
 -- with no statistics yet), and past jit_above_cost (100,000) PostgreSQL
 -- compiled each execution's expressions with LLVM: the rescuer's statement,
 -- which found nothing to do in 0.1 ms, took 72 ms a pass with 1,000,000 rows
--- pending (161 functions compiled every time; benchmarks/README.md, section
--- 33), and the ack's estimate was 95,000 there.  Statements that touch a few
--- rows by index gain nothing from JIT.
+-- pending (benchmarks/README.md, section 33: the backlog scenario's printout of
+-- the statements' times, JIT included).  Statements that touch a few rows by
+-- index gain nothing from JIT.
 -- plan_cache_mode: its prepared statements run one generic plan, never a custom plan per
 -- execution.  Postgres chose custom plans for the claim, and planning it over
 -- the partitions of messages (migration 0013) cost 1.6 ms of a 1.6 ms claim of
