@@ -12,6 +12,7 @@ belong to the ack").  Before that rule, ``Broker.emit_after`` swallowed the
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -50,11 +51,37 @@ class Outage:
         self.proxy = Proxy((url.host or "127.0.0.1", url.port or 5432))
         self.url = url.set(host="127.0.0.1", port=self.proxy.port).render_as_string(hide_password=False)
         self.cuts = 0
+        #: Who cut, in order (an assertion on ``cuts`` prints it: a delivery run twice shows).
+        self.cutters: list[str] = []
         self._timers: list[threading.Timer] = []
+        self._sent = threading.Event()
+        self._sent.set()
 
-    def cut(self) -> None:
-        """Close every connection through the proxy now and refuse new ones for ``OUTAGE`` seconds."""
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """Hold every cut until the test's own send in this block has returned.
+
+        An actor that cuts as soon as it starts can otherwise cut between the COMMIT of
+        the send that enqueued it and the reply reaching the test (the reply crosses this
+        process's proxy threads too): the send then raises ``BrokerConnectionError`` for a
+        message that was written, and a retried send enqueues it twice. That duplicate is
+        the producer's (no client can tell a lost reply from a lost commit), not the
+        worker's, which is what these tests are about.
+        """
+        self._sent.clear()
+        try:
+            yield
+        finally:
+            self._sent.set()
+
+    def cut(self, by: str = "") -> None:
+        """Close every connection through the proxy now and refuse new ones for ``OUTAGE`` seconds.
+
+        Waits first (at most 30 s) for a send in :meth:`sending` to return.
+        """
+        self._sent.wait(30)
         self.cuts += 1
+        self.cutters.append(by)
         self.proxy.block()
         timer = threading.Timer(OUTAGE, self.proxy.unblock)
         timer.daemon = True
@@ -125,7 +152,7 @@ def test_a_retry_stored_while_the_database_is_unreachable_still_runs(
     def flaky(key: str) -> None:
         runs.append(key)
         if len(runs) == 1:
-            outage.cut()
+            outage.cut(key)
             raise RuntimeError("fails once")
 
     actor = dramatiq.actor(
@@ -137,7 +164,7 @@ def test_a_retry_stored_while_the_database_is_unreachable_still_runs(
     # Then the retry is written with the ack once the database is back, and runs
     wait_for(lambda: len(runs) == 2, 30, "the retry ran")
     wait_for(_finished(db, queue, 2), 15, "both deliveries archived")
-    assert outage.cuts == 1
+    assert outage.cuts == 1, outage.cutters
     assert _history(db, queue) == [("completed", "RuntimeError"), ("completed", None)]
 
 
@@ -147,7 +174,7 @@ def test_the_next_pipeline_step_and_callbacks_survive_an_outage(
     queue, seen = _queue(), []
 
     def step_one(x: int) -> int:
-        outage.cut()
+        outage.cut(f"step_one({x})")
         return x + 1
 
     def step_two(x: int) -> None:
@@ -163,7 +190,7 @@ def test_the_next_pipeline_step_and_callbacks_survive_an_outage(
         seen.append(("on_retry_exhausted", retries["retries"]))
 
     def boom() -> None:
-        outage.cut()
+        outage.cut("boom")
         raise ValueError("boom")
 
     one = dramatiq.actor(step_one, broker=proxied, queue_name=queue)
@@ -175,21 +202,24 @@ def test_the_next_pipeline_step_and_callbacks_survive_an_outage(
     start_worker(proxied, worker_threads=1)
 
     # A pipeline: step_one cuts the database as it returns; Pipelines enqueues step_two then
-    (one.message(1) | two.message()).run()
+    with outage.sending():
+        (one.message(1) | two.message()).run()
     wait_for(lambda: ("step_two", 2) in seen, 30, "the next pipeline step ran")
     # on_success: Callbacks sends it right after the actor (this test's own sends may meet a pooled
     # connection that the cut closed: a send raises BrokerConnectionError then, and is retried as a
     # producer would; what is tested here is the worker's side)
-    send_retrying(lambda: one.send_with_options(args=(10,), on_success=on_success))
+    with outage.sending():
+        send_retrying(lambda: one.send_with_options(args=(10,), on_success=on_success))
     wait_for(lambda: ("on_success", 11) in seen, 30, "on_success ran")
     # on_failure and on_retry_exhausted: sent before a nack
-    send_retrying(
-        lambda: fails.send_with_options(on_failure=on_failure, on_retry_exhausted=on_exhausted.actor_name)
-    )
+    with outage.sending():
+        send_retrying(
+            lambda: fails.send_with_options(on_failure=on_failure, on_retry_exhausted=on_exhausted.actor_name)
+        )
     wait_for(lambda: ("on_failure", "ValueError") in seen, 30, "on_failure ran")
     wait_for(lambda: ("on_retry_exhausted", 0) in seen, 30, "on_retry_exhausted ran")
     wait_for(_finished(db, queue, 7), 15, "every message archived")
-    assert outage.cuts == 3
+    assert outage.cuts == 3, outage.cutters
     states = sorted(_history(db, queue), key=str)
     assert states == sorted([("completed", None)] * 6 + [("failed", "ValueError")], key=str)
 
@@ -204,11 +234,11 @@ def test_results_stored_while_the_database_is_unreachable_are_kept(
     queue = _queue()
 
     def answer() -> int:
-        outage.cut()
+        outage.cut("answer")
         return 42
 
     def fail() -> None:
-        outage.cut()
+        outage.cut("fail")
         raise KeyError("missing")
 
     ok = dramatiq.actor(answer, broker=proxied, queue_name=queue, store_results=True)
@@ -216,16 +246,18 @@ def test_results_stored_while_the_database_is_unreachable_are_kept(
     start_worker(proxied, worker_threads=1)
     try:
         # When the result is stored (after the actor) and the failure (after the nack) during outages
-        message = ok.send()
+        with outage.sending():
+            message = ok.send()
         assert message.get_result(backend=backend, block=True, timeout=30_000) == 42
-        failure = bad.send()
+        with outage.sending():
+            failure = bad.send()
         # Then both are there once the database is back
         with pytest.raises(ResultFailure, match="missing"):
             failure.get_result(backend=backend, block=True, timeout=30_000)
     finally:
         backend.close()
     wait_for(_finished(db, queue, 2), 15, "both archived")
-    assert outage.cuts == 2
+    assert outage.cuts == 2, outage.cutters
 
 
 def test_a_group_completion_callback_survives_an_outage(
@@ -243,7 +275,7 @@ def test_a_group_completion_callback_survives_an_outage(
     queue, seen = _queue(), []
 
     def member(n: int) -> None:
-        outage.cut()
+        outage.cut(f"member({n})")
         seen.append(n)
 
     def completed() -> None:
@@ -255,7 +287,8 @@ def test_a_group_completion_callback_survives_an_outage(
     try:
         g = dramatiq.group([work.message(1)], broker=proxied)
         g.add_completion_callback(done.message())
-        g.run()
+        with outage.sending():
+            g.run()
         wait_for(lambda: "done" in seen, 30, "the group completion callback ran")
     finally:
         client.close()
