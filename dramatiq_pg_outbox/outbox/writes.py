@@ -152,6 +152,23 @@ def write_with_commit(
     Raises:
       psycopg.Error: What the server refused (an INSERT, or the COMMIT itself).
     """
+    if len(groups) == 1 and dbapi_connection.pgconn.pipeline_status == pq.PipelineStatus.OFF:
+        ((broker, items),) = groups.items()
+        statement = enqueue_statement(
+            items, broker.channel, broker.options.notify == "transaction", broker.options.max_fetch_interval
+        )
+        if statement.name == "enqueue_one":
+            # One send (the common case): libpq's pipeline directly, for a sixth of the client CPU.
+            try:
+                rows = message_store(broker.schema).enqueue_one_and_commit(dbapi_connection, statement)
+                commit()  # idle now, as below
+            except BaseException:
+                if dbapi_connection.info.transaction_status in _OPEN:
+                    with contextlib.suppress(psycopg.Error):
+                        dbapi_connection.rollback()
+                raise
+            result = enqueue_result(statement.name, items, rows)
+            return [OutboxWrite(broker, result.stored, result.payloads, result.ids)]
     sent = []
     try:
         with dbapi_connection.pipeline():

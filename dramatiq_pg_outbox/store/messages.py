@@ -27,6 +27,7 @@ from psycopg.types.numeric import Int8
 from .._queries import raw_queries, with_identifiers
 from ..names import quote_ident
 from .base import SchemaStore, named_rows
+from .libpq import BIGINT, BOOLEAN, BYTEA, SMALLINT, TEXT, Numbered, execute_and_commit
 
 #: Upcoming delayed rows a claim reads at most to find its consumer's next due time
 #: (``look_ahead`` of ``claim``).
@@ -276,6 +277,23 @@ def notify_channel(conn: psycopg.Connection[Any], *, channel: str, payloads: Seq
     conn.execute(raw_queries()["notify"], {"channel": channel, "queue_names": list(payloads)})
 
 
+#: The parameters of ``enqueue_one`` and their types, as its casts give them (the channel,
+#: an argument of ``pg_notify``, is text).
+ENQUEUE_ONE_TYPES = {
+    "queue_name": TEXT,
+    "actor_name": TEXT,
+    "message_id": TEXT,
+    "delay": BIGINT,
+    "payload": BYTEA,
+    "priority": SMALLINT,
+    "channel": TEXT,
+    "notify": BOOLEAN,
+    "notify_within": BIGINT,
+    "return_ids": BOOLEAN,
+    "park_after_ms": BIGINT,
+}
+
+
 class MessageStore(SchemaStore):
     """The ``queries.sql`` statements of the runtime, the broker and the outboxes (:class:`SchemaStore`)."""
 
@@ -293,6 +311,11 @@ class MessageStore(SchemaStore):
         self._ack = queries["ack"]
         self._archive = queries["archive"]
         self._requeue = queries["requeue"]
+        self._enqueue_one = Numbered.of(
+            queries["enqueue_one"],
+            ENQUEUE_ONE_TYPES,
+            f"dramatiq_pg_outbox_enqueue_one_{zlib.crc32(queries['enqueue_one'].encode()):08x}",
+        )
 
     # -- statements run later (an outcome's) --------------------------------------------
     def holds(self, conn: psycopg.Connection[Any], statement: Statement) -> bool:
@@ -359,6 +382,34 @@ class MessageStore(SchemaStore):
     def commit_send(self, cursor: Cursor) -> None:
         """Send ``COMMIT`` on ``cursor`` (queued after :meth:`enqueue_send` in pipeline mode)."""
         cursor.execute(self.queries["commit"])
+
+    def enqueue_one_and_commit(
+        self, conn: psycopg.Connection[Any], statement: EnqueueStatement
+    ) -> list[EnqueueRow]:
+        """Run ``statement`` (an ``enqueue_one``) then ``COMMIT`` on ``conn``, in one round trip.
+
+        The outbox's common case, written through libpq's pipeline (:mod:`.libpq`: the
+        same messages as psycopg's pipeline mode, for a sixth of its client CPU). ``conn``
+        must be in a transaction, outside psycopg's pipeline mode.
+
+        Raises:
+          ValueError: If ``statement.name`` is not ``enqueue_one``.
+          psycopg.Error: The server's error (the INSERT's, which leaves the transaction
+            aborted, or the COMMIT's), or ``OperationalError`` if the connection was lost.
+        """
+        if statement.name != "enqueue_one":
+            raise ValueError(f"not enqueue_one: {statement.name!r}")
+        rows = execute_and_commit(conn, self._enqueue_one, statement.params)
+        return [
+            EnqueueRow(
+                None if payload is None else payload.decode(),
+                notified,
+                None if key is None else key.decode(),
+                None if id_ is None else int(id_),
+                None if message_id is None else message_id.decode(),
+            )
+            for payload, notified, key, id_, message_id in rows
+        ]
 
     def enqueue_rows(self, cursor: Cursor) -> list[EnqueueRow]:
         """The rows of the enqueue statement sent on ``cursor`` by :meth:`enqueue_send`."""
