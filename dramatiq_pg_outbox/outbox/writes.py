@@ -158,7 +158,7 @@ def write_with_commit(
             items, broker.channel, broker.options.notify == "transaction", broker.options.max_fetch_interval
         )
         if statement.name == "enqueue_one":
-            # One send (the common case): libpq's pipeline directly, for a sixth of the client CPU.
+            # One send (the common case): libpq's pipeline directly (store/libpq.py), without psycopg's.
             try:
                 rows = message_store(broker.schema).enqueue_one_and_commit(dbapi_connection, statement)
                 commit()  # idle now, as below

@@ -3,9 +3,9 @@
 The outbox's common case is one ``send()`` in an application transaction: the
 ``enqueue_one`` INSERT and the application's COMMIT.  psycopg's ``Connection.pipeline()``
 sends them in one round trip, but its Python machinery (the pipeline object, two cursors,
-their queues, the result sets) cost about 180 us of client CPU per transaction on
-the development VM, against about 30 us for the same messages queued here through
-``psycopg.pq`` (``python -m benchmarks.profile_outbox_send``, part 2; benchmarks/README.md
+their queues, the result sets) was most of the write's client CPU: the write took 339 us
+per transaction that way and 204 us with the same messages queued here through
+``psycopg.pq`` (``python -m benchmarks.profile_outbox_send``, part 1; benchmarks/README.md
 section 34).  This is the hot path the project owns: the rest stays with psycopg.
 
 What psycopg would have done is kept:

@@ -389,7 +389,7 @@ class MessageStore(SchemaStore):
         """Run ``statement`` (an ``enqueue_one``) then ``COMMIT`` on ``conn``, in one round trip.
 
         The outbox's common case, written through libpq's pipeline (:mod:`.libpq`: the
-        same messages as psycopg's pipeline mode, for a sixth of its client CPU). ``conn``
+        same messages as psycopg's pipeline mode, without its Python machinery). ``conn``
         must be in a transaction, outside psycopg's pipeline mode.
 
         Raises:
