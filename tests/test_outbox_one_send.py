@@ -2,8 +2,9 @@
 
 ``dramatiq_pg_outbox.store.libpq`` sends the ``enqueue_one`` statement, prepared once per
 connection, and the COMMIT in one round trip.  These tests pin what psycopg's pipeline did
-before: errors, a lost connection, a connection that does not prepare, and psycopg's own
-``DEALLOCATE ALL`` after a rollback, which must not leave the next send without its statement.
+before: a server error, a connection that does not prepare, and psycopg's own ``DEALLOCATE
+ALL`` after a rollback, which must not leave the next send without its statement (a lost
+connection: ``tests/test_outbox.py -k lost``).
 """
 
 from __future__ import annotations
@@ -156,26 +157,3 @@ def test_a_refused_send_raises_the_servers_error_and_commits_nothing(
     finally:
         db.execute("DROP TRIGGER refuse_one_send ON dramatiq.messages")
         db.execute("DROP FUNCTION dramatiq.refuse_one_send()")
-
-
-@pytest.mark.usefixtures("orders")
-def test_a_connection_lost_before_the_commit_raises_and_commits_nothing(
-    db: Any, engine: Any, actor: Any
-) -> None:
-    _send_one(engine, actor, 1)
-    with Session(engine) as session:
-        with outbox(session):
-            session.execute(text("INSERT INTO one_send_orders VALUES (2)"))
-            actor.send(2)
-        # When the server ends the session before the COMMIT is sent
-        pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        db.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        # Then the commit raises a disconnect, and nothing of the transaction is stored
-        with pytest.raises(DBAPIError) as raised:
-            session.commit()
-        assert raised.value.connection_invalidated
-        assert isinstance(raised.value.orig, psycopg.OperationalError)
-    assert _counts(db) == (1, 1)
-    # And the pool's next connection sends again
-    _send_one(engine, actor, 3)
-    assert _counts(db) == (2, 2)
