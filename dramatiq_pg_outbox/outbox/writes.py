@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import shlex
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,7 +19,7 @@ from sqlalchemy.engine.base import TwoPhaseTransaction
 from .._runtime import StoredMessage, enqueue_result, enqueue_statement
 from ..broker import PostgresBroker
 from ..migrations import schema_not_ready
-from ..store.messages import message_store
+from ..store.messages import EnqueueRow, message_store
 from ..urls import safe_url
 
 
@@ -139,7 +140,10 @@ def write_with_commit(
     groups: dict[PostgresBroker, list[StoredMessage]],
     commit: Callable[[], None],
 ) -> list[OutboxWrite]:
-    """Insert each broker's messages and commit, in one round trip (psycopg's pipeline mode).
+    """Insert each broker's messages and commit, in one round trip (pipeline mode).
+
+    One message of one broker is written by libpq's pipeline directly
+    (``MessageStore.enqueue_one_and_commit``), anything else by psycopg's.
 
     The INSERTs are queued, then a COMMIT, and the whole is sent at once (with one
     Sync); ``commit`` (the dialect's ``do_commit``) then finds the connection idle and
@@ -152,39 +156,42 @@ def write_with_commit(
     Raises:
       psycopg.Error: What the server refused (an INSERT, or the COMMIT itself).
     """
-    if len(groups) == 1 and dbapi_connection.pgconn.pipeline_status == pq.PipelineStatus.OFF:
-        ((broker, items),) = groups.items()
-        statement = enqueue_statement(
-            items, broker.channel, broker.options.notify == "transaction", broker.options.max_fetch_interval
+    statements = [
+        (
+            broker,
+            items,
+            enqueue_statement(
+                items,
+                broker.channel,
+                broker.options.notify == "transaction",
+                broker.options.max_fetch_interval,
+            ),
         )
-        if statement.name == "enqueue_one":
-            # One send (the common case): libpq's pipeline directly (store/libpq.py), without psycopg's.
-            try:
-                rows = message_store(broker.schema).enqueue_one_and_commit(dbapi_connection, statement)
-                commit()  # idle now, as below
-            except BaseException:
-                if dbapi_connection.info.transaction_status in _OPEN:
-                    with contextlib.suppress(psycopg.Error):
-                        dbapi_connection.rollback()
-                raise
-            result = enqueue_result(statement.name, items, rows)
-            return [OutboxWrite(broker, result.stored, result.payloads, result.ids)]
-    sent = []
+        for broker, items in groups.items()
+    ]
+    # One send (the common case) goes through libpq's pipeline directly (store/libpq.py): the
+    # same messages without psycopg's pipeline machinery.
+    one = (
+        len(statements) == 1
+        and statements[0][2].name == "enqueue_one"
+        and dbapi_connection.pgconn.pipeline_status == pq.PipelineStatus.OFF
+    )
+    read: list[Callable[[], list[EnqueueRow]]] = []
     try:
-        with dbapi_connection.pipeline():
-            for broker, items in groups.items():
-                statement = enqueue_statement(
-                    items,
-                    broker.channel,
-                    broker.options.notify == "transaction",
-                    broker.options.max_fetch_interval,
-                )
-                cursor = psycopg.Cursor(dbapi_connection)
-                message_store(broker.schema).enqueue_send(cursor, statement)
-                sent.append((broker, statement, items, cursor))
-            # Queued, not Connection.commit(): that one waits for its own Sync, and leaving
-            # the pipeline would wait for another.
-            message_store(next(iter(groups)).schema).commit_send(psycopg.Cursor(dbapi_connection))
+        if one:
+            broker, _, statement = statements[0]
+            rows = message_store(broker.schema).enqueue_one_and_commit(dbapi_connection, statement)
+            read.append(lambda: rows)
+        else:
+            with dbapi_connection.pipeline():
+                for broker, _, statement in statements:
+                    cursor = psycopg.Cursor(dbapi_connection)
+                    store = message_store(broker.schema)
+                    store.enqueue_send(cursor, statement)
+                    read.append(functools.partial(store.enqueue_rows, cursor))
+                # Queued, not Connection.commit(): that one waits for its own Sync, and leaving
+                # the pipeline would wait for another.
+                message_store(statements[0][0].schema).commit_send(psycopg.Cursor(dbapi_connection))
         commit()  # the connection is idle now: the driver's commit() has nothing to send
     except BaseException:
         if dbapi_connection.info.transaction_status in _OPEN:
@@ -192,9 +199,8 @@ def write_with_commit(
                 dbapi_connection.rollback()
         raise
     written = []
-    for broker, statement, items, cursor in sent:
-        rows = message_store(broker.schema).enqueue_rows(cursor)
-        result = enqueue_result(statement.name, items, rows)
+    for (broker, items, statement), rows_of in zip(statements, read, strict=True):
+        result = enqueue_result(statement.name, items, rows_of())
         written.append(OutboxWrite(broker, result.stored, result.payloads, result.ids))
     return written
 

@@ -116,14 +116,13 @@ def execute_and_commit(
     with conn.lock:
         pgconn = conn.pgconn
         names = _psycopg_names(conn)
-        named = names is not None
         key = (b"-- " + statement.name, ())
         parse = names is not None and key not in names
         pgconn.enter_pipeline_mode()
         try:
             if parse:
                 pgconn.send_prepare(statement.name, statement.sql, statement.types)
-            if named:
+            if names is not None:
                 pgconn.send_query_prepared(statement.name, values, formats)
             else:
                 pgconn.send_query_params(statement.sql, values, statement.types, formats)
@@ -135,10 +134,10 @@ def execute_and_commit(
             # that error is the one raised.
             with contextlib.suppress(psycopg.Error):
                 pgconn.exit_pipeline_mode()
-    if parse and names is not None and results and results[0].status == pq.ExecStatus.COMMAND_OK:
-        names[key] = statement.name
-    if parse:
-        results = results[1:]
+        if parse:
+            parsed, *results = results
+            if names is not None and parsed.status == pq.ExecStatus.COMMAND_OK:
+                names[key] = statement.name
     for result in results:
         if result.status == pq.ExecStatus.FATAL_ERROR:
             raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
@@ -156,7 +155,8 @@ def _psycopg_names(conn: psycopg.Connection[Any]) -> MutableMapping[Any, bytes] 
     least-recently-used eviction (``prepared_max``) deallocates it like its own. None when
     the connection does not prepare (``prepare_threshold=None``, as behind PgBouncer's
     transaction pooling) or when a psycopg version keeps the map elsewhere (this reads
-    ``Connection._prepared._names``, of psycopg 3.1 to 3.3).
+    ``Connection._prepared._names``, as psycopg 3.3 keeps it; should a version move it, sends
+    go unnamed and ``tests/test_outbox_one_send.py`` fails).
     """
     if conn.prepare_threshold is None:
         return None
