@@ -61,7 +61,7 @@ def _prepared(engine: Any) -> list[str]:
         rows = conn.execute(
             text("SELECT name FROM pg_prepared_statements WHERE name LIKE :p"), {"p": STATEMENT}
         ).fetchall()
-        conn.rollback()
+        conn.commit()  # not a rollback: psycopg follows a rollback with DEALLOCATE ALL
     return [r[0] for r in rows]
 
 
