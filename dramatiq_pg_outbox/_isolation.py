@@ -104,7 +104,7 @@ class ReadCommittedCursor(psycopg.Cursor[Row]):
             try:
                 super().execute(_in_transaction(statement), prepare=False)
             except BaseException:
-                _roll_back(conn)
+                roll_back(conn)
                 raise
             self.nextset()  # from BEGIN's result to the statement's
         return self
@@ -145,7 +145,7 @@ class AsyncReadCommittedCursor(psycopg.AsyncCursor[Row]):
         return self
 
 
-def _roll_back(conn: psycopg.Connection[Any]) -> None:
+def roll_back(conn: psycopg.Connection[Any]) -> None:
     """End the failed transaction of a wrapped statement (the statement's error is what counts)."""
     if not conn.closed and conn.pgconn.transaction_status != TransactionStatus.IDLE:
         try:

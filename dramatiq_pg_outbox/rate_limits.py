@@ -173,11 +173,8 @@ class PostgresBackend(RateLimiterBackend):
         it, and miss that second's bucket, which another caller may have filled meanwhile:
         one call over ``maximum`` (seen in CI with 16 threads and a limit of 10).
         """
-        with self._connection() as conn, conn.transaction():
-            self._store.lock_keys(conn, keys=[key, *keys()])
-            done = self._store.incr_and_sum(
-                conn, key=key, keys=list(keys()), amount=amount, maximum=maximum, ttl=ttl
-            )
+        with self._connection() as conn:
+            done = self._store.incr_and_sum(conn, key=key, keys=keys, amount=amount, maximum=maximum, ttl=ttl)
         self._start_cleaner()
         return done
 

@@ -6,12 +6,17 @@ import datetime as dt
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
+
+import psycopg
+from psycopg import pq
 
 # The TCP proxy lives with the chaos suite, which cuts connections with it too.
 from benchmarks.chaos.harness import Proxy as Proxy
@@ -182,3 +187,22 @@ class Supervisor:
     def stop(self) -> int:
         self.pause()
         return int(self.current.stop())
+
+
+@contextmanager
+def round_trips(dbapi_connection: psycopg.Connection[Any]) -> Iterator[Callable[[], int]]:
+    """Count the round trips of a psycopg connection from a libpq trace: each run of messages
+    sent that is followed by messages received is one wait for the server."""
+    with tempfile.TemporaryFile("w+") as trace:
+        dbapi_connection.pgconn.trace(trace.fileno())
+        dbapi_connection.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+
+        def count() -> int:
+            trace.seek(0)
+            sides = [line.split("\t", 1)[0] for line in trace.read().splitlines() if line.strip()]
+            return sum(1 for i, side in enumerate(sides) if side == "F" and (i == 0 or sides[i - 1] == "B"))
+
+        try:
+            yield count
+        finally:
+            dbapi_connection.pgconn.untrace()

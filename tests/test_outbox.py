@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import dramatiq
 import psycopg
 import pytest
-from psycopg import pq
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -22,7 +18,7 @@ from sqlalchemy.orm import Session
 from dramatiq_pg_outbox import OutboxError, PostgresBroker, outbox
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
 
-from .helpers import wait_for
+from .helpers import round_trips, wait_for
 
 
 def stored(db: Any) -> list[str]:
@@ -113,25 +109,6 @@ def test_several_sends_in_one_transaction_are_one_insert(kind: str, db: Any, eng
     # command id (cmin), and the 50 rows share one
     assert len(stored(db)) == 50
     assert db.execute("SELECT count(DISTINCT cmin::text) FROM dramatiq.messages").fetchone()[0] == 1
-
-
-@contextmanager
-def round_trips(dbapi_connection: psycopg.Connection[Any]) -> Iterator[Callable[[], int]]:
-    """Count the round trips of a psycopg connection from a libpq trace: each run of messages
-    sent that is followed by messages received is one wait for the server."""
-    with tempfile.TemporaryFile("w+") as trace:
-        dbapi_connection.pgconn.trace(trace.fileno())
-        dbapi_connection.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-
-        def count() -> int:
-            trace.seek(0)
-            sides = [line.split("\t", 1)[0] for line in trace.read().splitlines() if line.strip()]
-            return sum(1 for i, side in enumerate(sides) if side == "F" and (i == 0 or sides[i - 1] == "B"))
-
-        try:
-            yield count
-        finally:
-            dbapi_connection.pgconn.untrace()
 
 
 @pytest.mark.parametrize("sends", [1, 3])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -20,10 +21,11 @@ from dramatiq.rate_limits import (
     RateLimitExceeded,
     WindowRateLimiter,
 )
+from psycopg import pq
 
 from dramatiq_pg_outbox._runtime.listener import subscribe
 from dramatiq_pg_outbox.rate_limits import PostgresBackend
-from tests.helpers import LISTENERS, count, wait_for
+from tests.helpers import LISTENERS, count, round_trips, wait_for
 
 #: Generous bound for things that take milliseconds, in seconds (a loaded 2-core machine).
 SOON = 15
@@ -203,6 +205,52 @@ def test_the_window_limiter_sums_the_window_as_of_when_it_holds_the_locks(backen
     # commit the window of before the wait was summed, 9 of 10, and an 11th call was admitted,
     # as in one CI run of the 16-thread test of test_isolation.py)
     assert not admitted
+
+
+@pytest.fixture
+def one_connection(
+    backend: PostgresBackend, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[psycopg.Connection[Any]]:
+    """The pooled connection that every operation of ``backend`` runs on, while the test runs."""
+    with backend.broker.runtime.connection() as conn:
+        monkeypatch.setattr(backend, "_connection", lambda: contextlib.nullcontext(conn))
+        yield conn
+
+
+def test_a_window_acquisition_is_one_transaction_in_two_round_trips(
+    backend: PostgresBackend, one_connection: psycopg.Connection[Any]
+) -> None:
+    assert backend.incr_and_sum("rt@1", lambda: ["rt@1", "rt@0"], 1, maximum=10, ttl=60_000)
+    # When the window limiter acquires once more
+    windows = iter([["rt@1", "rt@0"], ["rt@2", "rt@1"]])
+    with round_trips(one_connection) as count:
+        assert backend.incr_and_sum("rt@1", lambda: next(windows), 1, maximum=10, ttl=60_000)
+        trips = count()
+    # Then it waited for the server twice: BEGIN with the locks, then the sum of the window
+    # asked for once they were held, with the COMMIT (four on the parent commit: BEGIN, the
+    # locks, the sum, the COMMIT, each a wait of its own)
+    assert trips == 2
+    assert next(windows, None) is None
+    assert one_connection.info.transaction_status == pq.TransactionStatus.IDLE
+    bucket = one_connection.execute("SELECT value FROM dramatiq.rate_limits WHERE key = 'rt@1'").fetchone()
+    assert bucket == (2,)
+
+
+def test_a_failed_window_acquisition_rolls_back_and_releases_its_locks(
+    backend: PostgresBackend, one_connection: psycopg.Connection[Any]
+) -> None:
+    assert backend.incr_and_sum("err@1", lambda: ["err@1"], 1, maximum=10, ttl=60_000)
+    # When the sum fails once the locks are held (a ttl past the range of an interval)
+    with pytest.raises(psycopg.errors.DataError):
+        backend.incr_and_sum("err@1", lambda: ["err@1"], 1, maximum=10, ttl=2**62)
+    # Then nothing was added, the transaction is over and no lock of the window is held
+    conn = one_connection
+    assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+    held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+    assert conn.execute(held).fetchone() == (0,)
+    assert conn.execute("SELECT value FROM dramatiq.rate_limits WHERE key = 'err@1'").fetchone() == (1,)
+    # and the next acquisition on the same connection goes through
+    assert backend.incr_and_sum("err@1", lambda: ["err@1"], 1, maximum=10, ttl=60_000)
 
 
 def test_a_bucket_rate_limiter_admits_at_most_its_limit_per_bucket(backend: PostgresBackend) -> None:

@@ -3,23 +3,30 @@
 Run by :class:`~dramatiq_pg_outbox.rate_limits.PostgresBackend` (Dramatiq's
 ``RateLimiterBackend``) and its :class:`~dramatiq_pg_outbox.rate_limits.JoinedGroupCallbacks`.
 Every operation is one statement on an autocommit connection, but the window limiter's
-(:meth:`RateLimitStore.lock_keys`, then :meth:`RateLimitStore.incr_and_sum`, in one
-transaction); times are in milliseconds.
+(:meth:`RateLimitStore.incr_and_sum`: one transaction of two queries); times are in
+milliseconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psycopg
 
+from .._isolation import roll_back
 from .base import SchemaStore
 from .messages import Statement
 
 
 class RateLimitStore(SchemaStore):
     """The statements of the rate limiters and barriers (see :class:`~.base.SchemaStore`)."""
+
+    def __init__(self, schema: str) -> None:
+        super().__init__(schema)
+        q = self.queries
+        self._begin_and_lock = f"{q['begin_read_committed']};\n{q['rate_limit_lock_keys']}"
+        self._sum_and_commit = f"{q['rate_limit_incr_and_sum']};\n{q['commit']}"
 
     def add(self, conn: psycopg.Connection[Any], *, key: str, value: int, ttl: int) -> bool:
         """Add ``key`` with ``value`` for ``ttl`` ms unless it exists (and lives); whether it was added."""
@@ -40,18 +47,35 @@ class RateLimitStore(SchemaStore):
         conn: psycopg.Connection[Any],
         *,
         key: str,
-        keys: Sequence[str],
+        keys: Callable[[], Iterable[str]],
         amount: int,
         maximum: int,
         ttl: int,
     ) -> bool:
-        """Add ``amount`` to ``key`` unless ``amount`` plus the sum of ``keys`` would exceed ``maximum``."""
-        params = {"key": key, "keys": list(keys), "amount": amount, "maximum": maximum, "ttl": ttl}
-        return self._applied(conn, self.queries["rate_limit_incr_and_sum"], params)
+        """Add ``amount`` to ``key`` unless ``amount`` plus the sum of ``keys()`` would exceed ``maximum``.
 
-    def lock_keys(self, conn: psycopg.Connection[Any], *, keys: Sequence[str]) -> None:
-        """Take the window limiter's lock of each of ``keys`` until ``conn``'s transaction ends."""
-        conn.execute(self.queries["rate_limit_lock_keys"], {"keys": list(keys)})
+        One READ COMMITTED transaction in two round trips: ``BEGIN`` with the locks of
+        ``key`` and of the window ``keys()`` gives (``rate_limit_lock_keys``), then, once
+        they are held, ``rate_limit_incr_and_sum`` with the window ``keys()`` gives then,
+        with the ``COMMIT`` (``keys`` is called twice for that: see the statement's
+        comment).  Each is one query of the simple protocol, its parameters bound on the
+        client (psycopg's ``ClientCursor``), as ``_isolation.ReadCommittedCursor`` sends a
+        lone statement: no pipeline, which PgBouncer's transaction pooling may hold on to.
+        ``conn`` must be an autocommit connection outside a transaction.
+
+        Raises:
+          psycopg.Error: The server's error, the transaction rolled back.
+        """
+        cursor = psycopg.ClientCursor(conn)
+        try:
+            cursor.execute(self._begin_and_lock, {"keys": [key, *keys()]})
+            params = {"key": key, "keys": list(keys()), "amount": amount, "maximum": maximum, "ttl": ttl}
+            cursor.execute(self._sum_and_commit, params)
+        except BaseException:
+            roll_back(conn)
+            raise
+        row = cursor.fetchone()
+        return row is not None and bool(row[0])
 
     def notify(self, conn: psycopg.Connection[Any], *, key: str, ttl: int, channel: str) -> None:
         """Publish an event on ``key`` that lives ``ttl`` ms, and announce it on ``channel``."""
