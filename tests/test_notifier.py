@@ -15,8 +15,9 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.orm import Session
 
 from dramatiq_pg_outbox import outbox
-from dramatiq_pg_outbox._runtime.notifier import Notifier, text_array
+from dramatiq_pg_outbox._runtime.notifier import Notifier
 from dramatiq_pg_outbox.migrations import normalize_sqlalchemy_url
+from dramatiq_pg_outbox.store.libpq import text_array
 
 from .helpers import ISOLATION_LEVELS, wait_for, with_url_default
 

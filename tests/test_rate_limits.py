@@ -253,6 +253,18 @@ def test_a_failed_window_acquisition_rolls_back_and_releases_its_locks(
     assert backend.incr_and_sum("err@1", lambda: ["err@1"], 1, maximum=10, ttl=60_000)
 
 
+def test_the_window_limiter_keeps_keys_of_any_text(backend: PostgresBackend, db: Any) -> None:
+    # Given window keys that need quoting in a text[] literal (the backend writes them as one)
+    odd = ['q"uote@1', "back\\slash@1", "{brace},comma@1", "NULL", "  spaced  @1", "ünï@1"]
+    # When each is the current bucket of a window made of all of them
+    for key in odd:
+        assert backend.incr_and_sum(key, lambda: odd, 1, maximum=len(odd), ttl=60_000)
+    # Then each was stored under its own text, and the window's sum saw every one
+    assert not backend.incr_and_sum(odd[0], lambda: odd, 1, maximum=len(odd), ttl=60_000)
+    stored = dict(db.execute("SELECT key, value FROM dramatiq.rate_limits").fetchall())
+    assert stored == dict.fromkeys(odd, 1)
+
+
 def test_a_bucket_rate_limiter_admits_at_most_its_limit_per_bucket(backend: PostgresBackend) -> None:
     limiter = BucketRateLimiter(backend, "bucket", limit=2, bucket=5_000)
     # (start early in a bucket, so that the calls do not straddle two)

@@ -32,15 +32,10 @@ import psycopg
 from psycopg import pq
 
 from .._isolation import connect
+from ..store.libpq import text_array
 
 #: The statement, with the channel and a ``text[]`` of payloads as text parameters.
 QUERY = b"SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p"
-
-
-def text_array(values: Sequence[str]) -> str:
-    """PostgreSQL's text form of a ``text[]`` holding ``values`` (each quoted, ``"`` and ``\\`` escaped)."""
-    quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
-    return "{" + ",".join(quoted) + "}"
 
 
 def wait_ready(fileno: int, *, write: bool, timeout: float) -> None:

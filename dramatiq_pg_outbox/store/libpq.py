@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import re
 import select
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +98,12 @@ class Numbered:
                 values.append(str(int(value)).encode())
                 formats.append(0)
         return values, formats
+
+
+def text_array(values: Sequence[str]) -> str:
+    """PostgreSQL's text form of a ``text[]`` holding ``values`` (each quoted, ``"`` and ``\\`` escaped)."""
+    quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+    return "{" + ",".join(quoted) + "}"
 
 
 def execute_and_commit(

@@ -16,6 +16,7 @@ import psycopg
 
 from .._isolation import roll_back
 from .base import SchemaStore
+from .libpq import text_array
 from .messages import Statement
 
 
@@ -68,8 +69,14 @@ class RateLimitStore(SchemaStore):
         """
         cursor = psycopg.ClientCursor(conn)
         try:
-            cursor.execute(self._begin_and_lock, {"keys": [key, *keys()]})
-            params = {"key": key, "keys": list(keys()), "amount": amount, "maximum": maximum, "ttl": ttl}
+            cursor.execute(self._begin_and_lock, {"keys": text_array([key, *keys()])})
+            params = {
+                "key": key,
+                "keys": text_array(list(keys())),
+                "amount": amount,
+                "maximum": maximum,
+                "ttl": ttl,
+            }
             cursor.execute(self._sum_and_commit, params)
         except BaseException:
             roll_back(conn)
