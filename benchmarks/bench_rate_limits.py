@@ -80,8 +80,10 @@ def _backends(ctx: Context) -> dict[str, Any]:
 
 def acquisitions_per_second(
     backend: Any, key: str, limit: int, seconds: float = SECONDS
-) -> tuple[float, float]:
-    """(admitted acquisitions/s, attempts/s) of THREADS threads for ``seconds`` on one limiter.
+) -> tuple[float, float, float]:
+    """(admitted acquisitions/s, attempts/s, client CPU us per attempt) of THREADS threads
+    for ``seconds`` on one limiter (the CPU: ``time.process_time`` of this process, every
+    thread, less sensitive than the rates to a durable COMMIT's wait for the disk).
 
     The limiter is a ``ConcurrentRateLimiter``, or, for a ``key`` of the ``window`` case, a
     ``WindowRateLimiter`` of 60 s.
@@ -101,19 +103,21 @@ def acquisitions_per_second(
                 slot[1] += 1
 
     threads = [threading.Thread(target=work, args=(slot,)) for slot in counts]
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    elapsed = time.monotonic() - started
-    return sum(c[0] for c in counts) / elapsed, sum(c[1] for c in counts) / elapsed
+    elapsed, cpu = time.monotonic() - started, time.process_time() - cpu
+    attempts = sum(c[1] for c in counts)
+    return sum(c[0] for c in counts) / elapsed, attempts / elapsed, 1e6 * cpu / max(attempts, 1)
 
 
 def run(ctx: Context) -> dict[str, Any]:
     backends = _backends(ctx)
     seconds = 0.5 if ctx.smoke else SECONDS
     series: dict[tuple[str, str], Series] = {}
+    cpu: dict[tuple[str, str], Series] = {}
     try:
         for run_no in range(ctx.runs):
             for case, limit in CASES:
@@ -121,12 +125,13 @@ def run(ctx: Context) -> dict[str, Any]:
                     s = series.setdefault((name, case), Series())
                     try:
                         key = f"bench-{case}-{run_no}"
-                        admitted, attempts = acquisitions_per_second(backend, key, limit, seconds)
+                        admitted, attempts, us = acquisitions_per_second(backend, key, limit, seconds)
                         s.values.append(admitted)
                         s.notes.append(f"{attempts:.0f}")
+                        cpu.setdefault((name, case), Series()).values.append(us)
                         print(
                             f"  rate_limits run {run_no + 1} {name} {case}: {admitted:,.0f} acquisitions/s "
-                            f"({attempts:,.0f} attempts/s)",
+                            f"({attempts:,.0f} attempts/s, {us:,.0f} us of client CPU per attempt)",
                             flush=True,
                         )
                     except Exception as e:
@@ -156,13 +161,23 @@ def run(ctx: Context) -> dict[str, Any]:
     header = ["backend"]
     for case, limit in CASES:
         header += [f"{case} (limit {limit}) acquisitions/s", "min-max", "ours / it"]
+    cpu_rows = [
+        [name, *(f"{cpu[(name, case)].median:,.0f}" if (name, case) in cpu else "-" for case, _ in CASES)]
+        for name in backends
+    ]
+    cpu_header = ["backend", *(f"{case}: client CPU us per attempt (median)" for case, _ in CASES)]
     return {
         "seconds_per_case": seconds,
         "threads": THREADS,
         "runs": ctx.runs,
-        "table": markdown_table(header, rows),
+        "table": markdown_table(header, rows) + "\n\n" + markdown_table(cpu_header, cpu_rows),
         "raw": {
-            f"{k[0]} {k[1]}": {"values": v.values, "attempts": v.notes, "errors": v.errors}
+            f"{k[0]} {k[1]}": {
+                "values": v.values,
+                "attempts": v.notes,
+                "cpu_us_per_attempt": cpu[k].values if k in cpu else [],
+                "errors": v.errors,
+            }
             for k, v in series.items()
         },
     }
