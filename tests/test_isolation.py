@@ -413,6 +413,63 @@ def test_a_window_rate_limiter_never_admits_past_its_limit_under_a_default_level
 
 
 @pytest.mark.parametrize("level", ("read committed", *LEVELS))
+def test_a_window_rate_limiter_stays_exact_when_its_connections_die_between_its_round_trips(
+    at_level: Any, own_database: str, level: str
+) -> None:
+    # Given a window limiter of 10 on a database whose sessions default to the level, and a
+    # fault: a thread that terminates every backend found idle in a transaction, which is where
+    # an acquisition waits between its two round trips (the locks held, the sum not yet sent)
+    url = at_level("database", level)
+    backend = rate_limits_module.PostgresBackend(url=url, cleanup_interval=None)
+    key = f"iso-window-fault-{uuid.uuid4().hex[:6]}"
+    limiter = WindowRateLimiter(backend, key, limit=10, window=60)
+    admitted: list[bool] = []
+    failed: list[BaseException] = []
+    killed = [0]
+    stop = threading.Event()
+
+    def killer() -> None:
+        with psycopg.connect(own_database, autocommit=True) as conn:
+            while not stop.is_set():
+                row = conn.execute(
+                    "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND state = 'idle in transaction' "
+                    "AND pid <> pg_backend_pid()"
+                ).fetchone()
+                killed[0] += row[0] if row else 0
+
+    def work() -> None:
+        try:
+            with limiter.acquire(raise_on_failure=False) as acquired:
+                admitted.append(bool(acquired))
+        except dramatiq.errors.BrokerConnectionError as e:  # its connection died under it
+            failed.append(e)
+
+    fault = threading.Thread(target=killer)
+    fault.start()
+    try:
+        # When 16 threads try it until the fault has hit a few acquisitions (at most 20 s)
+        deadline = time.monotonic() + 20
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            while killed[0] < 5 and time.monotonic() < deadline:
+                for future in [pool.submit(work) for _ in range(32)]:
+                    future.result()
+    finally:
+        stop.set()
+        fault.join()
+        backend.close()
+    # Then the fault hit acquisitions between their round trips, and still no more than the
+    # limit was admitted; the stored count holds every admission, and never more than the
+    # limit (an acquisition that failed added nothing, or was committed and not admitted)
+    assert killed[0] >= 1 and failed, (killed, failed)
+    with psycopg.connect(own_database) as conn:
+        row = conn.execute("SELECT sum(value) FROM dramatiq.rate_limits WHERE key LIKE %s", [key + "@%"])
+        stored = row.fetchone()[0]  # type: ignore[index]
+    assert sum(admitted) <= stored <= 10
+    assert sum(admitted) >= 10 - len(failed)
+
+
+@pytest.mark.parametrize("level", ("read committed", *LEVELS))
 def test_concurrency_keys_hold_their_limits_across_brokers_under_a_default_level(
     at_level: Any, brokers: Any, level: str
 ) -> None:
