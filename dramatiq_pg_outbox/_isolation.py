@@ -146,7 +146,12 @@ class AsyncReadCommittedCursor(psycopg.AsyncCursor[Row]):
 
 
 def roll_back(conn: psycopg.Connection[Any]) -> None:
-    """End the failed transaction of a wrapped statement (the statement's error is what counts)."""
+    """Roll back the transaction a failed query of the package's own ``BEGIN`` left open, if any.
+
+    For a wrapped lone statement here, and the window rate limiter's transaction
+    (``store.rate_limits``).  The query's error is what counts: the rollback's own
+    (a connection already lost) is swallowed.
+    """
     if not conn.closed and conn.pgconn.transaction_status != TransactionStatus.IDLE:
         try:
             conn.rollback()
