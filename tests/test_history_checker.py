@@ -33,7 +33,7 @@ def test_random_operations_under_faults_break_no_promise_under_each_isolation_de
     for report in reports:
         # The run did what it is for: operations of every kind, and faults.
         assert report.messages > 100, report.line()
-        assert {"plain", "keyed", "outbox", "spark", "pipeline"} <= set(report.ops), report.line()
+        assert {"plain", "keyed", "outbox", "spark", "pipeline", "window"} <= set(report.ops), report.line()
         assert sum(report.faults.values()) > 0, report.line()
         # The third client's after-commit wake-ups were written by its committing threads.
         assert report.written_at_commit > 0, report.line()

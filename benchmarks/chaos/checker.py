@@ -9,7 +9,8 @@ In the spirit of Jepsen's Elle and FoundationDB's simulation tests, on a real Po
   that commit or roll back (savepoints rolled back inside committed ones, transactions held open
   across two turns of the ring, a send from an ``after_commit`` listener), ``enqueue_many``,
   pipelines, ``on_success`` callbacks, groups with a completion callback, results, and Spark
-  writer tasks of the same keys run twice at once (twin tasks) and again later (a retried task).
+  writer tasks of the same keys run twice at once (twin tasks) and again later (a retried task),
+  and bursts of threads that acquire one window rate limiter all clients share.
   Actors succeed, fail once and retry, or (``slow``) run until ``max_lease`` released their
   message and another delivery took it.
 - **Faults**, at random: ``kill -9`` of a worker process (a supervisor restarts its CLI), every
@@ -42,6 +43,8 @@ business rows, and counts anomalies by kind:
 ``over_limit``         more deliveries of a concurrency key running at one instant than its
                        limit (from the runs' start and end), outside the window of a cut or a
                        restart (the rescuer may then take a live process's claims).
+``window_over``        more acquisitions of the window rate limiter admitted than its limit
+                       among those that summed one window and added to a bucket of it.
 
 The seed fixes the schedule of operations and faults (which, with what parameters, at what
 offsets), not the interleaving of threads and processes.
@@ -77,6 +80,7 @@ from typing import Any
 import dramatiq
 import psycopg
 from dramatiq import Message, group, pipeline
+from dramatiq.rate_limits import WindowRateLimiter
 from psycopg import sql
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import make_url
@@ -84,6 +88,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 from dramatiq_pg_outbox import PostgresBroker, outbox, upgrade
+from dramatiq_pg_outbox.rate_limits import PostgresBackend
 from dramatiq_pg_outbox.testing import ThrowawayPostgres
 from dramatiq_pg_outbox.urls import libpq_url
 
@@ -155,6 +160,9 @@ class Record:
     spark_keys: dict[str, str] = field(default_factory=dict)  # key -> outcome
     #: After-commit wake-ups the committing threads wrote on the notifier's connection.
     written_at_commit: int = 0
+    #: Acquisitions of the shared window limiter (``window`` operations): (the second of the
+    #: bucket it added to, the second of the window it summed, ``admitted``/``refused``/``unknown``).
+    windows: list[tuple[int, int, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, *items: Sent) -> None:
@@ -267,7 +275,28 @@ class Report:
 
 #: The kinds of client operation (the checker's module docstring says what each does).
 KINDS = ("plain", "keyed", "outbox", "outbox_async", "django", "many", "pipeline", "callback", "group")
-KINDS += ("spark",)
+KINDS += ("spark", "window")
+
+#: The limiter the ``window`` operations of every client share: at most WINDOW_LIMIT acquisitions
+#: in any WINDOW_SECONDS consecutive one-second buckets.
+WINDOW_KEY, WINDOW_LIMIT, WINDOW_SECONDS = "chk-window", 3, 2
+
+
+class _RecordedWindow(WindowRateLimiter):
+    """Dramatiq's ``WindowRateLimiter``, recording in each thread the seconds of the windows it asks for.
+
+    An acquisition asks three times: for the bucket it adds to (``_acquire``), then the backend
+    asks for the window it locks and, once the locks are held, for the window it sums.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        super().__init__(backend, WINDOW_KEY, limit=WINDOW_LIMIT, window=WINDOW_SECONDS)
+        self.asked = threading.local()
+
+    def _get_keys(self) -> list[str]:
+        keys: list[str] = super()._get_keys()
+        self.asked.seconds.append(int(keys[0].rsplit("@", 1)[1]))
+        return keys
 
 
 class Run:
@@ -319,6 +348,7 @@ class Run:
         kinds += ["many", "pipeline", "callback", "group", "limited"]
         if index < 2:
             kinds += ["spark"]
+        kinds += ["window"]
         kinds += [kind for kind in kinds if kind in self.weights for _ in range(self.weights[kind] - 1)]
         n = 0
         try:
@@ -606,6 +636,42 @@ class Run:
         ]
         sent.append(Sent(token, "gdone", done.message_id, "group", "pending", 1, follows="group"))
         self._recorded(sent, g.run)
+
+    def _op_window(
+        self, engine: Any, broker: PostgresBroker, actors: dict[str, Any], token: str, rng: random.Random
+    ) -> None:
+        # A burst of 2-6 threads that acquire the window limiter every client shares (its
+        # transaction: BEGIN with the window's locks, then the sum with the COMMIT), through the
+        # faults (a restart ends them with an error: an unknown outcome).
+        backend = PostgresBackend(broker=broker, cleanup_interval=None, listen=False)
+        limiter = _RecordedWindow(backend)
+
+        failed: list[Exception] = []
+
+        def acquire() -> None:
+            seen: list[int] = []
+            limiter.asked.seconds = seen
+            outcome = "unknown"
+            try:
+                with limiter.acquire(raise_on_failure=False) as acquired:
+                    outcome = "admitted" if acquired else "refused"
+            except Exception as e:  # raised again by the operation, for the client to count
+                failed.append(e)
+            finally:
+                if seen:
+                    with self.record.lock:
+                        self.record.windows.append((seen[0], seen[-1], outcome))
+
+        try:
+            burst = [threading.Thread(target=acquire) for _ in range(rng.randint(2, 6))]
+            for thread in burst:
+                thread.start()
+            for thread in burst:
+                thread.join()
+        finally:
+            backend.close()
+        if failed:
+            raise failed[0]
 
     def _op_spark(
         self, engine: Any, broker: PostgresBroker, actors: dict[str, Any], token: str, rng: random.Random
@@ -1014,7 +1080,23 @@ def check(url: str, record: Record, drained: bool) -> tuple[Counter[str], dict[s
                     f"key {key} (limit {limits[key]}): {len(running)} running at {at:.3f}, pids {pids}",
                 )
 
-    # 6. Results (written with the ack): every completed rec message stored its result.
+    # 6. The window limiter: of the acquisitions admitted that summed one window (the seconds
+    # t - WINDOW_SECONDS + 1 to t) and added to a bucket of it, at most its limit. Each of them
+    # held the locks of that window's keys when it summed, so it saw every one committed before
+    # it. (One that added to an older bucket, having waited past it for its locks, counts in
+    # windows it did not sum: Dramatiq's RedisBackend allows that too.)
+    admitted: Counter[int] = Counter()
+    for bucket, summed, outcome in record.windows:
+        if outcome == "admitted" and summed - WINDOW_SECONDS < bucket <= summed:
+            admitted[summed] += 1
+    for window_end, count in sorted(admitted.items()):
+        if count > WINDOW_LIMIT:
+            bad(
+                "window_over",
+                f"{count} admitted summing the window ending at second {window_end} (limit {WINDOW_LIMIT})",
+            )
+
+    # 7. Results (written with the ack): every completed rec message stored its result.
     for h in history:
         if h[5] == "rec" and h[2] == "completed":
             message = Message.decode(bytes(h[6]))
