@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import shlex
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -176,19 +175,17 @@ def write_with_commit(
         and statements[0][2].name == "enqueue_one"
         and dbapi_connection.pgconn.pipeline_status == pq.PipelineStatus.OFF
     )
-    read: list[Callable[[], list[EnqueueRow]]] = []
+    rows: list[list[EnqueueRow]] = []
+    cursors: list[psycopg.Cursor[Any]] = []
     try:
         if one:
             broker, _, statement = statements[0]
-            rows = message_store(broker.schema).enqueue_one_and_commit(dbapi_connection, statement)
-            read.append(lambda: rows)
+            rows.append(message_store(broker.schema).enqueue_one_and_commit(dbapi_connection, statement))
         else:
             with dbapi_connection.pipeline():
                 for broker, _, statement in statements:
-                    cursor = psycopg.Cursor(dbapi_connection)
-                    store = message_store(broker.schema)
-                    store.enqueue_send(cursor, statement)
-                    read.append(functools.partial(store.enqueue_rows, cursor))
+                    cursors.append(psycopg.Cursor(dbapi_connection))
+                    message_store(broker.schema).enqueue_send(cursors[-1], statement)
                 # Queued, not Connection.commit(): that one waits for its own Sync, and leaving
                 # the pipeline would wait for another.
                 message_store(statements[0][0].schema).commit_send(psycopg.Cursor(dbapi_connection))
@@ -198,9 +195,14 @@ def write_with_commit(
             with contextlib.suppress(psycopg.Error):
                 dbapi_connection.rollback()
         raise
+    if not one:  # psycopg's pipeline: each statement's rows, read once the pipeline was synced
+        rows = [
+            message_store(broker.schema).enqueue_rows(cursor)
+            for (broker, _, _), cursor in zip(statements, cursors, strict=True)
+        ]
     written = []
-    for (broker, items, statement), rows_of in zip(statements, read, strict=True):
-        result = enqueue_result(statement.name, items, rows_of())
+    for (broker, items, statement), stored_rows in zip(statements, rows, strict=True):
+        result = enqueue_result(statement.name, items, stored_rows)
         written.append(OutboxWrite(broker, result.stored, result.payloads, result.ids))
     return written
 
