@@ -3,7 +3,12 @@
 One client thread; a SQLAlchemy ``Session`` (psycopg 3, a pooled engine) that adds one
 business row (an ORM object) and commits: the bare transaction.  The same with
 ``with outbox(session):`` and one ``actor.send()`` in it, for a broker with each
-``notify`` mode (``transaction``, the default; ``off``; ``after_commit``).
+``notify`` mode (``transaction``, the default; ``off``; ``after_commit``).  Two floors
+bound what any cut of the send's Python could reach: the bare transaction whose COMMIT
+carries the message's row (``enqueue_one``, its parameters built once, outside the
+timings) through the outbox's own one-round-trip write (``store/libpq.py``), with no
+Dramatiq message, middleware or Session hook; and the same carrying a second business
+row instead (an INSERT of ``bench_orders``), the cost of any row written that way.
 
 Each round runs every case for ``BENCH_OUTBOX_TXNS`` transactions (default 2,000), in a
 rotated order (the cases interleave, so drift and the other users of a shared machine hit
@@ -51,6 +56,8 @@ BUSINESS_TABLE = (
 )
 NOTIFY_MODES = ("transaction", "off", "after_commit")
 BARE = "bare Session transaction"
+FLOOR_MESSAGE = "floor: the message's row with the COMMIT"
+FLOOR_ROW = "floor: a second business row with the COMMIT"
 
 
 class _Base(DeclarativeBase):
@@ -77,6 +84,9 @@ def _setup(url: str) -> tuple[Any, dict[str, Callable[[int], None]], Callable[[]
     from sqlalchemy.orm import Session
 
     from dramatiq_pg_outbox import PostgresBroker, outbox
+    from dramatiq_pg_outbox._runtime import StoredMessage, enqueue_statement
+    from dramatiq_pg_outbox.store.libpq import BIGINT, TEXT, Numbered, execute_and_commit
+    from dramatiq_pg_outbox.store.messages import message_store
 
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(BUSINESS_TABLE)
@@ -107,8 +117,37 @@ def _setup(url: str) -> tuple[Any, dict[str, Callable[[int], None]], Callable[[]
 
         return body
 
+    # The floors: the write of the outbox's one send, as the notify="off" broker sends it,
+    # without building the message or running a hook; then a business row written that way.
+    broker = brokers["off"]
+    message = dramatiq.Message(queue_name=QUEUE, actor_name=ACTOR, args=(0,), kwargs={}, options={})
+    statement = enqueue_statement(
+        [StoredMessage.of(message)], broker.channel, False, broker.options.max_fetch_interval
+    )
+    store = message_store(broker.schema)
+    second_row = Numbered.of(
+        "INSERT INTO bench_orders (customer, amount) VALUES (%(customer)s, %(amount)s)",
+        {"customer": TEXT, "amount": BIGINT},
+        "bench_outbox_send_second_row",
+    )
+
+    def floor(write: Callable[[Any, int], object]) -> Callable[[int], None]:
+        def body(n: int) -> None:
+            for i in range(n):
+                with Session(engine) as session:
+                    session.add(Order(customer="c", amount=i))
+                    session.flush()
+                    write(session.connection().connection.dbapi_connection, i)
+                    session.commit()  # the connection is idle: nothing is sent
+
+        return body
+
     cases: dict[str, Callable[[int], None]] = {BARE: bare}
     cases.update({_case_name(notify): with_send(notify) for notify in NOTIFY_MODES})
+    cases[FLOOR_MESSAGE] = floor(lambda conn, i: store.enqueue_one_and_commit(conn, statement))
+    cases[FLOOR_ROW] = floor(
+        lambda conn, i: execute_and_commit(conn, second_row, {"customer": "c", "amount": i})
+    )
 
     def close() -> None:
         for b in brokers.values():
