@@ -7,7 +7,8 @@ while py-spy samples every worker process (``--no-py-spy`` to skip it).  Printed
 * CPU per message during the drain: the whole box (``/proc/stat``), the worker
   processes and the PostgreSQL server (``/proc/<pid>/stat`` of each), in ms;
 * the statements by total server time (planning + execution, ``pg_stat_statements``):
-  calls, rows per call, planning and execution ms per call, share of the total;
+  calls, plans (how many times the server planned it), rows per call, planning and execution
+  ms per call, share of the total;
 * the worker processes' Python functions by own and inclusive time, over the samples in which
   a thread was not waiting (``--gil``: only samples that held the GIL).
 
@@ -69,27 +70,28 @@ def _server_pids(url: str) -> list[int]:
 def _statements(url: str, dbname: str, total_messages: int) -> list[str]:
     with psycopg.connect(url, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT s.query, s.calls, s.rows, s.total_plan_time, s.total_exec_time, s.wal_records, "
+            "SELECT s.query, s.calls, s.plans, s.rows, s.total_plan_time, s.total_exec_time, s.wal_records, "
             "s.shared_blks_hit + s.shared_blks_read "
             "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
             "WHERE d.datname = %s ORDER BY s.total_plan_time + s.total_exec_time DESC LIMIT 12",
             (dbname,),
         ).fetchall()
-    grand = sum(r[3] + r[4] for r in rows) or 1.0
+    grand = sum(r[4] + r[5] for r in rows) or 1.0
     with psycopg.connect(url, autocommit=True) as conn:
         tuples = conn.execute(
             "SELECT sum(n_tup_ins), sum(n_tup_upd), sum(n_tup_hot_upd), sum(n_tup_del) "
             "FROM pg_stat_user_tables WHERE schemaname = 'dramatiq' AND relname LIKE 'messages%%'"
         ).fetchone()
     lines = [
-        "| statement | calls | rows/call | plan ms/call | exec ms/call | share | server us/msg "
+        "| statement | calls | plans | rows/call | plan ms/call | exec ms/call | share | server us/msg "
         "| WAL records/msg | blocks/call |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for query, calls, nrows, plan, exec_, wal_records, blocks in rows:
+    for query, calls, plans, nrows, plan, exec_, wal_records, blocks in rows:
         head = " ".join(query.split())[:70].replace("|", "\\|")
         lines.append(
-            f"| `{head}` | {calls:,} | {nrows / max(calls, 1):.1f} | {plan / max(calls, 1):.3f} | "
+            f"| `{head}` | {calls:,} | {plans:,} | {nrows / max(calls, 1):.1f} | "
+            f"{plan / max(calls, 1):.3f} | "
             f"{exec_ / max(calls, 1):.3f} | {100 * (plan + exec_) / grand:.0f}% | "
             f"{1000 * (plan + exec_) / total_messages:.1f} | {wal_records / total_messages:.2f} "
             f"| {blocks / max(calls, 1):.0f} |"
