@@ -76,7 +76,7 @@ def _statements(url: str, dbname: str, total_messages: int) -> list[str]:
             "WHERE d.datname = %s ORDER BY s.total_plan_time + s.total_exec_time DESC LIMIT 12",
             (dbname,),
         ).fetchall()
-    grand = sum(r[4] + r[5] for r in rows) or 1.0
+    grand = sum(plan + exec_ for _, _, _, _, plan, exec_, _, _ in rows) or 1.0
     with psycopg.connect(url, autocommit=True) as conn:
         tuples = conn.execute(
             "SELECT sum(n_tup_ins), sum(n_tup_upd), sum(n_tup_hot_upd), sum(n_tup_del) "
